@@ -1,0 +1,105 @@
+"""Turns a SchedulerOutput into the flat tensors of one forward pass.
+
+Token order: decode requests (one new token) first, then prefill chunks. Host-side
+bookkeeping is done with numpy so a step costs a few vectorised calls, not a loop per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenmill.engine.scheduler import ScheduledRequest
+from tokenmill.layers.attention import AttentionMetadata, GroupMetadata
+
+
+@dataclass(slots=True)
+class ModelInput:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # [N] flat index of the last token of each request to sample
+    sampled: list[ScheduledRequest]  # the N requests, in the same order
+
+
+def build_model_input(scheduled: list[ScheduledRequest], block_size: int, sliding_window: int | None,
+                      device: torch.device) -> ModelInput:
+    decodes = [s for s in scheduled if s.num_new_tokens == 1]
+    prefills = [s for s in scheduled if s.num_new_tokens > 1]
+    ordered = decodes + prefills
+    starts = np.array([s.start for s in ordered], dtype=np.int64)
+    lens = np.array([s.num_new_tokens for s in ordered], dtype=np.int64)
+    positions = _positions(starts, lens)
+    input_ids = np.concatenate([np.asarray(s.request.token_ids[s.start:s.start + s.num_new_tokens],
+                                           dtype=np.int64) for s in ordered])
+    slots = _slots(ordered, lens, positions, block_size)
+    ends = np.cumsum(lens)
+    sampled_idx = [i for i, s in enumerate(ordered) if s.needs_sample]
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(device),
+        decode=_group(decodes, 0, block_size, sliding_window, device) if decodes else None,
+        prefill=_group(prefills, len(decodes), block_size, sliding_window, device) if prefills else None,
+    )
+    return ModelInput(
+        input_ids=torch.from_numpy(input_ids).to(device),
+        positions=torch.from_numpy(positions).to(device),
+        meta=meta,
+        sample_indices=torch.from_numpy(ends[sampled_idx] - 1).to(device),
+        sampled=[ordered[i] for i in sampled_idx],
+    )
+
+
+def _positions(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(start, start + len) for every request, without a Python loop."""
+    total = int(lens.sum())
+    offsets = np.repeat(np.cumsum(lens) - lens, lens)
+    return np.repeat(starts, lens) + np.arange(total, dtype=np.int64) - offsets
+
+
+def _slots(ordered: list[ScheduledRequest], lens: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    table = _block_table(ordered)
+    rows = np.repeat(np.arange(len(ordered)), lens)
+    return table[rows, positions // block_size] * block_size + positions % block_size
+
+
+def _block_table(group: list[ScheduledRequest]) -> np.ndarray:
+    width = max(len(s.block_ids) for s in group)
+    table = np.zeros((len(group), width), dtype=np.int64)
+    for i, s in enumerate(group):
+        table[i, :len(s.block_ids)] = s.block_ids
+    return table
+
+
+def _group(group: list[ScheduledRequest], token_start: int, block_size: int, sliding_window: int | None,
+           device: torch.device) -> GroupMetadata:
+    starts = np.array([s.start for s in group], dtype=np.int64)[:, None]
+    lens = np.array([s.num_new_tokens for s in group], dtype=np.int64)[:, None]
+    ctx_blocks = -(-(starts + lens).max() // block_size)
+    table = _block_table(group)[:, :ctx_blocks]
+    max_q = int(lens.max())
+    q_idx = np.arange(max_q)[None, :, None]  # [1, Lq, 1]
+    k_pos = np.arange(ctx_blocks * block_size)[None, None, :]  # [1, 1, Lk]
+    q_pos = starts[:, :, None] + q_idx  # [S, Lq, 1]
+    is_pad = q_idx >= lens[:, :, None]
+    # Causal: key j visible to the query at position p iff j <= p. Padding query rows see key 0
+    # only, so softmax never meets an all-masked row (their output is discarded).
+    mask = (k_pos <= q_pos) & ~is_pad | (is_pad & (k_pos == 0))
+    sliding = None
+    if sliding_window is not None:
+        sliding = mask & ((k_pos > q_pos - sliding_window) | is_pad)
+    pad_index = None
+    if len(group) > 1 and max_q > 1:
+        rows = np.repeat(np.arange(len(group)), lens[:, 0])
+        cols = _positions(np.zeros(len(group), dtype=np.int64), lens[:, 0])
+        pad_index = torch.from_numpy(rows * max_q + cols).to(device)
+    return GroupMetadata(
+        block_table=torch.from_numpy(table).to(device),
+        mask=torch.from_numpy(mask[:, None]).to(device),
+        sliding_mask=None if sliding is None else torch.from_numpy(sliding[:, None]).to(device),
+        token_start=token_start,
+        num_tokens=int(lens.sum()),
+        max_query_len=max_q,
+        pad_index=pad_index,
+    )

@@ -1,0 +1,102 @@
+"""EngineCore.step(): schedule, execute, update. Three calls; everything else is a rule inside them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.model_runner import ModelRunner, num_kv_blocks
+from tokenmill.engine.request import EngineOutput, FinishReason, Request, SamplingParams
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.stats import StepStats
+from tokenmill.errors import RequestValidationError
+from tokenmill.models.arch import ArchConfig
+
+log = logging.getLogger(__name__)
+
+_MAX_DEFAULT_CONTEXT = 32768
+
+
+@dataclass(slots=True)
+class StepResult:
+    outputs: list[EngineOutput]
+    stats: StepStats
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, arch: ArchConfig, tensors: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        self.arch = arch
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        dtype, device = config.model.torch_dtype(), config.model.torch_device()
+        block_size = config.cache.block_size
+        num_blocks = num_kv_blocks(arch, config.cache, dtype, device)
+        self.max_model_len = self._max_model_len(num_blocks * block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.runner = ModelRunner(config.model, arch, tensors, self.max_model_len, block_size, num_blocks)
+        log.info("engine ready: %s, %d KV blocks of %d tokens, context %d, %s on %s",
+                 arch.architecture, num_blocks, block_size, self.max_model_len, dtype, device)
+
+    def _max_model_len(self, kv_capacity_tokens: int) -> int:
+        """The model's context, capped so that one request alone always fits in the KV cache
+        (otherwise it would preempt itself forever)."""
+        requested = self.config.model.max_model_len
+        natural = min(self.arch.max_position_embeddings, _MAX_DEFAULT_CONTEXT)
+        limit = min(requested or natural, self.arch.max_position_embeddings, kv_capacity_tokens)
+        if requested is not None and limit < requested:
+            log.warning("max_model_len %d capped to %d by the model or the KV cache size", requested, limit)
+        return limit
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    eos_token_ids: tuple[int, ...], priority: int = 0, arrival_time: float | None = None) -> Request:
+        self.validate(len(prompt_token_ids))
+        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids, priority,
+                          arrival_time if arrival_time is not None else time.monotonic())
+        self.scheduler.add(request)
+        return request
+
+    def validate(self, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens == 0:
+            raise RequestValidationError("the prompt is empty: send at least one token")
+        if num_prompt_tokens >= self.max_model_len:
+            over = num_prompt_tokens - self.max_model_len + 1
+            raise RequestValidationError(
+                f"the prompt has {num_prompt_tokens} tokens but the context is {self.max_model_len} "
+                f"(and at least one token must be generated): shorten it by {over} tokens or raise max_model_len")
+
+    def abort(self, request_id: str) -> EngineOutput | None:
+        request = self.scheduler.abort(request_id)
+        self.runner.sampler.forget(request_id)
+        if request is None:
+            return None
+        return EngineOutput(request_id, [], [], FinishReason.ABORT, request.num_prompt_tokens,
+                            request.num_cached_tokens)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> StepResult:
+        started = time.monotonic()
+        scheduled = self.scheduler.schedule()
+        sampled = self.runner.execute(scheduled) if not scheduled.is_empty else {}
+        outputs = self.scheduler.update(scheduled, sampled)
+        for o in outputs:
+            if o.finished:
+                self.runner.sampler.forget(o.request_id)
+        return StepResult(outputs, self._stats(scheduled.num_tokens, scheduled.num_preempted, started))
+
+    def _stats(self, num_tokens: int, num_preempted: int, started: float) -> StepStats:
+        pool = self.kv.pool
+        return StepStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_scheduled_tokens=num_tokens, num_preempted=num_preempted, kv_usage=self.kv.usage,
+            prefix_cache_queries=pool.stats.queries, prefix_cache_hits=pool.stats.hits,
+            step_time_s=time.monotonic() - started)

@@ -1,0 +1,85 @@
+"""Owns the device: weights, KV cache tensors and the forward pass. Never decides what runs."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenmill.config import CacheConfig, ModelConfig
+from tokenmill.engine.batch import build_model_input
+from tokenmill.engine.request import TokenLogprob
+from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.models.arch import ArchConfig
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.registry import model_class
+
+log = logging.getLogger(__name__)
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Keys and values of every layer for `block_size` tokens."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 4 << 30
+
+
+def num_kv_blocks(arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device) -> int:
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    budget = cache.kv_cache_bytes
+    if budget is None:
+        budget = int(available_memory_bytes(device) * cache.memory_fraction)
+    return max(1, budget // kv_bytes_per_block(arch, cache.block_size, dtype))
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, arch: ArchConfig, tensors: dict[str, torch.Tensor],
+                 max_model_len: int, block_size: int, num_blocks: int) -> None:
+        self.device = model_config.torch_device()
+        self.dtype = model_config.torch_dtype()
+        self.arch = arch
+        self.block_size = block_size
+        self.model: LlamaForCausalLM = model_class(arch.architecture)(arch, max_model_len, self.dtype, self.device)
+        self.model.load_weights(tensors)
+        self.kv_caches = self._allocate_kv(num_blocks)
+        self.sampler = Sampler(self.device, model_config.seed)
+
+    def _allocate_kv(self, num_blocks: int) -> KVCaches:
+        shape = (num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        # On CPU torch.empty of a large tensor is fresh (zeroed) pages that count towards RSS
+        # only once written; on GPU zero it so stale memory can never hold NaN/Inf.
+        alloc = torch.zeros if self.device.type == "cuda" else torch.empty
+        return [(alloc(shape, dtype=self.dtype, device=self.device), alloc(shape, dtype=self.dtype, device=self.device))
+                for _ in range(self.arch.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
+        """Run one step; return the sampled token of every request whose chunk reached its end."""
+        inp = build_model_input(out.scheduled, self.block_size, self.arch.sliding_window, self.device)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        if not inp.sampled:
+            return {}
+        logits = self.model.compute_logits(hidden[inp.sample_indices])
+        requests = [s.request for s in inp.sampled]
+        results = self.sampler(logits, requests)
+        return {r.request_id: res for r, res in zip(requests, results, strict=True)}
+
+    @torch.inference_mode()
+    def logits_for(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run one step and return the float32 logits of every scheduled token (for parity tests)."""
+        inp = build_model_input(out.scheduled, self.block_size, self.arch.sliding_window, self.device)
+        return self.model.compute_logits(self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta))

@@ -1,0 +1,27 @@
+"""Hash chain over full blocks of token ids: the key of automatic prefix caching.
+
+    hash_i = H(hash_{i-1}, tokens[i*bs : (i+1)*bs])        hash_{-1} = a fixed seed
+
+A block's hash names its whole prefix, so equal hashes mean equal KV contents (up to a 64-bit
+collision, which we accept as vLLM's default builtin hash does). Only full blocks are hashed.
+"""
+
+from __future__ import annotations
+
+from tokenmill.engine.request import Request
+
+_ROOT_HASH = 0x746F6B656E6D696C  # "tokenmil"
+
+
+def hash_block(parent: int, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+def update_block_hashes(request: Request, block_size: int) -> None:
+    """Extend `request.block_hashes` to cover every full block of its current token ids."""
+    num_full = len(request.token_ids) // block_size
+    hashes = request.block_hashes
+    parent = hashes[-1] if hashes else _ROOT_HASH
+    for i in range(len(hashes), num_full):
+        parent = hash_block(parent, tuple(request.token_ids[i * block_size:(i + 1) * block_size]))
+        hashes.append(parent)

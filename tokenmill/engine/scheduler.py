@@ -1,0 +1,197 @@
+"""Token-budget scheduler: moves each request's `num_computed_tokens` towards `num_tokens`.
+
+One step, within `max_num_batched_tokens` and the free KV blocks:
+  1. running requests, most urgent first: a decode token each, or the next prefill chunk;
+     when blocks run out, the least urgent running request is preempted (recompute: its
+     blocks are freed and it re-queues with num_computed_tokens = 0; the prefix cache
+     usually gives most of them back)
+  2. waiting requests, most urgent first, while budget, blocks and max_num_seqs allow;
+     the prefix cache may cover part of the prompt
+Prefill and decode are not separate phases: a prefill is just a request with many tokens
+left to compute, so chunked prefill is the budget cutting that number.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.policy import POLICIES, RequestQueue
+from tokenmill.engine.request import EngineOutput, FinishReason, Request, RequestStatus, TokenLogprob
+from tokenmill.engine.stop import check_stop
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    start: int  # num_computed_tokens before this step
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def needs_sample(self) -> bool:
+        """The chunk reaches the last known token, so its logits give the next token."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_finished: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        policy = POLICIES[config.policy]()
+        self.waiting = RequestQueue(policy)
+        self.running = RequestQueue(policy)
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, FinishReason.ABORT)
+        return request
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if out.num_preempted == 0:
+            self._schedule_waiting(out, budget)
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.request.times.first_scheduled is None:
+                s.request.times.first_scheduled = now
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled_ids: set[str] = set()
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, scheduled_ids, out):
+                continue
+            out.scheduled.append(self._scheduled(request, num_new))
+            scheduled_ids.add(request.request_id)
+            budget -= num_new
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, scheduled_ids: set[str],
+                             out: SchedulerOutput) -> bool:
+        while not self.kv.allocate(request, num_new):
+            victim = self._least_urgent_unscheduled(scheduled_ids)
+            self._preempt(victim)
+            out.num_preempted += 1
+            if victim is request:
+                return False
+        return True
+
+    def _least_urgent_unscheduled(self, scheduled_ids: set[str]) -> Request:
+        for request in reversed(list(self.running)):
+            if request.request_id not in scheduled_ids:
+                return request
+        raise AssertionError("the request being scheduled is always a candidate")
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.add(request)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            cached = self.kv.find_cached_prefix(request)
+            num_computed = len(cached) * self.kv.block_size
+            num_new = request.num_tokens - num_computed
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate(request, num_new, cached):
+                break
+            self.waiting.pop()
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.add(request)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(request, request.num_computed_tokens, num_new, self.kv.block_tables[request.request_id])
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprob | None]]) -> list[EngineOutput]:
+        """Advance computed counts, append sampled tokens, finish requests that stop."""
+        outputs = []
+        now = time.monotonic()
+        for s in out.scheduled:
+            request = s.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += s.num_new_tokens
+            self.kv.commit_computed(request)
+            if request.request_id in sampled:
+                outputs.append(self._append_token(request, *sampled[request.request_id], now))
+        return outputs
+
+    def _append_token(self, request: Request, token_id: int, logprob: TokenLogprob | None,
+                      now: float) -> EngineOutput:
+        request.token_ids.append(token_id)
+        if logprob is not None:
+            request.logprobs.append(logprob)
+        if request.times.first_token is None:
+            request.times.first_token = now
+        request.times.last_token = now
+        reason = check_stop(request, self.max_model_len)
+        if reason is not None:
+            self._finish(request, reason)
+        return EngineOutput(request.request_id, [token_id], [logprob] if logprob else [], reason,
+                            request.num_prompt_tokens, request.num_cached_tokens)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is not RequestStatus.FINISHED:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.times.finished = time.monotonic()
+        self.requests.pop(request.request_id, None)
+        self.stats.num_finished += 1

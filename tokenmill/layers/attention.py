@@ -1,0 +1,106 @@
+"""Paged attention over the block KV cache, in plain PyTorch (SDPA), device-agnostic.
+
+KV cache layout, one tensor per layer for keys and one for values:
+
+    cache[num_blocks, block_size, num_kv_heads, head_dim]
+    slot s = block_id * block_size + offset   (the flat view used for writes)
+
+A step's tokens are flattened: first the decode tokens (one per sequence), then the prefill
+chunks back to back. Attention runs once per group, never once per request:
+  * decode group:  q [D, H, 1, hd] against keys gathered through the block table [D, Lk]
+  * prefill group: q padded to [P, H, Lq_max, hd] against keys gathered the same way
+Masks are built once per step by the runner and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class GroupMetadata:
+    """One attention group (decode or prefill) of a step."""
+
+    block_table: torch.Tensor  # [S, max_blocks] int64 block ids (padding rows point at block 0)
+    mask: torch.Tensor  # [S, 1, Lq, Lk] bool: True where the query may attend the key
+    sliding_mask: torch.Tensor | None  # same with the sliding window applied (Gemma local layers)
+    token_start: int  # first flat token index of the group
+    num_tokens: int  # real tokens in the group
+    max_query_len: int
+    pad_index: torch.Tensor | None  # [num_tokens] position of each token in the padded [S*Lq] layout
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64 cache slot of every token of the step
+    decode: GroupMetadata | None
+    prefill: GroupMetadata | None
+
+
+class PagedAttention:
+    """Stateless: the caches are passed in, so one instance serves every layer."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 logit_softcap: float | None) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.logit_softcap = logit_softcap
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata, is_sliding: bool) -> torch.Tensor:
+        """q: [T, H, hd]; k, v: [T, KVH, hd]. Returns [T, H * hd]."""
+        kv_dim = self.num_kv_heads * self.head_dim
+        k_cache.view(-1, kv_dim).index_copy_(0, meta.slot_mapping, k.reshape(-1, kv_dim))
+        v_cache.view(-1, kv_dim).index_copy_(0, meta.slot_mapping, v.reshape(-1, kv_dim))
+        out = torch.empty_like(q)
+        for group in (meta.decode, meta.prefill):
+            if group is not None:
+                sl = slice(group.token_start, group.token_start + group.num_tokens)
+                out[sl] = self._group(q[sl], k_cache, v_cache, group, is_sliding)
+        return out.view(q.shape[0], -1)
+
+    def _group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               group: GroupMetadata, is_sliding: bool) -> torch.Tensor:
+        num_seqs = group.block_table.shape[0]
+        q_pad = _pad_queries(q, group, num_seqs).transpose(1, 2)  # [S, H, Lq, hd]
+        keys = _gather(k_cache, group.block_table)  # [S, KVH, Lk, hd]
+        values = _gather(v_cache, group.block_table)
+        mask = group.sliding_mask if is_sliding and group.sliding_mask is not None else group.mask
+        if self.logit_softcap is None:
+            out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=self.scale,
+                                                 enable_gqa=self.num_kv_heads != self.num_heads)
+        else:
+            out = self._softcapped(q_pad, keys, values, mask)
+        out = out.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+        return out if group.pad_index is None else out[group.pad_index]
+
+    def _softcapped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+        # scores = cap * tanh(qk·scale / cap); SDPA has no hook for it, so do the math path.
+        rep = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        assert self.logit_softcap is not None
+        scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+
+
+def _pad_queries(q: torch.Tensor, group: GroupMetadata, num_seqs: int) -> torch.Tensor:
+    if group.pad_index is None:  # already [S * Lq] rows: one query per sequence, or a lone prefill
+        return q.view(num_seqs, group.max_query_len, q.shape[1], q.shape[2])
+    padded = q.new_zeros(num_seqs * group.max_query_len, q.shape[1], q.shape[2])
+    padded[group.pad_index] = q
+    return padded.view(num_seqs, group.max_query_len, q.shape[1], q.shape[2])
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, bs, KVH, hd] gathered by [S, nb] → [S, KVH, nb * bs, hd]."""
+    num_seqs, num_blocks = block_table.shape
+    blocks = cache[block_table]  # [S, nb, bs, KVH, hd]
+    return blocks.view(num_seqs, num_blocks * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)

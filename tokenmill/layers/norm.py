@@ -1,0 +1,35 @@
+"""RMSNorm in the two conventions we load: Llama's `w * x̂` and Gemma's `(1 + w) * x̂`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x̂ = x / sqrt(mean(x²) + eps), computed in float32 as Hugging Face does, then scaled.
+
+    Gemma stores the scale as an offset from one; we fold the `1 +` into the weight at load
+    time (`offset=1.0`), so the hot path is the same multiply for every architecture.
+    """
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.eps = eps
+        self.offset = offset
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def load(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        # Gemma's `1 + w` is formed in float32 and kept there, as Hugging Face does.
+        folded = weight.float() + self.offset
+        self.weight.data = folded if self.offset else folded.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            # Gemma multiplies in float32 before the cast back; keep that order for parity.
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (x32 * self.weight).to(x.dtype)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)

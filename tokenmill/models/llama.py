@@ -1,0 +1,146 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2), lean enough for per-step host cost.
+
+Weights arrive with Hugging Face names; q/k/v are fused into one matrix and gate/up into
+another so a layer is four GEMMs. Every layer reads and writes the paged KV cache through
+`PagedAttention`; nothing here loops over requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.errors import ModelFormatError
+from tokenmill.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+from tokenmill.models.arch import ArchConfig
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, layer_idx: int, norm_offset: float) -> None:
+        super().__init__()
+        self.arch = arch
+        self.layer_idx = layer_idx
+        self.is_sliding = arch.is_sliding_layer(layer_idx)
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_offset)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_offset)
+        self.qkv_weight = torch.empty(0)
+        self.qkv_bias: torch.Tensor | None = None
+        self.o_weight = torch.empty(0)
+        self.gate_up_weight = torch.empty(0)
+        self.down_weight = torch.empty(0)
+        self.act = _ACTIVATIONS[arch.hidden_act]
+
+    def load(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        p = f"model.layers.{self.layer_idx}."
+
+        def get(name: str) -> torch.Tensor:
+            return _take(tensors, p + name).to(device=device, dtype=dtype)
+
+        self.qkv_weight = torch.cat([get(f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous()
+        if self.arch.attention_bias:
+            self.qkv_bias = torch.cat([get(f"self_attn.{n}_proj.bias") for n in "qkv"]).contiguous()
+        self.o_weight = get("self_attn.o_proj.weight").contiguous()
+        self.gate_up_weight = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]).contiguous()
+        self.down_weight = get("mlp.down_proj.weight").contiguous()
+        for name, norm in self.norms().items():
+            norm.load(_take(tensors, p + name + ".weight").to(device), dtype)
+
+    def norms(self) -> dict[str, RMSNorm]:
+        return {"input_layernorm": self.input_layernorm, "post_attention_layernorm": self.post_attention_layernorm}
+
+    def qkv(self, x: torch.Tensor, rope: RotaryEmbedding,
+            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.arch.num_heads, self.arch.head_dim)
+        k = k.view(-1, self.arch.num_kv_heads, self.arch.head_dim)
+        q, k = self.qk_norm(q, k)
+        cos, sin = rope.tables(positions)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.view_as(k)
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down_weight)
+
+    def attention(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: PagedAttention,
+                  kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv(x, rope, positions)
+        out = attn(q, k, v, kv[0], kv[1], meta, self.is_sliding)
+        return F.linear(out, self.o_weight)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: PagedAttention,
+                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        h = x + self.attention(self.input_layernorm(x), positions, rope, attn, kv, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    norm_offset = 0.0
+    layer_class: type[DecoderLayer] = DecoderLayer
+
+    def __init__(self, arch: ArchConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.device = device
+        self.layers = nn.ModuleList(self.layer_class(arch, i, self.norm_offset) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.norm_offset)
+        self.embed_weight = torch.empty(0)
+        self.lm_head_weight = torch.empty(0)
+        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, self.attention_scale(),
+                                   arch.attn_logit_softcapping)
+        self.rope_global = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta,
+                                           arch.rope_scaling_factor or 1.0, dtype, device)
+        self.rope_local = self.rope_global
+        if arch.rope_local_theta is not None:
+            self.rope_local = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_local_theta, 1.0, dtype, device)
+
+    def attention_scale(self) -> float:
+        return float(self.arch.head_dim) ** -0.5
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.embed_weight = _take(tensors, "model.embed_tokens.weight").to(self.device, self.dtype).contiguous()
+        if self.arch.tie_word_embeddings or "lm_head.weight" not in tensors:
+            self.lm_head_weight = self.embed_weight
+        else:
+            self.lm_head_weight = _take(tensors, "lm_head.weight").to(self.device, self.dtype).contiguous()
+        self.norm.load(_take(tensors, "model.norm.weight").to(self.device), self.dtype)
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.load(tensors, self.dtype, self.device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_weight)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns the final hidden states [T, hidden]."""
+        x = self.embed(input_ids)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            rope = self.rope_local if layer.is_sliding else self.rope_global
+            x = layer(x, positions, rope, self.attn, kv, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] → float32 logits [N, vocab]."""
+        logits = F.linear(hidden, self.lm_head_weight).float()
+        cap = self.arch.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _take(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in tensors:
+        raise ModelFormatError(f"checkpoint is missing tensor '{name}': the file is incomplete or not this architecture")
+    return tensors[name]
