@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ class StepResult:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, arch: ArchConfig, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config: EngineConfig, arch: ArchConfig, tensors: Mapping[str, torch.Tensor]) -> None:
         self.config = config
         self.arch = arch
         if config.num_threads is not None:

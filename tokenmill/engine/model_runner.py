@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from tokenmill.config import CacheConfig, ModelConfig
@@ -47,7 +49,7 @@ def num_kv_blocks(arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype, devi
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, arch: ArchConfig, tensors: dict[str, torch.Tensor],
+    def __init__(self, model_config: ModelConfig, arch: ArchConfig, tensors: Mapping[str, torch.Tensor],
                  max_model_len: int, block_size: int, num_blocks: int) -> None:
         self.device = model_config.torch_device()
         self.dtype = model_config.torch_dtype()
@@ -60,10 +62,7 @@ class ModelRunner:
 
     def _allocate_kv(self, num_blocks: int) -> KVCaches:
         shape = (num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
-        # On CPU torch.empty of a large tensor is fresh (zeroed) pages that count towards RSS
-        # only once written; on GPU zero it so stale memory can never hold NaN/Inf.
-        alloc = torch.zeros if self.device.type == "cuda" else torch.empty
-        return [(alloc(shape, dtype=self.dtype, device=self.device), alloc(shape, dtype=self.dtype, device=self.device))
+        return [(_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
                 for _ in range(self.arch.num_layers)]
 
     @torch.inference_mode()
@@ -83,3 +82,16 @@ class ModelRunner:
         """Run one step and return the float32 logits of every scheduled token (for parity tests)."""
         inp = build_model_input(out.scheduled, self.block_size, self.arch.sliding_window, self.device)
         return self.model.compute_logits(self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta))
+
+
+_SAME_SIZE_INT = {1: np.int8, 2: np.int16, 4: np.int32}
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV tensor. Zero matters: masked-out keys still meet `0 * V` in attention, and
+    stale memory could hold NaN. On CPU numpy's calloc hands out lazily zeroed pages, so the
+    cache counts towards resident memory only as blocks are first written."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(shape, dtype=_SAME_SIZE_INT[element_size])).view(dtype)

@@ -68,7 +68,8 @@ class Sampler:
                 logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
             if p.presence_penalty or p.frequency_penalty:
                 out_ids = torch.tensor(request.output_token_ids, device=logits.device, dtype=torch.long)
-                counts = torch.zeros_like(logits[row]).index_add_(0, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+                ones = torch.ones_like(out_ids, dtype=logits.dtype)
+                counts = torch.zeros_like(logits[row]).index_add_(0, out_ids, ones)
                 logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         return logits
 

@@ -142,5 +142,5 @@ class LlamaForCausalLM(nn.Module):
 
 def _take(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in tensors:
-        raise ModelFormatError(f"checkpoint is missing tensor '{name}': the file is incomplete or not this architecture")
+        raise ModelFormatError(f"checkpoint is missing tensor '{name}': the file is incomplete or of another architecture")
     return tensors[name]

@@ -1,0 +1,122 @@
+"""Owns text: incremental detokenization, stop strings, and turning engine deltas into outputs.
+
+Stop strings are matched on text, possibly across token boundaries. While a request runs we
+hold back the last (longest stop string - 1) characters, since they could be the start of a
+stop string; a match truncates the text (the stop string itself is not emitted unless asked)
+and the caller aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.engine.request import EngineOutput, FinishReason, Request, SamplingParams, TokenLogprob
+
+
+class DecodeStream(Protocol):
+    def step(self, token_id: int) -> str: ...
+
+
+class TextTokenizer(Protocol):
+    def new_decode_stream(self, skip_special_tokens: bool = True) -> DecodeStream: ...
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    index: int
+    stream: DecodeStream
+    text: str = ""
+    num_emitted_chars: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def holdback(self) -> int:
+        return max((len(s) for s in self.params.stop), default=1) - 1
+
+
+@dataclass(slots=True)
+class ProcessedOutput:
+    output: RequestOutput
+    stopped_by_string: bool  # the engine must abort the request: its text already ended
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, _RequestState] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+            index: int = 0) -> None:
+        stream = self.tokenizer.new_decode_stream(skip_special_tokens=params.skip_special_tokens)
+        self.states[request_id] = _RequestState(request_id, prompt, prompt_token_ids, params, index, stream)
+
+    def process(self, out: EngineOutput, request: Request | None = None) -> ProcessedOutput | None:
+        state = self.states.get(out.request_id)
+        if state is None or state.finished:
+            return None
+        finish, stop_reason = out.finish_reason, None
+        if finish is FinishReason.STOP and out.new_token_ids and not state.params.ignore_eos:
+            stop_reason = out.new_token_ids[-1] if out.new_token_ids[-1] in state.params.stop_token_ids else None
+        new_text, finish_by_text, stop_str = self._append(state, out)
+        if finish_by_text:
+            finish, stop_reason = FinishReason.STOP, stop_str
+        state.finished = finish is not None
+        if state.finished:
+            del self.states[out.request_id]
+        delta = self._emit(state, new_text)
+        metrics = None if request is None else RequestMetrics.from_times(request.times, out.num_cached_tokens)
+        completion = CompletionOutput(state.index, state.text[:state.num_emitted_chars], list(state.token_ids),
+                                      state.logprobs if state.params.logprobs is not None else None,
+                                      finish, stop_reason, delta, len(out.new_token_ids))
+        result = RequestOutput(out.request_id, state.prompt, state.prompt_token_ids, [completion], state.finished,
+                               metrics, out.num_cached_tokens)
+        return ProcessedOutput(result, finish_by_text)
+
+    def _append(self, state: _RequestState, out: EngineOutput) -> tuple[str, bool, str | None]:
+        state.token_ids.extend(out.new_token_ids)
+        state.logprobs.extend(out.new_logprobs)
+        is_eos_end = out.finish_reason is FinishReason.STOP and not state.params.include_stop_str_in_output
+        pieces = []
+        for i, token_id in enumerate(out.new_token_ids):
+            last = i == len(out.new_token_ids) - 1
+            if last and is_eos_end:
+                break  # the EOS / stop token's text is not part of the completion
+            pieces.append(state.stream.step(token_id))
+        previous_len = len(state.text)
+        state.text += "".join(pieces)
+        return self._find_stop(state, previous_len)
+
+    def _find_stop(self, state: _RequestState, previous_len: int) -> tuple[str, bool, str | None]:
+        if not state.params.stop:
+            return state.text[previous_len:], False, None
+        start = max(0, previous_len - state.holdback)
+        best: tuple[int, str] | None = None
+        for stop in state.params.stop:
+            pos = state.text.find(stop, start)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        if best is None:
+            return state.text[previous_len:], False, None
+        pos, stop = best
+        end = pos + len(stop) if state.params.include_stop_str_in_output else pos
+        state.text = state.text[:end]
+        return state.text[previous_len:], True, stop
+
+    def _emit(self, state: _RequestState, new_text: str) -> str:
+        """Advance the emitted prefix; keep back a possible stop-string start unless finished."""
+        limit = len(state.text) if state.finished or not state.params.stop else \
+            max(state.num_emitted_chars, len(state.text) - state.holdback)
+        delta = state.text[state.num_emitted_chars:limit]
+        state.num_emitted_chars = limit
+        return delta
+
+    def abort(self, request_id: str) -> None:
+        self.states.pop(request_id, None)

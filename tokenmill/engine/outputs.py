@@ -1,0 +1,70 @@
+"""User-facing results: text, token ids, logprobs and timings of one completion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.engine.request import FinishReason, RequestTimes, TokenLogprob
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str  # cumulative
+    token_ids: list[int]  # cumulative
+    logprobs: list[TokenLogprob] | None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    text_delta: str = ""  # new text since the previous output of this request
+    num_new_tokens: int = 0
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Seconds of the request's timeline: queue → prefill (to first token) → decode."""
+
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    finished: float | None
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def from_times(cls, t: RequestTimes, num_cached_tokens: int) -> RequestMetrics:
+        return cls(t.arrival, t.first_scheduled, t.first_token, t.finished, num_cached_tokens)
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def prefill_s(self) -> float | None:
+        if self.first_token is None or self.first_scheduled is None:
+            return None
+        return self.first_token - self.first_scheduled
+
+    @property
+    def decode_s(self) -> float | None:
+        if self.finished is None or self.first_token is None:
+            return None
+        return self.finished - self.first_token
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    extra: dict[str, object] = field(default_factory=dict)

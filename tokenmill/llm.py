@@ -1,0 +1,104 @@
+"""In-process offline API, shaped like vLLM's `LLM`: load once, generate for many prompts."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from tqdm import tqdm
+
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.engine.loader import eos_ids, load_engine
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.request import SamplingParams
+from tokenmill.models.catalog import DEFAULT_MODEL
+
+Prompt = str | list[int]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "auto", device: str = "auto",
+                 max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
+                 kv_cache_bytes: int | None = None, enable_prefix_caching: bool = True,
+                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, policy: str = "fcfs",
+                 enable_chunked_prefill: bool = True, seed: int = 0, num_threads: int | None = None) -> None:
+        self.config = EngineConfig(
+            ModelConfig(model, dtype, device, max_model_len, seed),
+            CacheConfig(block_size, num_kv_blocks, kv_cache_bytes, enable_prefix_caching=enable_prefix_caching),
+            SchedulerConfig(max_num_batched_tokens, max_num_seqs, policy, enable_chunked_prefill),
+            num_threads,
+        )
+        self.loaded = load_engine(self.config)
+        self.core = self.loaded.core
+        self.tokenizer = self.loaded.tokenizer
+        self._eos = eos_ids(self.loaded)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None,
+                 *, priority: Sequence[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion in one continuous batch; outputs in prompt order."""
+        batch = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        params = sampling_params or SamplingParams()
+        processor = OutputProcessor(self.tokenizer)
+        order: list[str] = []
+        for i, prompt in enumerate(batch):
+            order.append(self._add(processor, prompt, params, priority[i] if priority else 0))
+        return self._run(processor, order, params.n, use_tqdm)
+
+    def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
+             *, use_tqdm: bool = False) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=True) for conv in conversations]
+        # The template already carries BOS where the model wants it.
+        token_prompts = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _add(self, processor: OutputProcessor, prompt: Prompt, params: SamplingParams, priority: int) -> str:
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        request_id = str(next(self._ids))
+        for index in range(params.n):
+            child = _child_params(params, index)
+            child_id = f"{request_id}-{index}"
+            self.core.add_request(child_id, token_ids, child, self._eos, priority)
+            processor.add(child_id, text, token_ids, child, index)
+        return request_id
+
+    def _run(self, processor: OutputProcessor, order: list[str], n: int, use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order) * n, desc="generate", unit="req", disable=not use_tqdm)
+        while self.core.has_unfinished:
+            for out in self.core.step().outputs:
+                processed = processor.process(out, self.core.scheduler.requests.get(out.request_id))
+                if processed is None:
+                    continue
+                if processed.stopped_by_string:
+                    self.core.abort(out.request_id)
+                if processed.output.finished:
+                    finished[out.request_id] = processed.output
+                    bar.update(1)
+        bar.close()
+        return [_merge([finished[f"{rid}-{i}"] for i in range(n)], rid) for rid in order]
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Parallel samples of one prompt: distinct seeds so seeded n > 1 still gives n samples."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return replace(params, n=1, seed=seed)
+
+
+def _merge(children: list[RequestOutput], request_id: str) -> RequestOutput:
+    first = children[0]
+    completions: list[CompletionOutput] = [c.outputs[0] for c in children]
+    return RequestOutput(request_id, first.prompt, first.prompt_token_ids, completions, True, first.metrics,
+                         first.num_cached_tokens)
+
+
+def _is_token_list(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], int)
