@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -57,6 +57,24 @@ class LLM:
         token_prompts = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[CompletionOutput]:
+        """Generate for one prompt, yielding each step's output (`text_delta` holds the new text)."""
+        params = replace(sampling_params or SamplingParams(), n=1)
+        processor = OutputProcessor(self.tokenizer)
+        request_id = self._add(processor, prompt, params, 0) + "-0"
+        try:
+            while self.core.has_unfinished:
+                for out in self.core.step().outputs:
+                    processed = processor.process(out)
+                    if processed is None:
+                        continue
+                    if processed.stopped_by_string:
+                        self.core.abort(out.request_id)
+                    if out.request_id == request_id:
+                        yield processed.output.outputs[0]
+        finally:
+            self.core.abort(request_id)
+
     def _add(self, processor: OutputProcessor, prompt: Prompt, params: SamplingParams, priority: int) -> str:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -73,7 +91,7 @@ class LLM:
         bar = tqdm(total=len(order) * n, desc="generate", unit="req", disable=not use_tqdm)
         while self.core.has_unfinished:
             for out in self.core.step().outputs:
-                processed = processor.process(out, self.core.scheduler.requests.get(out.request_id))
+                processed = processor.process(out)
                 if processed is None:
                     continue
                 if processed.stopped_by_string:

@@ -78,7 +78,7 @@ class EngineCore:
         if request is None:
             return None
         return EngineOutput(request_id, [], [], FinishReason.ABORT, request.num_prompt_tokens,
-                            request.num_cached_tokens)
+                            request.num_cached_tokens, request.times)
 
     @property
     def has_unfinished(self) -> bool:

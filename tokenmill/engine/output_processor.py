@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenmill.engine.request import EngineOutput, FinishReason, Request, SamplingParams, TokenLogprob
+from tokenmill.engine.request import EngineOutput, FinishReason, SamplingParams, TokenLogprob
 
 
 class DecodeStream(Protocol):
@@ -58,21 +58,21 @@ class OutputProcessor:
         stream = self.tokenizer.new_decode_stream(skip_special_tokens=params.skip_special_tokens)
         self.states[request_id] = _RequestState(request_id, prompt, prompt_token_ids, params, index, stream)
 
-    def process(self, out: EngineOutput, request: Request | None = None) -> ProcessedOutput | None:
+    def process(self, out: EngineOutput) -> ProcessedOutput | None:
         state = self.states.get(out.request_id)
         if state is None or state.finished:
             return None
         finish, stop_reason = out.finish_reason, None
-        if finish is FinishReason.STOP and out.new_token_ids and not state.params.ignore_eos:
-            stop_reason = out.new_token_ids[-1] if out.new_token_ids[-1] in state.params.stop_token_ids else None
-        new_text, finish_by_text, stop_str = self._append(state, out)
+        if finish is FinishReason.STOP and out.new_token_ids and out.new_token_ids[-1] in state.params.stop_token_ids:
+            stop_reason = out.new_token_ids[-1]
+        finish_by_text, stop_str = self._append(state, out)
         if finish_by_text:
             finish, stop_reason = FinishReason.STOP, stop_str
         state.finished = finish is not None
         if state.finished:
             del self.states[out.request_id]
-        delta = self._emit(state, new_text)
-        metrics = None if request is None else RequestMetrics.from_times(request.times, out.num_cached_tokens)
+        delta = self._emit(state)
+        metrics = None if out.times is None else RequestMetrics.from_times(out.times, out.num_cached_tokens)
         completion = CompletionOutput(state.index, state.text[:state.num_emitted_chars], list(state.token_ids),
                                       state.logprobs if state.params.logprobs is not None else None,
                                       finish, stop_reason, delta, len(out.new_token_ids))
@@ -80,7 +80,7 @@ class OutputProcessor:
                                metrics, out.num_cached_tokens)
         return ProcessedOutput(result, finish_by_text)
 
-    def _append(self, state: _RequestState, out: EngineOutput) -> tuple[str, bool, str | None]:
+    def _append(self, state: _RequestState, out: EngineOutput) -> tuple[bool, str | None]:
         state.token_ids.extend(out.new_token_ids)
         state.logprobs.extend(out.new_logprobs)
         is_eos_end = out.finish_reason is FinishReason.STOP and not state.params.include_stop_str_in_output
@@ -94,9 +94,9 @@ class OutputProcessor:
         state.text += "".join(pieces)
         return self._find_stop(state, previous_len)
 
-    def _find_stop(self, state: _RequestState, previous_len: int) -> tuple[str, bool, str | None]:
+    def _find_stop(self, state: _RequestState, previous_len: int) -> tuple[bool, str | None]:
         if not state.params.stop:
-            return state.text[previous_len:], False, None
+            return False, None
         start = max(0, previous_len - state.holdback)
         best: tuple[int, str] | None = None
         for stop in state.params.stop:
@@ -104,13 +104,13 @@ class OutputProcessor:
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, stop)
         if best is None:
-            return state.text[previous_len:], False, None
+            return False, None
         pos, stop = best
         end = pos + len(stop) if state.params.include_stop_str_in_output else pos
         state.text = state.text[:end]
-        return state.text[previous_len:], True, stop
+        return True, stop
 
-    def _emit(self, state: _RequestState, new_text: str) -> str:
+    def _emit(self, state: _RequestState) -> str:
         """Advance the emitted prefix; keep back a possible stop-string start unless finished."""
         limit = len(state.text) if state.finished or not state.params.stop else \
             max(state.num_emitted_chars, len(state.text) - state.holdback)

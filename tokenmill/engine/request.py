@@ -151,6 +151,7 @@ class EngineOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    times: RequestTimes | None = None  # the request's timeline (shared, updated in place)
 
     @property
     def finished(self) -> bool:

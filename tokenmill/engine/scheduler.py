@@ -182,7 +182,7 @@ class Scheduler:
         if reason is not None:
             self._finish(request, reason)
         return EngineOutput(request.request_id, [token_id], [logprob] if logprob else [], reason,
-                            request.num_prompt_tokens, request.num_cached_tokens)
+                            request.num_prompt_tokens, request.num_cached_tokens, request.times)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:

@@ -1,0 +1,45 @@
+# tokenmill: `make serve` and `make test` do all the set-up they need on a fresh machine.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+STAMP := .cache/install.stamp
+MODEL ?= smollm2-135m
+PROMPT ?= Explain in two sentences what a KV cache is.
+
+.PHONY: install serve generate test test-slow lint typecheck pytest bench clean
+
+# torch comes first and pinned: a plain `torch` would pull several GB of CUDA wheels on CPU machines.
+$(STAMP): pyproject.toml
+	@mkdir -p .cache
+	@if ! $(PYTHON) -c "import torch" 2>/dev/null; then $(PIP) install -q torch==2.13.0; fi
+	$(PIP) install -q -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(PYTHON) -m tokenmill pull $(MODEL)
+	$(PYTHON) -m tokenmill generate $(MODEL) --chat "$(PROMPT)"
+
+generate: serve
+
+lint: install
+	$(PYTHON) -m ruff check tokenmill tests benchmarks
+
+typecheck: install
+	$(PYTHON) -m mypy
+
+pytest: install
+	$(PYTHON) -m tokenmill pull --quiet smollm2-135m
+	$(PYTHON) -m pytest
+
+test: lint typecheck pytest
+
+test-slow: install
+	$(PYTHON) -m pytest -m slow
+
+bench: install
+	$(PYTHON) benchmarks/offline_throughput.py --model $(MODEL)
+	$(PYTHON) benchmarks/decode_roofline.py --model $(MODEL)
+
+clean:
+	rm -rf .cache .mypy_cache .ruff_cache .pytest_cache
