@@ -13,7 +13,7 @@ from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from tokenmill.engine.loader import eos_ids, load_engine
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
-from tokenmill.engine.request import SamplingParams
+from tokenmill.engine.request import SamplingParams, TokenLogprob
 from tokenmill.models.catalog import DEFAULT_MODEL
 
 Prompt = str | list[int]
@@ -41,7 +41,7 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None,
                  *, priority: Sequence[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion in one continuous batch; outputs in prompt order."""
-        batch = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        batch = _as_prompt_list(prompts)
         params = sampling_params or SamplingParams()
         processor = OutputProcessor(self.tokenizer)
         order: list[str] = []
@@ -51,7 +51,7 @@ class LLM:
 
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
              *, use_tqdm: bool = False) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = _as_conversations(messages)
         prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=True) for conv in conversations]
         # The template already carries BOS where the model wants it.
         token_prompts = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
@@ -88,6 +88,7 @@ class LLM:
 
     def _run(self, processor: OutputProcessor, order: list[str], n: int, use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
+        prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         bar = tqdm(total=len(order) * n, desc="generate", unit="req", disable=not use_tqdm)
         while self.core.has_unfinished:
             for out in self.core.step().outputs:
@@ -96,7 +97,10 @@ class LLM:
                     continue
                 if processed.stopped_by_string:
                     self.core.abort(out.request_id)
+                if processed.output.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = processed.output.prompt_logprobs
                 if processed.output.finished:
+                    processed.output.prompt_logprobs = prompt_logprobs.get(out.request_id)
                     finished[out.request_id] = processed.output
                     bar.update(1)
         bar.close()
@@ -115,8 +119,18 @@ def _merge(children: list[RequestOutput], request_id: str) -> RequestOutput:
     first = children[0]
     completions: list[CompletionOutput] = [c.outputs[0] for c in children]
     return RequestOutput(request_id, first.prompt, first.prompt_token_ids, completions, True, first.metrics,
-                         first.num_cached_tokens)
+                         first.num_cached_tokens, first.prompt_logprobs)
 
 
-def _is_token_list(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and isinstance(value[0], int)
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [list(prompts)]  # type: ignore[arg-type]  # one prompt of token ids
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _as_conversations(messages: Messages | Sequence[Messages]) -> list[Messages]:
+    if messages and isinstance(messages[0], dict):
+        return [messages]  # type: ignore[list-item]  # one conversation
+    return list(messages)  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ class ModelInput:
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [N] flat index of the last token of each request to sample
     sampled: list[ScheduledRequest]  # the N requests, in the same order
+    prompt_logprob_offsets: list[tuple[ScheduledRequest, int]]  # requests wanting prompt logprobs, flat start
 
 
 def build_model_input(scheduled: list[ScheduledRequest], block_size: int, sliding_window: int | None,
@@ -48,6 +49,8 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int, slidin
         meta=meta,
         sample_indices=torch.from_numpy(ends[sampled_idx] - 1).to(device),
         sampled=[ordered[i] for i in sampled_idx],
+        prompt_logprob_offsets=[(s, int(ends[i] - lens[i])) for i, s in enumerate(ordered)
+                                if s.request.params.prompt_logprobs is not None],
     )
 
 

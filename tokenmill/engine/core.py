@@ -13,7 +13,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner, num_kv_blocks
 from tokenmill.engine.request import EngineOutput, FinishReason, Request, SamplingParams
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.scheduler import RunnerOutput, Scheduler
 from tokenmill.engine.stats import StepStats
 from tokenmill.errors import RequestValidationError
 from tokenmill.models.arch import ArchConfig
@@ -87,17 +87,20 @@ class EngineCore:
     def step(self) -> StepResult:
         started = time.monotonic()
         scheduled = self.scheduler.schedule()
-        sampled = self.runner.execute(scheduled) if not scheduled.is_empty else {}
-        outputs = self.scheduler.update(scheduled, sampled)
+        result = self.runner.execute(scheduled) if not scheduled.is_empty else RunnerOutput()
+        outputs = self.scheduler.update(scheduled, result)
         for o in outputs:
             if o.finished:
                 self.runner.sampler.forget(o.request_id)
         return StepResult(outputs, self._stats(scheduled.num_tokens, scheduled.num_preempted, started))
 
     def _stats(self, num_tokens: int, num_preempted: int, started: float) -> StepStats:
-        pool = self.kv.pool
+        pool, tokens = self.kv.pool, self.scheduler.step_stats
         return StepStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_scheduled_tokens=num_tokens, num_preempted=num_preempted, kv_usage=self.kv.usage,
             prefix_cache_queries=pool.stats.queries, prefix_cache_hits=pool.stats.hits,
-            step_time_s=time.monotonic() - started)
+            step_time_s=time.monotonic() - started, num_prompt_tokens=tokens.num_prompt_tokens,
+            num_generation_tokens=tokens.num_generation_tokens,
+            num_preemptions_total=self.scheduler.stats.num_preemptions,
+            ttfts_s=tokens.ttfts_s, inter_token_latencies_s=tokens.inter_token_latencies_s)

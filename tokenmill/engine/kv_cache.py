@@ -113,8 +113,8 @@ class KVCacheManager:
 
         The last token must be recomputed so its logits exist to sample from.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         update_block_hashes(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []

@@ -9,10 +9,10 @@ import numpy as np
 import torch
 
 from tokenmill.config import CacheConfig, ModelConfig
-from tokenmill.engine.batch import build_model_input
+from tokenmill.engine.batch import ModelInput, build_model_input
 from tokenmill.engine.request import TokenLogprob
-from tokenmill.engine.sampler import Sampler
-from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.engine.sampler import Sampler, token_logprobs
+from tokenmill.engine.scheduler import RunnerOutput, SchedulerOutput
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.registry import model_class
@@ -66,16 +66,31 @@ class ModelRunner:
                 for _ in range(self.arch.num_layers)]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
-        """Run one step; return the sampled token of every request whose chunk reached its end."""
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one step; sample for every request whose chunk reached its last known token."""
         inp = build_model_input(out.scheduled, self.block_size, self.arch.sliding_window, self.device)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
-        if not inp.sampled:
-            return {}
-        logits = self.model.compute_logits(hidden[inp.sample_indices])
-        requests = [s.request for s in inp.sampled]
-        results = self.sampler(logits, requests)
-        return {r.request_id: res for r, res in zip(requests, results, strict=True)}
+        result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, inp))
+        if inp.sampled:
+            logits = self.model.compute_logits(hidden[inp.sample_indices])
+            requests = [s.request for s in inp.sampled]
+            samples = self.sampler(logits, requests)
+            result.sampled = {r.request_id: res for r, res in zip(requests, samples, strict=True)}
+        return result
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inp: ModelInput) -> dict[str, list[TokenLogprob]]:
+        """Position p of the prompt scores prompt token p + 1 (the first prompt token has none)."""
+        result: dict[str, list[TokenLogprob]] = {}
+        for s, offset in inp.prompt_logprob_offsets:
+            request = s.request
+            last = min(s.start + s.num_new_tokens, request.num_prompt_tokens - 1)
+            if last <= s.start:
+                continue
+            logits = self.model.compute_logits(hidden[offset:offset + last - s.start])
+            targets = torch.tensor(request.token_ids[s.start + 1:last + 1], device=logits.device)
+            entries = token_logprobs(logits, targets, [request.params.prompt_logprobs] * len(targets))
+            result[request.request_id] = [e for e in entries if e is not None]
+        return result
 
     @torch.inference_mode()
     def logits_for(self, out: SchedulerOutput) -> torch.Tensor:

@@ -62,7 +62,8 @@ class OutputProcessor:
         state = self.states.get(out.request_id)
         if state is None or state.finished:
             return None
-        finish, stop_reason = out.finish_reason, None
+        finish = out.finish_reason
+        stop_reason: str | int | None = None
         if finish is FinishReason.STOP and out.new_token_ids and out.new_token_ids[-1] in state.params.stop_token_ids:
             stop_reason = out.new_token_ids[-1]
         finish_by_text, stop_str = self._append(state, out)
@@ -78,6 +79,8 @@ class OutputProcessor:
                                       finish, stop_reason, delta, len(out.new_token_ids))
         result = RequestOutput(out.request_id, state.prompt, state.prompt_token_ids, [completion], state.finished,
                                metrics, out.num_cached_tokens)
+        if out.prompt_logprobs is not None:
+            result.prompt_logprobs = [None, *out.prompt_logprobs]
         return ProcessedOutput(result, finish_by_text)
 
     def _append(self, state: _RequestState, out: EngineOutput) -> tuple[bool, str | None]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenmill.engine.request import FinishReason, RequestTimes, TokenLogprob
 
@@ -67,4 +67,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    extra: dict[str, object] = field(default_factory=dict)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # [None, lp(token 1), ...] when asked for

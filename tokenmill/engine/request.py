@@ -42,6 +42,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # top-n logprobs per generated token (0: only the sampled one)
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token (disables prefix-cache hits)
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -60,6 +61,7 @@ class SamplingParams:
             (self.min_tokens >= 0, "min_tokens must be >= 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
         ]
         for ok, message in checks:
@@ -114,6 +116,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # hash chain over full blocks of token_ids
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for prompt tokens 1.. (0 has none)
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:
@@ -152,6 +155,7 @@ class EngineOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     times: RequestTimes | None = None  # the request's timeline (shared, updated in place)
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first token, when asked for
 
     @property
     def finished(self) -> bool:

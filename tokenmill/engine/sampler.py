@@ -53,7 +53,7 @@ class Sampler:
         logits = _mask_early_stop(logits, requests)
         token_ids = self._pick(logits, requests)
         ids = token_ids.tolist()
-        logprobs = _logprobs(raw, token_ids, requests)
+        logprobs = token_logprobs(raw, token_ids, [r.params.logprobs for r in requests])
         return list(zip(ids, logprobs, strict=True))
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -134,10 +134,10 @@ def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -
     return torch.full_like(logits, _NEG_INF).scatter(1, order, sorted_logits)
 
 
-def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, requests: list[Request]) -> list[TokenLogprob | None]:
-    wanted = [r.params.logprobs for r in requests]
+def token_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, wanted: list[int | None]) -> list[TokenLogprob | None]:
+    """Logprob, rank and top-n of `token_ids[i]` under row i of the raw logits (None where not wanted)."""
     if all(n is None for n in wanted):
-        return [None] * len(requests)
+        return [None] * len(wanted)
     logp = torch.log_softmax(raw, dim=-1)
     chosen = logp.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     ranks = (logp > chosen.unsqueeze(1)).sum(dim=-1) + 1

@@ -56,6 +56,24 @@ class SchedulerStats:
     num_finished: int = 0
 
 
+@dataclass(slots=True)
+class StepTokenStats:
+    """What one update() observed; reset every step."""
+
+    num_prompt_tokens: int = 0  # prompt tokens computed (excluding prefix-cache hits)
+    num_generation_tokens: int = 0
+    ttfts_s: list[float] = field(default_factory=list)
+    inter_token_latencies_s: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """The model runner's answer to one SchedulerOutput."""
+
+    sampled: dict[str, tuple[int, TokenLogprob | None]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
         self.config = config
@@ -66,6 +84,7 @@ class Scheduler:
         self.running = RequestQueue(policy)
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        self.step_stats = StepTokenStats()
 
     @property
     def has_work(self) -> bool:
@@ -156,18 +175,22 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(request, request.num_computed_tokens, num_new, self.kv.block_tables[request.request_id])
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprob | None]]) -> list[EngineOutput]:
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[EngineOutput]:
         """Advance computed counts, append sampled tokens, finish requests that stop."""
         outputs = []
         now = time.monotonic()
+        self.step_stats = StepTokenStats()
         for s in out.scheduled:
             request = s.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            self.step_stats.num_prompt_tokens += max(0, min(s.start + s.num_new_tokens, request.num_prompt_tokens)
+                                                     - s.start)
             request.num_computed_tokens += s.num_new_tokens
+            request.prompt_logprobs.extend(result.prompt_logprobs.get(request.request_id, []))
             self.kv.commit_computed(request)
-            if request.request_id in sampled:
-                outputs.append(self._append_token(request, *sampled[request.request_id], now))
+            if request.request_id in result.sampled:
+                outputs.append(self._append_token(request, *result.sampled[request.request_id], now))
         return outputs
 
     def _append_token(self, request: Request, token_id: int, logprob: TokenLogprob | None,
@@ -175,14 +198,24 @@ class Scheduler:
         request.token_ids.append(token_id)
         if logprob is not None:
             request.logprobs.append(logprob)
-        if request.times.first_token is None:
-            request.times.first_token = now
-        request.times.last_token = now
+        is_first = request.times.first_token is None
+        self._record_latency(request, now)
         reason = check_stop(request, self.max_model_len)
         if reason is not None:
             self._finish(request, reason)
+        prompt_logprobs = request.prompt_logprobs if is_first and request.params.prompt_logprobs is not None else None
         return EngineOutput(request.request_id, [token_id], [logprob] if logprob else [], reason,
-                            request.num_prompt_tokens, request.num_cached_tokens, request.times)
+                            request.num_prompt_tokens, request.num_cached_tokens, request.times, prompt_logprobs)
+
+    def _record_latency(self, request: Request, now: float) -> None:
+        times = request.times
+        self.step_stats.num_generation_tokens += 1
+        if times.first_token is None:
+            times.first_token = now
+            self.step_stats.ttfts_s.append(now - times.arrival)
+        elif times.last_token is not None:
+            self.step_stats.inter_token_latencies_s.append(now - times.last_token)
+        times.last_token = now
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:

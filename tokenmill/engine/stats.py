@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -15,3 +15,8 @@ class StepStats:
     prefix_cache_queries: int  # cumulative tokens looked up
     prefix_cache_hits: int  # cumulative tokens found
     step_time_s: float
+    num_prompt_tokens: int = 0  # prompt tokens computed this step (prefix-cache hits excluded)
+    num_generation_tokens: int = 0  # tokens sampled this step
+    num_preemptions_total: int = 0
+    ttfts_s: list[float] = field(default_factory=list)  # of requests whose first token came this step
+    inter_token_latencies_s: list[float] = field(default_factory=list)
