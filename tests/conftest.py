@@ -1,0 +1,51 @@
+"""Session-wide fixtures shared by every test package."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from tests.fixtures.tiny_models import TinyArch
+
+
+class TinyModels:
+    """Builds each tiny checkpoint the first time a test asks for it, once per session.
+
+    transformers is imported only then: it costs seconds, and most tests never need it.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def hf_dir(self, arch: TinyArch) -> Path:
+        from tests.fixtures.tiny_models import make_tiny_hf
+
+        path = self.root / "hf" / arch
+        return path if (path / "config.json").is_file() else make_tiny_hf(arch, path)
+
+    def gguf_path(self, arch: TinyArch) -> Path:
+        from tests.fixtures.tiny_models import make_tiny_gguf
+
+        path = self.root / "gguf" / f"tiny-{arch}.gguf"
+        return path if path.is_file() else make_tiny_gguf(arch, path)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("tiny_models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tiny_models: TinyModels) -> Callable[[TinyArch], Path]:
+    """`tiny_hf_dir("gemma3")` → a Hugging Face model directory (safetensors + tokenizer.json)."""
+    return tiny_models.hf_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_path(tiny_models: TinyModels) -> Callable[[TinyArch], Path]:
+    """`tiny_gguf_path("gemma3")` → a GGUF file with the same weights as `tiny_hf_dir("gemma3")`."""
+    return tiny_models.gguf_path
