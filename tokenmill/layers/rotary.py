@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
+
 
 class RotaryEmbedding:
     """Precomputed cos/sin tables indexed by absolute position.
@@ -21,7 +23,7 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(dtype=dtype, device=device)
         self.sin = emb.sin().to(dtype=dtype, device=device)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, positions: torch.Tensor) -> RopeTables:
         """cos/sin for `positions` [T], shaped [T, 1, head_dim] to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 

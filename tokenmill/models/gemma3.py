@@ -12,7 +12,7 @@ import torch
 
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.layers.rotary import RopeTables
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.llama import DecoderLayer, LlamaForCausalLM
 
@@ -33,9 +33,9 @@ class Gemma3DecoderLayer(DecoderLayer):
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: PagedAttention,
+    def forward(self, x: torch.Tensor, rope: RopeTables, attn: PagedAttention,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        a = self.attention(self.input_layernorm(x), positions, rope, attn, kv, meta)
+        a = self.attention(self.input_layernorm(x), rope, attn, kv, meta)
         h = x + self.post_attention_layernorm(a)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 

@@ -16,7 +16,7 @@ from torch import nn
 from tokenmill.errors import ModelFormatError
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+from tokenmill.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -57,14 +57,13 @@ class DecoderLayer(nn.Module):
     def norms(self) -> dict[str, RMSNorm]:
         return {"input_layernorm": self.input_layernorm, "post_attention_layernorm": self.post_attention_layernorm}
 
-    def qkv(self, x: torch.Tensor, rope: RotaryEmbedding,
-            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.arch.num_heads, self.arch.head_dim)
         k = k.view(-1, self.arch.num_kv_heads, self.arch.head_dim)
         q, k = self.qk_norm(q, k)
-        cos, sin = rope.tables(positions)
+        cos, sin = rope
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.view_as(k)
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,15 +73,15 @@ class DecoderLayer(nn.Module):
         gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
         return F.linear(self.act(gate) * up, self.down_weight)
 
-    def attention(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: PagedAttention,
+    def attention(self, x: torch.Tensor, rope: RopeTables, attn: PagedAttention,
                   kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv(x, rope, positions)
+        q, k, v = self.qkv(x, rope)
         out = attn(q, k, v, kv[0], kv[1], meta, self.is_sliding)
         return F.linear(out, self.o_weight)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: PagedAttention,
+    def forward(self, x: torch.Tensor, rope: RopeTables, attn: PagedAttention,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        h = x + self.attention(self.input_layernorm(x), positions, rope, attn, kv, meta)
+        h = x + self.attention(self.input_layernorm(x), rope, attn, kv, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -128,9 +127,10 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final hidden states [T, hidden]."""
         x = self.embed(input_ids)
+        rope_global = self.rope_global.tables(positions)  # gathered once per step, shared by layers
+        rope_local = self.rope_local.tables(positions) if self.rope_local is not self.rope_global else rope_global
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            rope = self.rope_local if layer.is_sliding else self.rope_global
-            x = layer(x, positions, rope, self.attn, kv, meta)
+            x = layer(x, rope_local if layer.is_sliding else rope_global, self.attn, kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -142,5 +142,5 @@ class LlamaForCausalLM(nn.Module):
 
 def _take(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in tensors:
-        raise ModelFormatError(f"checkpoint is missing tensor '{name}': the file is incomplete or of another architecture")
+        raise ModelFormatError(f"checkpoint is missing tensor '{name}': the file is incomplete or another architecture")
     return tensors[name]
