@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tokenmill.cli_batch import add_batch_parser
 from tokenmill.cli_generate import add_generate_parser
 from tokenmill.errors import TokenmillError
 
@@ -115,7 +116,9 @@ def _print_plain_table(rows: list[tuple[str, ...]]) -> None:
 
 # --- entry point ---
 
-_PARSER_SETUPS: list[Callable[[_Subparsers], None]] = [_add_pull_parser, _add_models_parser, add_generate_parser]
+_PARSER_SETUPS: list[Callable[[_Subparsers], None]] = [
+    _add_pull_parser, _add_models_parser, add_generate_parser, add_batch_parser,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
