@@ -15,6 +15,7 @@ from typing import Any
 
 from tokenmill.cli_batch import add_batch_parser
 from tokenmill.cli_generate import add_generate_parser
+from tokenmill.cli_serve import add_serve_parser
 from tokenmill.errors import TokenmillError
 
 _Subparsers = Any  # argparse's _SubParsersAction is private; its generic type adds nothing here
@@ -117,7 +118,7 @@ def _print_plain_table(rows: list[tuple[str, ...]]) -> None:
 # --- entry point ---
 
 _PARSER_SETUPS: list[Callable[[_Subparsers], None]] = [
-    _add_pull_parser, _add_models_parser, add_generate_parser, add_batch_parser,
+    _add_pull_parser, _add_models_parser, add_generate_parser, add_serve_parser, add_batch_parser,
 ]
 
 

@@ -73,3 +73,31 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None  # None: torch's default (all cores)
+
+
+_LOG_REQUEST_MODES = ("off", "meta", "ids", "ids+text")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # loopback unless told otherwise: the API has no auth by default
+    port: int = 8000
+    served_model_name: str = "model"  # the `model` clients must send
+    api_key: str | None = None  # None: /v1/* is open
+    # The admission queue holds requests admitted but not yet producing tokens; beyond it: 429.
+    max_queue_requests: int = 256
+    max_queue_tokens: int = 1 << 20  # their prompt tokens
+    retry_after_s: int = 1
+    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
+    log_requests: str = "off"  # off, meta (timings), ids (+ token ids), ids+text: a JSON line per request
+
+    def __post_init__(self) -> None:
+        _require(0 < self.port < 65536, "port must be in 1..65535")
+        _require(bool(self.served_model_name), "served_model_name must not be empty")
+        _require(self.api_key is None or bool(self.api_key), "api_key must not be empty")
+        _require(self.max_queue_requests > 0, "max_queue_requests must be positive")
+        _require(self.max_queue_tokens > 0, "max_queue_tokens must be positive")
+        _require(self.retry_after_s > 0, "retry_after_s must be positive")
+        _require(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
+        _require(self.log_requests in _LOG_REQUEST_MODES,
+                 f"log_requests must be one of {', '.join(_LOG_REQUEST_MODES)}")

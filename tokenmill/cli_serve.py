@@ -1,0 +1,81 @@
+"""`tokenmill serve [MODEL]`: the OpenAI-compatible server (default model, 127.0.0.1:8000)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from tokenmill.models.catalog import DEFAULT_MODEL
+
+API_KEY_ENV = "TOKENMILL_API_KEY"
+
+
+def add_serve_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help=f"catalog name, .gguf file or Hugging Face directory (default {DEFAULT_MODEL})")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="the `model` clients send (default: its name)")
+    parser.add_argument("--api-key", default=None, help=f"require this bearer token on /v1/* (or set {API_KEY_ENV})")
+    _add_engine_arguments(parser)
+    _add_server_arguments(parser)
+    parser.set_defaults(handler=run_serve)
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: by memory)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-queue-requests", type=int, default=256,
+                        help="requests waiting for their first token before new ones get 429")
+    parser.add_argument("--max-queue-tokens", type=int, default=1 << 20, help="prompt tokens of those requests")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="SIGTERM: seconds to finish in-flight work")
+    parser.add_argument("--log-requests", default="off", choices=["off", "meta", "ids", "ids+text"],
+                        help="one JSON log line per finished request: timings (meta), + token ids, + text")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-json", action="store_true", help="every log record as one JSON line")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+    from tokenmill.server.request_log import configure_logging
+    from tokenmill.server.serve import run_server
+
+    configure_logging(args.log_level, json=args.log_json)
+    model_name = _installed_model_name(args.model)
+    engine_config = EngineConfig(
+        ModelConfig(args.model, args.dtype, args.device, args.max_model_len, args.seed),
+        CacheConfig(num_blocks=args.num_kv_blocks),
+        SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy),
+        num_threads=args.threads,
+    )
+    server_config = ServerConfig(
+        host=args.host, port=args.port, served_model_name=args.served_model_name or model_name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, max_queue_requests=args.max_queue_requests,
+        max_queue_tokens=args.max_queue_tokens, drain_timeout_s=args.drain_timeout, log_requests=args.log_requests,
+    )
+    return run_server(engine_config, server_config)
+
+
+def _installed_model_name(model: str) -> str:
+    """Resolve the model before binding the port (fail fast); pull a catalog model not yet installed."""
+    from tokenmill.errors import ModelNotInstalledError
+    from tokenmill.models.pull import pull
+    from tokenmill.models.resolve import resolve_model
+
+    try:
+        return resolve_model(model).name
+    except ModelNotInstalledError:
+        pull(model, progress=True)
+        return resolve_model(model).name

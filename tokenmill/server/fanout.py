@@ -1,0 +1,137 @@
+"""One API request as several engine requests (prompts × n), their outputs merged into one stream.
+
+    GenerationRun ──pump task per child──▶ AsyncEngine.generate(child)
+         ▲                                        │
+         └───────────── one asyncio.Queue ◀───────┘   (child, output) | (child, error)
+
+Each child runs its own engine request, so `n > 1` samples in parallel inside the batch.
+`close()` cancels the pumps, which closes their generators and so aborts whatever is still
+running in the engine: a client that goes away frees its KV blocks within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.request import FinishReason, SamplingParams, TokenLogprob
+from tokenmill.server.admission import Ticket
+from tokenmill.server.state import ServerState
+
+
+@dataclass(slots=True)
+class EncodedPrompt:
+    text: str | None  # as the client sent it; None when it sent token ids
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class Child:
+    index: int  # the choice index in the response
+    prompt_index: int
+    prompt: EncodedPrompt
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class ChoiceUpdate:
+    child: Child
+    output: CompletionOutput  # cumulative text and tokens, plus this update's text delta
+    is_first: bool
+    prompt_logprobs: list[TokenLogprob | None] | None  # [None, lp(token 1), ...] when asked for
+
+    @property
+    def finish_reason(self) -> str | None:
+        reason = self.output.finish_reason
+        return None if reason is None else reason.value
+
+    @property
+    def is_finished(self) -> bool:
+        return self.output.finish_reason is not None
+
+
+@dataclass(slots=True)
+class _Failure:
+    child: Child
+    error: Exception
+
+
+def children_for(prompt_index: int, prompt: EncodedPrompt, params: SamplingParams, n: int,
+                 first_index: int) -> list[Child]:
+    """`n` samples of one prompt; seeded samples get seed + i so that they differ yet reproduce."""
+    children = []
+    for i in range(n):
+        seed = None if params.seed is None else params.seed + i
+        children.append(Child(first_index + i, prompt_index, prompt, replace(params, n=1, seed=seed)))
+    return children
+
+
+class GenerationRun:
+    def __init__(self, state: ServerState, children: list[Child], engine_id: str, request_id: str,
+                 priority: int, ticket: Ticket, received_s: float | None = None) -> None:
+        self.state = state
+        self.children = children
+        self.engine_id = engine_id  # unique per API request; children add "-<index>"
+        self.request_id = request_id  # X-Request-Id, for logs
+        self.priority = priority
+        self.ticket = ticket
+        self.received_s = received_s  # when the HTTP request arrived, for the request log
+        self._queue: asyncio.Queue[tuple[Child, RequestOutput] | _Failure] = asyncio.Queue()
+        self._pumps: list[asyncio.Task[None]] = []
+        self._prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
+        self._seen: set[int] = set()
+        self._is_closed = False
+
+    async def updates(self) -> AsyncIterator[ChoiceUpdate]:
+        """Every child's outputs as they come, until all have finished; an engine error is raised."""
+        self._start()
+        num_open = len(self.children)
+        try:
+            while num_open > 0:
+                item = await self._queue.get()
+                if isinstance(item, _Failure):
+                    raise item.error
+                update = self._update(*item)
+                if update.is_finished:
+                    num_open -= 1
+                yield update
+        finally:
+            self.close()
+
+    def _start(self) -> None:
+        if not self._pumps and not self._is_closed:
+            self._pumps = [asyncio.create_task(self._pump(child)) for child in self.children]
+
+    async def _pump(self, child: Child) -> None:
+        engine = self.state.require_engine()
+        try:
+            async for output in engine.generate(child.prompt.token_ids, child.params,
+                                                f"{self.engine_id}-{child.index}", self.priority):
+                self._queue.put_nowait((child, output))
+        except Exception as exc:  # handed to the consumer, which owns the HTTP answer
+            self._queue.put_nowait(_Failure(child, exc))
+
+    def _update(self, child: Child, output: RequestOutput) -> ChoiceUpdate:
+        self.state.admission.mark_started(self.ticket)
+        if output.prompt_logprobs is not None:
+            self._prompt_logprobs[child.index] = output.prompt_logprobs
+        is_first = child.index not in self._seen
+        self._seen.add(child.index)
+        completion = output.outputs[0]
+        if output.finished and completion.finish_reason is not FinishReason.ABORT:
+            self.state.on_finished(output, self.request_id, self.received_s)
+        return ChoiceUpdate(child, completion, is_first, self._prompt_logprobs.get(child.index))
+
+    def close(self) -> None:
+        """Abort what still runs and give the admission ticket back. Safe to call twice.
+
+        Synchronous on purpose: it runs in `finally` blocks of cancelled tasks, where anyio
+        would cancel any await again. A cancelled pump closes its engine generator on its next
+        turn of the loop, which aborts the engine request.
+        """
+        self._is_closed = True
+        for pump in self._pumps:
+            pump.cancel()
+        self.state.admission.release(self.ticket)

@@ -1,0 +1,48 @@
+"""Engine logprobs in the two OpenAI formats: the legacy completions object and chat's per-token list."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenmill.engine.request import TokenLogprob
+from tokenmill.server.pipeline import finite_logprob
+from tokenmill.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprobOut, TopLogprob
+from tokenmill.server.state import TokenTexts
+
+
+def completion_logprobs(texts: TokenTexts, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None],
+                        first_offset: int) -> CompletionLogprobs:
+    """Parallel lists, one entry per token; `text_offset` indexes into the choice's text.
+
+    A None logprob (the first prompt token, which has no context) gives null entries, as in
+    the OpenAI API's echo. The top dict holds the top-n and the chosen token, as vLLM's does.
+    """
+    result = CompletionLogprobs()
+    offset = first_offset
+    for token_id, lp in zip(token_ids, logprobs, strict=True):
+        token = texts.text(token_id)
+        result.tokens.append(token)
+        result.text_offset.append(offset)
+        offset += len(token)
+        if lp is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            continue
+        result.token_logprobs.append(finite_logprob(lp.logprob))
+        top = {texts.text(t): finite_logprob(v) for t, v in lp.top}
+        top.setdefault(token, finite_logprob(lp.logprob))
+        result.top_logprobs.append(top)
+    return result
+
+
+def chat_logprobs(texts: TokenTexts, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None],
+                  num_top: int) -> ChatLogprobs:
+    content = [_chat_entry(texts, token_id, lp, num_top)
+               for token_id, lp in zip(token_ids, logprobs, strict=True) if lp is not None]
+    return ChatLogprobs(content=content)
+
+
+def _chat_entry(texts: TokenTexts, token_id: int, lp: TokenLogprob, num_top: int) -> TokenLogprobOut:
+    top = [TopLogprob(token=texts.text(t), logprob=finite_logprob(v), bytes=texts.utf8(t)) for t, v in lp.top[:num_top]]
+    return TokenLogprobOut(token=texts.text(token_id), logprob=finite_logprob(lp.logprob),
+                           bytes=texts.utf8(token_id), top_logprobs=top)

@@ -1,0 +1,69 @@
+"""Plain ASGI middleware (not BaseHTTPMiddleware, which breaks streaming cancellation).
+
+- RequestIdMiddleware: honours `X-Request-Id` (or makes one), stores it and the arrival time
+  in the request state for logs, and echoes it on every response, errors included.
+- ApiKeyMiddleware: bearer-token auth on /v1/*; health, readiness and metrics stay open for
+  load balancers and Prometheus.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import time
+import uuid
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenmill.server.errors import error_body
+
+_REQUEST_ID_HEADER = "x-request-id"
+# Ids go into logs and response headers: printable ASCII only, bounded, so nothing can be injected.
+_SAFE_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+def _request_id(scope: Scope) -> str:
+    given = Headers(scope=scope).get(_REQUEST_ID_HEADER, "")
+    return given if _SAFE_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+
+
+class RequestIdMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _request_id(scope)
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        state["received_s"] = time.monotonic()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["X-Request-Id"] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or self._is_authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        body = error_body(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                          code="invalid_api_key")
+        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+    def _is_authorized(self, scope: Scope) -> bool:
+        given = Headers(scope=scope).get("authorization", "").encode()
+        return hmac.compare_digest(given, self._expected)  # constant time: no timing oracle on the key

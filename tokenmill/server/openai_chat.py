@@ -1,0 +1,147 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template, streamed or not.
+
+A stream opens with one `{"role": "assistant", "content": ""}` delta per choice, as OpenAI's
+does, then content deltas, a finish chunk per choice, and (with `include_usage`) one last
+chunk with `choices: []` and the usage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.request import TokenLogprob
+from tokenmill.errors import TokenmillError
+from tokenmill.server.errors import bad_request
+from tokenmill.server.fanout import ChoiceUpdate, EncodedPrompt, children_for
+from tokenmill.server.logprob_format import chat_logprobs
+from tokenmill.server.pipeline import (
+    collect,
+    encode_text,
+    get_state,
+    now_s,
+    resolve_max_tokens,
+    sampling_params,
+    start_run,
+)
+from tokenmill.server.protocol import (
+    ChatChoice,
+    ChatChunk,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    ChatMessageOut,
+    ChatRequest,
+    ChatResponse,
+    ChatStreamChoice,
+    Usage,
+)
+from tokenmill.server.sse import sse_response
+from tokenmill.server.state import TokenTexts
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(body: ChatRequest, request: Request) -> Response:
+    state = get_state(request)
+    state.check_model(body.model)
+    engine = state.require_engine()
+    _refuse_unsupported(body)
+    prompt = render_chat_prompt(engine, body.messages, body.add_generation_prompt)
+    max_tokens = resolve_max_tokens(len(prompt.token_ids), body.max_output_tokens, engine.core.max_model_len)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(engine, body, max_tokens, logprobs, None)
+    run, response_id = start_run(state, request, children_for(0, prompt, params, body.n, first_index=0), "chatcmpl",
+                                 body.priority)
+    ctx = _Context(body, prompt, state.require_texts(), response_id, state.config.served_model_name, now_s())
+    if body.stream:
+        return sse_response(run, _ChatChunks(ctx), state)
+    last = await collect(run, request)
+    choices = [_choice(ctx, last[i]) for i in sorted(last)]
+    usage = Usage.of(len(prompt.token_ids), sum(len(u.output.token_ids) for u in last.values()))
+    response = ChatResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage)
+    return JSONResponse(response.model_dump(mode="json"))
+
+
+def _refuse_unsupported(body: ChatRequest) -> None:
+    if body.response_format is not None and body.response_format.type != "text":
+        raise bad_request(f"response_format {body.response_format.type!r} is not supported yet: leave "
+                          "response_format out (or send type 'text') and ask for JSON in the prompt",
+                          "response_format")
+    if body.tools:
+        raise bad_request("tool calling is not supported yet: send the request without tools", "tools")
+    if body.top_logprobs and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+
+
+def render_chat_prompt(engine: AsyncEngine, messages: list[ChatMessage], add_generation_prompt: bool) -> EncodedPrompt:
+    plain = [message.as_template_input() for message in messages]
+    try:
+        text = engine.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+    except TokenmillError:
+        raise
+    except Exception as exc:  # templates are code from the model: any error there is about these messages
+        raise bad_request(f"the chat template failed on these messages: {type(exc).__name__}: {exc}",
+                          "messages") from exc
+    # The template writes BOS itself where the model wants it.
+    return EncodedPrompt(text, encode_text(engine, text, "messages", add_special_tokens=False))
+
+
+@dataclass(slots=True)
+class _Context:
+    body: ChatRequest
+    prompt: EncodedPrompt
+    texts: TokenTexts
+    response_id: str
+    model: str
+    created: int
+
+    def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
+        if not self.body.logprobs:
+            return None
+        return chat_logprobs(self.texts, token_ids, logprobs or [], self.body.top_logprobs or 0)
+
+
+def _choice(ctx: _Context, update: ChoiceUpdate) -> ChatChoice:
+    out = update.output
+    return ChatChoice(index=update.child.index, message=ChatMessageOut(content=out.text),
+                      logprobs=ctx.logprobs(out.token_ids, out.logprobs), finish_reason=update.finish_reason,
+                      stop_reason=out.stop_reason)
+
+
+@dataclass(slots=True)
+class _ChatChunks:
+    ctx: _Context
+    num_sent_tokens: dict[int, int] = field(default_factory=dict)
+
+    def opening(self) -> Iterable[ChatChunk]:
+        return [self._chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+                for i in range(self.ctx.body.n)]
+
+    def render(self, update: ChoiceUpdate) -> Iterable[ChatChunk]:
+        index, out = update.child.index, update.output
+        sent = self.num_sent_tokens.get(index, 0)
+        self.num_sent_tokens[index] = len(out.token_ids)
+        new_ids = out.token_ids[sent:]
+        if not (out.text_delta or update.is_finished or (self.ctx.body.logprobs and new_ids)):
+            return []  # nothing new to say yet (held-back text or an unfinished character)
+        new_lps = out.logprobs[sent:] if out.logprobs is not None else None
+        choice = ChatStreamChoice(index=index, delta=ChatDelta(content=out.text_delta or None),
+                                  logprobs=self.ctx.logprobs(new_ids, new_lps), finish_reason=update.finish_reason,
+                                  stop_reason=out.stop_reason)
+        return [self._chunk([choice])]
+
+    def closing(self) -> Iterable[ChatChunk]:
+        if not self.ctx.body.include_usage:
+            return []
+        usage = Usage.of(len(self.ctx.prompt.token_ids), sum(self.num_sent_tokens.values()))
+        return [self._chunk([], usage)]
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None) -> ChatChunk:
+        return ChatChunk(id=self.ctx.response_id, created=self.ctx.created, model=self.ctx.model, choices=choices,
+                         usage=usage)

@@ -1,0 +1,162 @@
+"""POST /v1/completions: text or token-id prompts (one or a batch), streamed or not.
+
+Choice `index` is prompt_index × n + sample, as in the OpenAI API. With `echo`, each choice's
+text starts with its prompt, and with `logprobs` its legacy logprobs start with one entry per
+prompt token, the first null (nothing precedes it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.request import TokenLogprob
+from tokenmill.server.errors import bad_request
+from tokenmill.server.fanout import Child, ChoiceUpdate, EncodedPrompt, children_for
+from tokenmill.server.logprob_format import completion_logprobs
+from tokenmill.server.pipeline import (
+    check_token_ids,
+    collect,
+    encode_text,
+    get_state,
+    now_s,
+    resolve_max_tokens,
+    sampling_params,
+    start_run,
+)
+from tokenmill.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from tokenmill.server.sse import sse_response
+from tokenmill.server.state import TokenTexts
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state = get_state(request)
+    state.check_model(body.model)
+    engine = state.require_engine()
+    if body.suffix:
+        raise bad_request("suffix is not supported: put the whole text in the prompt", "suffix")
+    prompts = _encode_prompts(engine, body.prompt)
+    children = _children(engine, body, prompts)
+    run, response_id = start_run(state, request, children, "cmpl", body.priority)
+    ctx = _Context(body, prompts, state.require_texts(), response_id, state.config.served_model_name, now_s())
+    if body.stream:
+        return sse_response(run, _CompletionChunks(ctx), state)
+    last = await collect(run, request)
+    choices = [_choice(ctx, last[i], last[i].output.text, last[i].output.token_ids, last[i].output.logprobs)
+               for i in sorted(last)]
+    usage = Usage.of(ctx.num_prompt_tokens, sum(len(u.output.token_ids) for u in last.values()))
+    response = CompletionResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage)
+    return JSONResponse(response.model_dump(mode="json"))
+
+
+def _encode_prompts(engine: AsyncEngine, prompt: str | list[Any]) -> list[EncodedPrompt]:
+    if isinstance(prompt, str):
+        return [EncodedPrompt(prompt, encode_text(engine, prompt, "prompt"))]
+    if not prompt:
+        raise bad_request("prompt must not be an empty list", "prompt")
+    # A flat list of ids is one prompt; otherwise every item is a prompt of its own.
+    batch: list[Any] = [prompt] if isinstance(prompt[0], int) else prompt
+    encoded = []
+    for i, item in enumerate(batch):
+        if isinstance(item, str):
+            encoded.append(EncodedPrompt(item, encode_text(engine, item, f"prompt.{i}")))
+        else:
+            check_token_ids(engine, item, "prompt")
+            encoded.append(EncodedPrompt(None, list(item)))
+    return encoded
+
+
+def _children(engine: AsyncEngine, body: CompletionRequest, prompts: list[EncodedPrompt]) -> list[Child]:
+    children: list[Child] = []
+    prompt_logprobs = body.logprobs if body.echo else None
+    for i, prompt in enumerate(prompts):
+        max_tokens = resolve_max_tokens(len(prompt.token_ids), body.max_tokens, engine.core.max_model_len)
+        params = sampling_params(engine, body, max_tokens, body.logprobs, prompt_logprobs)
+        children.extend(children_for(i, prompt, params, body.n, first_index=i * body.n))
+    return children
+
+
+@dataclass(slots=True)
+class _Context:
+    body: CompletionRequest
+    prompts: list[EncodedPrompt]
+    texts: TokenTexts
+    response_id: str
+    model: str
+    created: int
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prompts)
+
+    def echo_text(self, prompt: EncodedPrompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return self.texts.decode(prompt.token_ids)
+
+
+def _choice(ctx: _Context, update: ChoiceUpdate, text: str, token_ids: list[int],
+            logprobs: list[TokenLogprob] | None, first_offset: int = 0, with_prompt: bool = True) -> CompletionChoice:
+    """A choice from `text` and its tokens; the prompt goes first when echoing (and `with_prompt`)."""
+    prompt = update.child.prompt
+    echo = ctx.body.echo and with_prompt
+    ids: list[int] = [*prompt.token_ids, *token_ids] if echo else list(token_ids)
+    lps: list[TokenLogprob | None] = list(logprobs or [])
+    if echo:
+        lps = [*(update.prompt_logprobs or [None] * len(prompt.token_ids)), *lps]
+    legacy = None
+    if ctx.body.logprobs is not None:
+        legacy = completion_logprobs(ctx.texts, ids, lps, first_offset)
+    return CompletionChoice(index=update.child.index, text=(ctx.echo_text(prompt) if echo else "") + text,
+                            logprobs=legacy, finish_reason=update.finish_reason,
+                            stop_reason=update.output.stop_reason)
+
+
+@dataclass(slots=True)
+class _CompletionChunks:
+    """Streaming: one chunk per update that carries text, tokens with logprobs, or the finish."""
+
+    ctx: _Context
+    num_sent_tokens: dict[int, int] = field(default_factory=dict)
+    text_offsets: dict[int, int] = field(default_factory=dict)
+
+    def opening(self) -> Iterable[CompletionResponse]:
+        return []
+
+    def render(self, update: ChoiceUpdate) -> Iterable[CompletionResponse]:
+        index, out = update.child.index, update.output
+        sent = self.num_sent_tokens.get(index, 0)
+        new_ids = out.token_ids[sent:]
+        self.num_sent_tokens[index] = len(out.token_ids)
+        new_lps = out.logprobs[sent:] if out.logprobs is not None else None
+        wants_logprobs = self.ctx.body.logprobs is not None and bool(new_ids)
+        if not (out.text_delta or update.is_finished or wants_logprobs or (update.is_first and self.ctx.body.echo)):
+            return []  # nothing new to say yet (held-back text or an unfinished character)
+        choice = _choice(self.ctx, update, out.text_delta, new_ids, new_lps, self.text_offsets.get(index, 0),
+                         with_prompt=update.is_first)
+        self.text_offsets[index] = _next_offset(choice.logprobs, self.text_offsets.get(index, 0))
+        return [self._chunk([choice])]
+
+    def closing(self) -> Iterable[CompletionResponse]:
+        if not self.ctx.body.include_usage:
+            return []
+        usage = Usage.of(self.ctx.num_prompt_tokens, sum(self.num_sent_tokens.values()))
+        return [self._chunk([], usage)]
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.ctx.response_id, created=self.ctx.created, model=self.ctx.model,
+                                  choices=choices, usage=usage)
+
+
+def _next_offset(logprobs: CompletionLogprobs | None, offset: int) -> int:
+    if logprobs is None or not logprobs.tokens:
+        return offset
+    return logprobs.text_offset[-1] + len(logprobs.tokens[-1])

@@ -1,0 +1,64 @@
+"""POST /tokenize, POST /detokenize, GET /tokenizer_info: the model's tokenizer over HTTP, as vLLM
+serves it, so that tools like lm-evaluation-harness can count and split tokens exactly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from tokenmill.server.openai_chat import render_chat_prompt
+from tokenmill.server.pipeline import check_token_ids, encode_text, get_state
+from tokenmill.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeResponse,
+    TokenizeTextRequest,
+)
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeTextRequest | TokenizeChatRequest, request: Request) -> TokenizeResponse:
+    state = get_state(request)
+    state.check_model(body.model)
+    engine = state.require_engine()
+    if isinstance(body, TokenizeTextRequest):
+        token_ids = encode_text(engine, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
+    else:
+        token_ids = render_chat_prompt(engine, body.messages, body.add_generation_prompt).token_ids
+    strs = [engine.tokenizer.id_to_token(t) or "" for t in token_ids] if body.return_token_strs else None
+    return TokenizeResponse(count=len(token_ids), max_model_len=engine.core.max_model_len, tokens=token_ids,
+                            token_strs=strs)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    state = get_state(request)
+    state.check_model(body.model)
+    engine = state.require_engine()
+    check_token_ids(engine, body.tokens, "tokens")
+    return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict[str, Any]:
+    """The fields of a Hugging Face tokenizer_config.json that a remote client needs."""
+    engine = get_state(request).require_engine()
+    tok = engine.tokenizer
+    pad = tok.id_to_token(tok.pad_token_id) if tok.pad_token_id is not None else None
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": engine.core.max_model_len,
+        "vocab_size": tok.vocab_size,
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+        "pad_token": pad,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+        "add_bos_token": tok.add_bos_token,
+        "chat_template": tok.chat_template,
+    }
