@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -10,6 +14,7 @@ from tokenmill.engine.stats import StepStats
 from tokenmill.server.metrics import ServerMetrics, build_1_2_5_buckets
 
 MODEL = "tiny"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
@@ -144,3 +149,23 @@ def test_instances_do_not_share_state() -> None:
 def test_length_buckets_follow_1_2_5_up_to_the_context() -> None:
     assert build_1_2_5_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
     assert build_1_2_5_buckets(4096)[-1] == 2000
+
+
+def _exposed_names() -> set[str]:
+    body, _ = ServerMetrics(MODEL).render()
+    return {sample.name for family in text_string_to_metric_families(body.decode()) for sample in family.samples}
+
+
+def test_every_metric_is_documented() -> None:
+    docs = (REPO_ROOT / "docs" / "metrics.md").read_text()
+    suffixes = re.compile(r"_(bucket|sum|count)$")
+    for name in _exposed_names():
+        assert f"`{suffixes.sub('', name)}`" in docs, f"{name} is missing from docs/metrics.md"
+
+
+def test_dashboard_queries_only_exposed_metrics() -> None:
+    dashboard = json.loads((REPO_ROOT / "deploy" / "grafana" / "tokenmill.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    used = {name for expr in exprs for name in re.findall(r"tokenmill:[a-z0-9_]+", expr)}
+    assert used <= _exposed_names()
+    assert len(used) >= 15
