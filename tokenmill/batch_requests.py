@@ -19,6 +19,9 @@ from tokenmill.engine.request import SamplingParams
 from tokenmill.errors import TokenmillError
 
 _DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default; chat runs to the context
+MAX_N = 64  # choices per line; each is an engine request
+_INT32_MAX = 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 class Endpoint(enum.Enum):
@@ -190,7 +193,7 @@ def sampling_params(body: dict[str, Any], endpoint: Endpoint) -> SamplingParams:
     default_max = None if endpoint is Endpoint.CHAT else _DEFAULT_COMPLETION_MAX_TOKENS
     max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     try:
-        return SamplingParams(
+        params = SamplingParams(
             max_tokens=_field(body, max_key, int, default_max),
             temperature=_field(body, "temperature", float, 1.0),
             top_p=_field(body, "top_p", float, 1.0),
@@ -207,6 +210,24 @@ def sampling_params(body: dict[str, Any], endpoint: Endpoint) -> SamplingParams:
         )
     except TokenmillError as exc:
         raise BatchLineError(str(exc)) from exc
+    _check_bounds(params)
+    return params
+
+
+def _check_bounds(params: SamplingParams) -> None:
+    """Limits SamplingParams leaves open but the engine cannot take (the server's protocol has the same)."""
+    checks = [
+        (params.n <= MAX_N, f"n must be at most {MAX_N}", "n"),
+        (params.temperature <= 2.0, "temperature must be at most 2", "temperature"),
+        (params.repetition_penalty <= 100.0, "repetition_penalty must be at most 100", "repetition_penalty"),
+        (params.top_k <= _INT32_MAX, f"top_k must be at most {_INT32_MAX}", "top_k"),
+        # Sample i of n is seeded with seed + i, which must stay a 64-bit integer.
+        (params.seed is None or _INT64_MIN <= params.seed <= _INT64_MAX - params.n,
+         "seed must be a 64-bit integer", "seed"),
+    ]
+    for ok, message, param in checks:
+        if not ok:
+            raise BatchLineError(message, param=param)
 
 
 def _field(body: dict[str, Any], key: str, kind: type, default: Any) -> Any:

@@ -183,6 +183,10 @@ def test_chat_runs_to_the_context_by_default_and_takes_max_completion_tokens() -
 def test_sampling_fields_are_type_checked() -> None:
     params = sampling_params({"temperature": 0, "top_k": 5, "stop": "\n", "seed": 3, "n": 2}, Endpoint.COMPLETIONS)
     assert (params.temperature, params.top_k, params.stop, params.seed, params.n) == (0.0, 5, ["\n"], 3, 2)
-    for body in ({"n": 1.5}, {"temperature": "hot"}, {"seed": True}, {"stop": [1]}, {"top_p": 0}):
+    bad_bodies: list[dict[str, Any]] = [
+        {"n": 1.5}, {"temperature": "hot"}, {"seed": True}, {"stop": [1]}, {"top_p": 0}, {"n": 65},
+        {"seed": 2**64}, {"top_k": 10**30}, {"temperature": float("nan")}, {"repetition_penalty": float("inf")},
+    ]
+    for body in bad_bodies:
         with pytest.raises(BatchLineError):
             sampling_params(body, Endpoint.COMPLETIONS)
