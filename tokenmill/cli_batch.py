@@ -58,7 +58,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
         raise TokenmillError(f"input file {args.input} does not exist")
     if args.input.resolve() == args.output.resolve():
         raise TokenmillError("the output file must differ from the input file")
-    max_in_flight = args.max_in_flight or DEFAULT_MAX_IN_FLIGHT
+    max_in_flight = DEFAULT_MAX_IN_FLIGHT if args.max_in_flight is None else args.max_in_flight
     if max_in_flight < 1:
         raise TokenmillError("--max-in-flight must be at least 1")
     llm = LLM(args.model, **_engine_kwargs(args))
