@@ -26,6 +26,7 @@ def _admit(kv: KVCacheManager, request: Request) -> list[int]:
     cached = kv.find_cached_prefix(request)
     num_cached_tokens = len(cached) * BS
     assert kv.allocate(request, request.num_tokens - num_cached_tokens, cached)
+    kv.record_lookup(request.num_tokens, num_cached_tokens)
     request.num_computed_tokens = request.num_tokens
     kv.commit_computed(request)
     return cached

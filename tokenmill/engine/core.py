@@ -51,6 +51,9 @@ class EngineCore:
         requested = self.config.model.max_model_len
         natural = min(self.arch.max_position_embeddings, _MAX_DEFAULT_CONTEXT)
         limit = min(requested or natural, self.arch.max_position_embeddings, kv_capacity_tokens)
+        if not self.config.scheduler.enable_chunked_prefill:
+            # Without chunking a whole (re-)prefill must fit one step's budget, or it would wait forever.
+            limit = min(limit, self.config.scheduler.max_num_batched_tokens)
         if requested is not None and limit < requested:
             log.warning("max_model_len %d capped to %d by the model or the KV cache size", requested, limit)
         return limit
@@ -58,6 +61,7 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_ids: tuple[int, ...], priority: int = 0, arrival_time: float | None = None) -> Request:
         self.validate(len(prompt_token_ids))
+        self._validate_ids(request_id, prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids, priority,
                           arrival_time if arrival_time is not None else time.monotonic())
         self.scheduler.add(request)
@@ -71,6 +75,17 @@ class EngineCore:
             raise RequestValidationError(
                 f"the prompt has {num_prompt_tokens} tokens but the context is {self.max_model_len} "
                 f"(and at least one token must be generated): shorten it by {over} tokens or raise max_model_len")
+
+    def _validate_ids(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.arch.vocab_size
+        if request_id in self.scheduler.requests:
+            raise RequestValidationError(f"request id '{request_id}' is already in flight: use a unique id")
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestValidationError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestValidationError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
     def abort(self, request_id: str) -> EngineOutput | None:
         request = self.scheduler.abort(request_id)

@@ -123,9 +123,14 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        self.pool.stats.queries += request.num_tokens
-        self.pool.stats.hits += len(hits) * self.block_size
         return hits
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admission's prefix-cache lookup (not every retry while it waits)."""
+        if not self.enable_prefix_caching:
+            return
+        self.pool.stats.queries += num_tokens
+        self.pool.stats.hits += num_hit_tokens
 
     def allocate(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after `num_computed_tokens` (+ the cached prefix).

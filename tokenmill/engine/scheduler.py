@@ -164,6 +164,7 @@ class Scheduler:
             if not self.kv.allocate(request, num_new, cached):
                 break
             self.waiting.pop()
+            self.kv.record_lookup(request.num_tokens, num_computed)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
             request.num_computed_tokens = num_computed
