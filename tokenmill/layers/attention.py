@@ -102,5 +102,5 @@ def _pad_queries(q: torch.Tensor, group: GroupMetadata, num_seqs: int) -> torch.
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """[num_blocks, bs, KVH, hd] gathered by [S, nb] → [S, KVH, nb * bs, hd]."""
     num_seqs, num_blocks = block_table.shape
-    blocks = cache[block_table]  # [S, nb, bs, KVH, hd]
+    blocks = cache.index_select(0, block_table.view(-1))  # [S * nb, bs, KVH, hd]; faster than cache[table]
     return blocks.view(num_seqs, num_blocks * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
