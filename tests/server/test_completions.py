@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import openai
 import pytest
@@ -12,9 +14,10 @@ GREEDY = {"temperature": 0.0}
 NO_EOS = {"ignore_eos": True}  # the random model may pick EOS anywhere; tests want exact lengths
 
 
-def _complete(client: openai.OpenAI, prompt: str | list[int] | list[str], **kwargs: object) -> openai.types.Completion:
-    extra = {**NO_EOS, **kwargs.pop("extra_body", {})}  # type: ignore[dict-item]
-    return client.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **kwargs)  # type: ignore[call-overload, no-any-return]
+def _complete(client: openai.OpenAI, prompt: str | list[int] | list[str], **kwargs: Any) -> Any:
+    """A Completion, or a stream of them with stream=True."""
+    extra = {**NO_EOS, **kwargs.pop("extra_body", {})}
+    return client.completions.create(model=MODEL, prompt=prompt, extra_body=extra, **kwargs)
 
 
 def _tokenize(live: LiveServer, text: str) -> list[int]:

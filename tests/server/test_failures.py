@@ -1,0 +1,190 @@
+"""Failure behaviour: client disconnects, engine crashes, overload. Nothing hangs, nothing leaks.
+
+The engine's `fault_injector` runs on the engine thread before every step: tests make it sleep
+(slow engine, so a request is surely still running), block on an event (paused engine, so
+requests pile up in the admission queue), or raise (a crash inside the engine loop).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MODEL, NUM_KV_BLOCKS, LiveServer, start_server, wait_until
+from tokenmill.config import ServerConfig
+from tokenmill.engine.async_engine import AsyncEngine
+
+LONG: dict[str, Any] = {"prompt": "hello", "max_tokens": 250, "ignore_eos": True}  # ≥ 5 s on a slowed engine
+
+
+@contextmanager
+def slowed(engine: AsyncEngine, step_s: float = 0.02) -> Iterator[None]:
+    engine.fault_injector = lambda: time.sleep(step_s)
+    try:
+        yield
+    finally:
+        engine.fault_injector = None
+
+
+@contextmanager
+def paused(engine: AsyncEngine) -> Iterator[threading.Event]:
+    gate = threading.Event()
+
+    def wait_for_gate() -> None:
+        gate.wait(timeout=60)  # bounded: a failing test must not wedge the engine thread forever
+
+    engine.fault_injector = wait_for_gate
+    try:
+        yield gate
+    finally:
+        gate.set()
+        engine.fault_injector = None
+
+
+@contextmanager
+def crashing(engine: AsyncEngine, after_steps: int = 0) -> Iterator[None]:
+    steps = itertools.count()
+
+    def inject() -> None:
+        if next(steps) >= after_steps:
+            raise RuntimeError("injected fault")
+
+    engine.fault_injector = inject
+    try:
+        yield
+    finally:
+        engine.fault_injector = None
+
+
+def _is_idle(engine: AsyncEngine) -> bool:
+    return engine.num_in_flight == 0 and engine.core.kv.pool.num_free == NUM_KV_BLOCKS
+
+
+def _data_lines(response: httpx.Response) -> Iterator[str]:
+    for line in response.iter_lines():
+        assert line == "" or line.startswith("data: "), line  # SSE holds only data lines
+        if line:
+            yield line.removeprefix("data: ")
+
+
+def _counter(live: LiveServer, name: str) -> float:
+    text = httpx.get(f"{live.url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+# -------------------------------------------------------------------------- disconnect
+
+
+def test_stream_disconnect_aborts_and_frees_kv_blocks(live: LiveServer) -> None:
+    engine = live.engine
+    wait_until(lambda: _is_idle(engine), what="an idle engine")
+    with slowed(engine):
+        with httpx.stream("POST", f"{live.url}/v1/completions", json={**LONG, "stream": True}, timeout=30) as response:
+            next(_data_lines(response))
+            assert engine.num_in_flight == 1 and engine.core.kv.pool.num_free < NUM_KV_BLOCKS
+        # Still slowed: the request could not have finished on its own within the wait.
+        wait_until(lambda: _is_idle(engine), timeout_s=3, what="the blocks to return")
+    assert live.state.admission.num_in_flight == 0
+
+
+def test_plain_request_disconnect_aborts_too(live: LiveServer) -> None:
+    engine = live.engine
+    wait_until(lambda: _is_idle(engine), what="an idle engine")
+    with slowed(engine):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{live.url}/v1/completions", json=LONG, timeout=httpx.Timeout(30, read=0.5))
+        wait_until(lambda: _is_idle(engine), timeout_s=3, what="the blocks to return")
+    assert live.state.admission.num_in_flight == 0
+
+
+# ------------------------------------------------------------------------------ crashes
+
+
+def test_engine_crash_is_a_500_and_readiness_recovers(live: LiveServer, client: openai.OpenAI) -> None:
+    restarts = live.engine.num_restarts
+    with crashing(live.engine):
+        with pytest.raises(openai.InternalServerError, match="engine failed"):
+            client.completions.create(model=MODEL, prompt="hello", max_tokens=5)
+        assert httpx.get(f"{live.url}/ready").status_code == 503  # at once, not at the next probe
+    wait_until(lambda: httpx.get(f"{live.url}/ready").status_code == 200, what="readiness to recover")
+    assert live.engine.num_restarts > restarts
+    assert _counter(live, "tokenmill:engine_restarts_total") >= 1
+    assert client.completions.create(model=MODEL, prompt="hello", max_tokens=3).choices[0].finish_reason
+
+
+def test_engine_crash_mid_stream_ends_with_an_error_event_then_done(live: LiveServer) -> None:
+    body = {**LONG, "max_tokens": 50, "n": 3, "stream": True}
+    with crashing(live.engine, after_steps=4), \
+            httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        events = list(_data_lines(response))
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "engine failed" in error["message"]
+    assert any("choices" in json.loads(e) for e in events[:-2])  # it had started streaming
+    wait_until(lambda: httpx.get(f"{live.url}/ready").status_code == 200, what="readiness to recover")
+    wait_until(lambda: _is_idle(live.engine), what="an idle engine")
+
+
+# ----------------------------------------------------------------------------- overload
+
+
+@pytest.fixture(scope="module")
+def small_queue(tiny_engine: AsyncEngine) -> Iterator[LiveServer]:
+    config = ServerConfig(served_model_name=MODEL, max_queue_requests=2, max_queue_tokens=64, retry_after_s=2)
+    server = start_server(tiny_engine, config)
+    yield server
+    server.stop()
+
+
+def test_overload_is_429_with_retry_after_and_no_admitted_request_is_lost(small_queue: LiveServer) -> None:
+    url = f"{small_queue.url}/v1/completions"
+    body = {"prompt": "hello", "max_tokens": 5, "ignore_eos": True}
+    rejected_before = _counter(small_queue, "tokenmill:requests_rejected_total")
+    with paused(small_queue.engine) as gate, ThreadPoolExecutor(2) as pool:
+        admitted = [pool.submit(httpx.post, url, json=body, timeout=60) for _ in range(2)]
+        wait_until(lambda: small_queue.state.admission.num_waiting_requests == 2, what="two waiting requests")
+        refused = httpx.post(url, json=body)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "2"
+        assert refused.json()["error"]["code"] == "queue_full"
+        with pytest.raises(openai.RateLimitError):
+            small_queue.client().completions.create(model=MODEL, prompt="hello", max_tokens=5)
+        gate.set()
+        results = [future.result() for future in admitted]
+    assert [r.status_code for r in results] == [200, 200]
+    assert all(r.json()["usage"]["completion_tokens"] == 5 for r in results)
+    assert _counter(small_queue, "tokenmill:requests_rejected_total") == rejected_before + 2
+    assert small_queue.state.admission.num_in_flight == 0
+
+
+def test_queue_is_bounded_by_prompt_tokens_too(small_queue: LiveServer) -> None:
+    url = f"{small_queue.url}/v1/completions"
+    with paused(small_queue.engine) as gate, ThreadPoolExecutor(1) as pool:
+        first = pool.submit(httpx.post, url, json={"prompt": [5] * 40, "max_tokens": 2}, timeout=60)
+        wait_until(lambda: small_queue.state.admission.num_waiting_tokens == 40, what="40 waiting tokens")
+        assert httpx.post(url, json={"prompt": [5] * 30, "max_tokens": 2}).status_code == 429
+        # More than the whole queue holds: retrying cannot help, so it is a 400, not a 429.
+        assert httpx.post(url, json={"prompt": [5] * 65, "max_tokens": 2}).status_code == 400
+        gate.set()
+        assert first.result().status_code == 200
+
+
+def test_burst_every_request_is_answered_or_refused(small_queue: LiveServer) -> None:
+    url = f"{small_queue.url}/v1/completions"
+    body = {"prompt": "hello", "max_tokens": 8, "ignore_eos": True}
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(lambda _: httpx.post(url, json=body, timeout=60), range(24)))
+    statuses = [r.status_code for r in results]
+    assert set(statuses) <= {200, 429} and 200 in statuses
+    assert all(r.json()["usage"]["completion_tokens"] == 8 for r in results if r.status_code == 200)
+    assert small_queue.state.admission.num_in_flight == 0

@@ -1,0 +1,168 @@
+"""Everything around the two endpoints: errors, auth, request ids, tokenizer routes, health, metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import MODEL, LiveServer, start_server, wait_until
+from tokenmill.config import ServerConfig
+from tokenmill.engine.async_engine import AsyncEngine
+
+
+def _post(live: LiveServer, path: str, body: Any = None, **kwargs: Any) -> httpx.Response:
+    return httpx.post(f"{live.url}{path}", json=body, timeout=30, **kwargs)
+
+
+def _error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def test_unknown_model_is_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-17", prompt="hi", max_tokens=2)
+
+
+def test_prompt_plus_max_tokens_over_the_context_says_by_how_much(live: LiveServer) -> None:
+    num_prompt = len(_post(live, "/tokenize", {"prompt": "hello"}).json()["tokens"])
+    error = _error(_post(live, "/v1/completions", {"prompt": "hello", "max_tokens": 300}), 400)
+    assert f"by {num_prompt + 300 - 256}" in error["message"] and error["param"] == "max_tokens"
+
+
+def test_prompt_alone_over_the_context_is_400(live: LiveServer) -> None:
+    error = _error(_post(live, "/v1/completions", {"prompt": [5] * 300, "max_tokens": 1}), 400)
+    assert "shorten the prompt by 45 tokens" in error["message"]
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "hi", "temperature": "hot"},  # wrong type
+    {"prompt": "hi", "max_tokens": -1},  # impossible value
+    {"prompt": "hi", "n": 0},
+    {"prompt": "hi", "stream": 1},  # 1 is not a boolean
+    {"prompt": [1, 2, 100000]},  # token id outside the vocabulary
+    {"prompt": []},
+    {"prompt": ""},
+    {"prompt": "hi", "stop": [""]},
+    {"prompt": "hi", "min_tokens": 5, "max_tokens": 2},
+    {"prompt": "hi", "logit_bias": {"5": 10.0}},
+    {"prompt": "hi", "seed": 2**70},
+    {"prompt": "hi", "stop_token_ids": [99999]},
+    {"max_tokens": 2},  # no prompt
+    [1, 2, 3],  # not an object
+])
+def test_bad_completion_bodies_are_400(live: LiveServer, body: Any) -> None:
+    _error(_post(live, "/v1/completions", body), 400)
+
+
+def test_malformed_json_is_400(live: LiveServer) -> None:
+    response = httpx.post(f"{live.url}/v1/completions", content=b'{"prompt": "hi",',
+                          headers={"Content-Type": "application/json"})
+    _error(response, 400)
+
+
+def test_lone_surrogate_is_400_not_500(live: LiveServer) -> None:
+    response = httpx.post(f"{live.url}/v1/completions", content=b'{"prompt": "a\\ud800b", "max_tokens": 2}',
+                          headers={"Content-Type": "application/json"})
+    assert "UTF-8" in _error(response, 400)["message"]
+
+
+def test_unknown_fields_are_ignored(live: LiveServer) -> None:
+    body = {"prompt": "hi", "max_tokens": 2, "user": "me", "some_future_field": {"x": [1]}}
+    assert _post(live, "/v1/completions", body).status_code == 200
+
+
+def test_unknown_route_has_an_openai_error_body(live: LiveServer) -> None:
+    _error(httpx.get(f"{live.url}/v1/nothing-here"), 404)
+
+
+# ------------------------------------------------------------------------ request ids
+
+
+def test_request_id_is_honoured_and_echoed(live: LiveServer) -> None:
+    response = _post(live, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers={"X-Request-Id": "abc-123"})
+    assert response.headers["x-request-id"] == "abc-123"
+    made_up = _post(live, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert len(made_up.headers["x-request-id"]) == 32
+    assert _post(live, "/v1/completions", {}).headers["x-request-id"]  # errors carry it too
+
+
+# ------------------------------------------------------------------------------- auth
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_engine: AsyncEngine) -> Iterator[LiveServer]:
+    server = start_server(tiny_engine, ServerConfig(served_model_name=MODEL, api_key="s3cret"))
+    yield server
+    server.stop()
+
+
+def test_api_key_is_required_on_v1(guarded: LiveServer) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        guarded.client(api_key="wrong").completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    _error(httpx.get(f"{guarded.url}/v1/models"), 401)
+    result = guarded.client(api_key="s3cret").completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert result.choices[0].finish_reason is not None
+
+
+def test_health_and_metrics_stay_open_with_a_key(guarded: LiveServer) -> None:
+    assert httpx.get(f"{guarded.url}/health").status_code == 200
+    assert httpx.get(f"{guarded.url}/ready").status_code == 200
+    assert httpx.get(f"{guarded.url}/metrics").status_code == 200
+
+
+# ---------------------------------------------------------------- tokenizer and models
+
+
+def test_tokenize_detokenize_round_trip(live: LiveServer) -> None:
+    tokenized = _post(live, "/tokenize", {"prompt": "hello world", "return_token_strs": True}).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) == len(tokenized["token_strs"])
+    assert tokenized["max_model_len"] == 256
+    assert _post(live, "/detokenize", {"tokens": tokenized["tokens"]}).json() == {"prompt": "hello world"}
+    _error(_post(live, "/detokenize", {"tokens": [-1]}), 400)
+
+
+def test_tokenize_chat_messages_uses_the_template(live: LiveServer) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    tokens = _post(live, "/tokenize", {"messages": messages}).json()["tokens"]
+    text = _post(live, "/detokenize", {"tokens": tokens}).json()["prompt"]
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tokenizer_info_has_what_remote_tokenizers_read(live: LiveServer) -> None:
+    info = httpx.get(f"{live.url}/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and info["bos_token"] == "<|im_start|>"
+    assert info["model_max_length"] == 256 and "{% for message in messages %}" in info["chat_template"]
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra is not None and models[0].model_extra["max_model_len"] == 256
+
+
+def test_health_and_ready(live: LiveServer) -> None:
+    assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{live.url}/ready").json() == {"status": "ready"}
+
+
+def test_metrics_parse_and_count_finished_requests(live: LiveServer) -> None:
+    def success_total() -> float:
+        text = httpx.get(f"{live.url}/metrics").text
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        return sum(s.value for s in samples if s.name == "tokenmill:request_success_total")
+
+    before = success_total()
+    _post(live, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    # The engine counts a request after the step that finished it, possibly after the response left.
+    wait_until(lambda: success_total() == before + 1, what="the success counter to move")
