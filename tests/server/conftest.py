@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.server.app import EngineLoader
 from tokenmill.server.serve import DrainingServer, make_server
 from tokenmill.server.state import ServerState
 
@@ -40,7 +41,12 @@ class LiveServer:
     server: DrainingServer
     thread: threading.Thread
     url: str
-    engine: AsyncEngine
+
+    @property
+    def engine(self) -> AsyncEngine:
+        engine = self.server.state.engine
+        assert engine is not None, "the model is still loading"
+        return engine
 
     @property
     def state(self) -> ServerState:
@@ -58,7 +64,7 @@ class LiveServer:
         self.thread.join(timeout=15)
 
 
-def start_server(engine: AsyncEngine, config: ServerConfig) -> LiveServer:
+def start_server(engine: AsyncEngine | EngineLoader, config: ServerConfig) -> LiveServer:
     config = replace(config, port=free_port())
     server = make_server(engine, config, access_log=False, log_level="warning")
     thread = threading.Thread(target=server.run, name=f"uvicorn-{config.port}", daemon=True)
@@ -68,7 +74,7 @@ def start_server(engine: AsyncEngine, config: ServerConfig) -> LiveServer:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
-    return LiveServer(server, thread, f"http://127.0.0.1:{config.port}", engine)
+    return LiveServer(server, thread, f"http://127.0.0.1:{config.port}")
 
 
 def tiny_engine_config(model_dir: Path) -> EngineConfig:

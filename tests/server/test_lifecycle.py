@@ -1,4 +1,5 @@
-"""SIGTERM: stop admitting (/ready 503, new requests 503), finish in-flight requests, exit 0."""
+"""Server lifecycle: /ready false while the model loads; SIGTERM stops admitting (/ready 503, new
+requests 503), finishes in-flight requests and exits 0."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from tests.server.conftest import MODEL, free_port, start_server, wait_until
+from tests.server.conftest import MODEL, free_port, start_server, tiny_engine_config, wait_until
 from tests.server.test_failures import slowed
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
@@ -37,6 +38,31 @@ class StreamReader(threading.Thread):
     def finish_reason(self) -> str | None:
         reason: str | None = json.loads(self.events[-2])["choices"][0]["finish_reason"]
         return reason
+
+
+def test_not_ready_while_loading_then_serving(tiny_model_dir: Path) -> None:
+    may_load = threading.Event()
+    loaded: list[AsyncEngine] = []
+
+    def load() -> AsyncEngine:
+        may_load.wait(timeout=60)
+        loaded.append(AsyncEngine.from_config(tiny_engine_config(tiny_model_dir)))
+        return loaded[0]
+
+    live = start_server(load, ServerConfig(served_model_name=MODEL))
+    try:
+        assert httpx.get(f"{live.url}/health").status_code == 200
+        ready = httpx.get(f"{live.url}/ready")
+        assert ready.status_code == 503 and ready.json()["reason"] == "loading"
+        early = httpx.post(f"{live.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert early.status_code == 503 and early.json()["error"]["code"] == "loading"
+        may_load.set()
+        wait_until(lambda: httpx.get(f"{live.url}/ready").status_code == 200, timeout_s=60, what="the model")
+        assert httpx.post(f"{live.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    finally:
+        may_load.set()
+        live.stop()
+    assert not loaded[0]._thread.is_alive()  # the app loaded the engine, so the app shut it down
 
 
 def test_drain_finishes_in_flight_requests_and_refuses_new_ones(tiny_engine: AsyncEngine) -> None:

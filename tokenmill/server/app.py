@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -72,7 +72,22 @@ async def list_models(request: Request) -> ModelList:
 def build_app(engine: AsyncEngine | EngineLoader, config: ServerConfig) -> FastAPI:
     loader = None if isinstance(engine, AsyncEngine) else engine
     state = ServerState(config, engine if isinstance(engine, AsyncEngine) else None)
+    app = FastAPI(title="tokenmill", summary="OpenAI-compatible LLM server", lifespan=_lifespan(state, loader))
+    app.state.tokenmill = state
+    app.state.started_at = time.time()
+    install_error_handlers(app)
+    for router in (_ops, tokenize_api.router, openai_completions.router, openai_chat.router):
+        app.include_router(router)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(RequestIdMiddleware)  # added last = outermost: even a 401 carries the id
+    return app
 
+
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
+
+
+def _lifespan(state: ServerState, loader: EngineLoader | None) -> Lifespan:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tasks = [asyncio.create_task(monitor_engine(state))]
@@ -86,16 +101,7 @@ def build_app(engine: AsyncEngine | EngineLoader, config: ServerConfig) -> FastA
             if loader is not None and state.engine is not None:  # the app loaded it, so the app stops it
                 await asyncio.to_thread(state.engine.shutdown)
 
-    app = FastAPI(title="tokenmill", summary="OpenAI-compatible LLM server", lifespan=lifespan)
-    app.state.tokenmill = state
-    app.state.started_at = time.time()
-    install_error_handlers(app)
-    for router in (_ops, tokenize_api.router, openai_completions.router, openai_chat.router):
-        app.include_router(router)
-    if config.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
-    app.add_middleware(RequestIdMiddleware)  # added last = outermost: even a 401 carries the id
-    return app
+    return lifespan
 
 
 async def _load(state: ServerState, loader: EngineLoader) -> None:
