@@ -56,9 +56,10 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     max_tokens = resolve_max_tokens(len(prompt.token_ids), body.max_output_tokens, engine.core.max_model_len)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(engine, body, max_tokens, logprobs, None)
-    run, response_id = start_run(state, request, children_for(0, prompt, params, body.n, first_index=0), "chatcmpl",
-                                 body.priority)
-    ctx = _Context(body, prompt, state.require_texts(), response_id, state.config.served_model_name, now_s())
+    children = children_for(0, prompt, params, body.n, first_index=0)
+    texts = state.require_texts()
+    run, response_id = start_run(state, request, children, "chatcmpl", body.priority)  # nothing may fail after this
+    ctx = _Context(body, prompt, texts, response_id, state.config.served_model_name, now_s())
     if body.stream:
         return sse_response(run, _ChatChunks(ctx), state)
     last = await collect(run, request)

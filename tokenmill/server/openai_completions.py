@@ -45,8 +45,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise bad_request("suffix is not supported: put the whole text in the prompt", "suffix")
     prompts = _encode_prompts(engine, body.prompt)
     children = _children(engine, body, prompts)
-    run, response_id = start_run(state, request, children, "cmpl", body.priority)
-    ctx = _Context(body, prompts, state.require_texts(), response_id, state.config.served_model_name, now_s())
+    texts = state.require_texts()
+    run, response_id = start_run(state, request, children, "cmpl", body.priority)  # nothing may fail after this
+    ctx = _Context(body, prompts, texts, response_id, state.config.served_model_name, now_s())
     if body.stream:
         return sse_response(run, _CompletionChunks(ctx), state)
     last = await collect(run, request)

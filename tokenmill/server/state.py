@@ -101,15 +101,14 @@ class ServerState:
 
     def note_restarts(self) -> None:
         """Count engine restarts since the last look; any marks the engine unhealthy until a probe passes."""
-        if self.engine is None:
+        if self.engine is None or self.engine.num_restarts == self._seen_restarts:
             return
-        restarts = self.engine.num_restarts
-        for _ in range(restarts - self._seen_restarts):
+        num_new = self.engine.num_restarts - self._seen_restarts
+        self._seen_restarts = self.engine.num_restarts
+        self.is_engine_healthy = False
+        for _ in range(num_new):
             if self.metrics is not None:
                 self.metrics.on_restart()
-        if restarts != self._seen_restarts:
-            self.is_engine_healthy = False
-            self._seen_restarts = restarts
 
     async def probe_engine(self) -> bool:
         """One greedy token through the engine: does a step run again after a failure?"""
