@@ -18,9 +18,11 @@ install: $(STAMP)
 
 serve: install
 	$(PYTHON) -m tokenmill pull $(MODEL)
-	$(PYTHON) -m tokenmill generate $(MODEL) --chat "$(PROMPT)"
+	$(PYTHON) -m tokenmill serve $(MODEL)
 
-generate: serve
+generate: install
+	$(PYTHON) -m tokenmill pull $(MODEL)
+	$(PYTHON) -m tokenmill generate $(MODEL) --chat "$(PROMPT)"
 
 lint: install
 	$(PYTHON) -m ruff check tokenmill tests benchmarks

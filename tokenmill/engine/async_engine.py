@@ -123,14 +123,18 @@ class AsyncEngine:
         self._commands.put(command)
         self._wake.set()
 
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _run(self) -> None:
         while not self._stopped:
-            self._drain_commands()
-            if not self.core.has_unfinished:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
             try:
+                self._drain_commands()
+                if not self.core.has_unfinished:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
                 self._step()
             except Exception as exc:  # any failure must reach every waiting client
                 self._recover(exc)
@@ -174,14 +178,18 @@ class AsyncEngine:
             if stream is not None:
                 stream.put(processed.output)
         for listener in self._listeners:
-            listener(result.stats, finished)
+            try:
+                listener(result.stats, finished)
+            except Exception:  # observability must never fail requests
+                log.exception("stats listener failed")
 
     def _recover(self, exc: Exception) -> None:
         log.exception("engine step failed; failing in-flight requests and restarting the engine loop")
         self.num_restarts += 1
         error = EngineDeadError(f"the engine failed while running this request: {exc}")
-        for request_id in list(self.core.scheduler.requests):
-            self.core.abort(request_id)
-            self.processor.abort(request_id)
+        # Rebuild the scheduler and block tables from scratch: after a failure mid-step their
+        # state may be inconsistent, and a clean slate is cheap (weights and KV tensors stay).
+        self.core.reset()
+        self.processor = OutputProcessor(self.tokenizer)
         for stream in list(self._streams.values()):
             stream.put(error)

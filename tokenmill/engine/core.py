@@ -13,6 +13,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner, num_kv_blocks
 from tokenmill.engine.request import EngineOutput, FinishReason, Request, SamplingParams
+from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import RunnerOutput, Scheduler
 from tokenmill.engine.stats import StepStats
 from tokenmill.errors import RequestValidationError
@@ -94,6 +95,13 @@ class EngineCore:
             return None
         return EngineOutput(request_id, [], [], FinishReason.ABORT, request.num_prompt_tokens,
                             request.num_cached_tokens, request.times)
+
+    def reset(self) -> None:
+        """Drop every request and all block bookkeeping (the KV tensors and weights stay)."""
+        cache = self.config.cache
+        self.kv = KVCacheManager(self.kv.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len)
+        self.runner.sampler = Sampler(self.runner.device, self.config.model.seed)
 
     @property
     def has_unfinished(self) -> bool:
