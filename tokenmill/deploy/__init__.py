@@ -1,0 +1,1 @@
+"""Running tokenmill on distributed serving systems (Ray Serve: ray_serve.py)."""
