@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.cli_batch import add_batch_parser
+from tokenmill.cli_bench import add_bench_parser
 from tokenmill.cli_gateway import add_gateway_parsers
 from tokenmill.cli_generate import add_generate_parser
 from tokenmill.cli_serve import add_serve_parser
@@ -120,7 +121,7 @@ def _print_plain_table(rows: list[tuple[str, ...]]) -> None:
 
 _PARSER_SETUPS: list[Callable[[_Subparsers], None]] = [
     _add_pull_parser, _add_models_parser, add_generate_parser, add_serve_parser, add_batch_parser,
-    add_gateway_parsers,
+    add_gateway_parsers, add_bench_parser,
 ]
 
 

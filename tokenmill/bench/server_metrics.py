@@ -1,0 +1,106 @@
+"""Where the time went, from the target's own Prometheus metrics: queue vs prefill vs decode.
+
+A tokenmill (or vLLM, with its `vllm:` prefix) server keeps per-request histograms of each
+phase. Scraping `/metrics` before and after the run and subtracting gives histograms of this run
+alone; quantiles come from the buckets as PromQL's `histogram_quantile` computes them (linear
+inside a bucket, so they are only as fine as the buckets: 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5 s...).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenmill.bench.stats import PERCENTILES
+
+PREFIXES = ("tokenmill:", "vllm:")
+PHASES = {"queue": "request_queue_time_seconds", "prefill": "request_prefill_time_seconds",
+          "decode": "request_decode_time_seconds", "ttft": "time_to_first_token_seconds",
+          "e2e": "e2e_request_latency_seconds"}
+PREFIX_CACHE = ("prefix_cache_queries_total", "prefix_cache_hits_total")
+
+SampleKey = tuple[str, float | None]  # (sample name, `le` bound or None), summed over other labels
+Samples = dict[SampleKey, float]
+
+
+@dataclass(slots=True, frozen=True)
+class Histogram:
+    buckets: tuple[tuple[float, float], ...]  # (upper bound, cumulative count), ending with +Inf
+    sum: float
+
+    @property
+    def count(self) -> float:
+        return self.buckets[-1][1] if self.buckets else 0.0
+
+    def minus(self, earlier: Histogram) -> Histogram:
+        before = dict(earlier.buckets)
+        return Histogram(tuple((le, n - before.get(le, 0.0)) for le, n in self.buckets), self.sum - earlier.sum)
+
+    def quantile(self, q: float) -> float | None:
+        """PromQL histogram_quantile: None without observations; the top finite bound if it lands in +Inf."""
+        if self.count <= 0:
+            return None
+        rank = q * self.count
+        lower, below = 0.0, 0.0
+        for upper, cumulative in self.buckets:
+            if cumulative >= rank:
+                if math.isinf(upper):
+                    return lower
+                return lower + (upper - lower) * (rank - below) / (cumulative - below)
+            lower, below = upper, cumulative
+        return lower
+
+    def summary(self) -> dict[str, float | None]:
+        mean = self.sum / self.count if self.count > 0 else None
+        return {"count": self.count, "mean": mean, **{f"p{p}": self.quantile(p / 100) for p in PERCENTILES}}
+
+
+async def scrape(client: httpx.AsyncClient, base_url: str) -> Samples | None:
+    """The server's samples, or None when it has no Prometheus endpoint."""
+    try:
+        response = await client.get(base_url + "/metrics")
+        if response.status_code != 200:
+            return None
+        return parse(response.text)
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def parse(text: str) -> Samples:
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            le = sample.labels.get("le")
+            key = (sample.name, float(le) if le is not None else None)
+            samples[key] = samples.get(key, 0.0) + sample.value
+    return samples
+
+
+def histogram(samples: Samples, name: str) -> Histogram | None:
+    buckets = sorted((le, n) for (sample, le), n in samples.items() if sample == f"{name}_bucket" and le is not None)
+    if not buckets:
+        return None
+    return Histogram(tuple(buckets), samples.get((f"{name}_sum", None), 0.0))
+
+
+def _prefix(samples: Samples) -> str | None:
+    return next((p for p in PREFIXES if any(name.startswith(p + PHASES["queue"]) for name, _ in samples)), None)
+
+
+def phase_breakdown(before: Samples | None, after: Samples | None) -> dict[str, Any] | None:
+    """Per phase: count, mean and percentiles of this run's requests; None if the target has no phases."""
+    prefix = _prefix(after) if after is not None else None
+    if before is None or after is None or prefix is None:
+        return None
+    phases: dict[str, Any] = {}
+    for phase, name in PHASES.items():
+        now, then = histogram(after, prefix + name), histogram(before, prefix + name)
+        if now is not None:
+            phases[phase] = (now.minus(then) if then is not None else now).summary()
+    queries, hits = (after.get((prefix + n, None), 0.0) - before.get((prefix + n, None), 0.0) for n in PREFIX_CACHE)
+    return {"source": prefix.rstrip(":"), "phases_s": phases,
+            "prefix_cache_hit_rate": hits / queries if queries > 0 else None}
