@@ -57,11 +57,13 @@ class PagedAttention:
         kv_dim = self.num_kv_heads * self.head_dim
         k_cache.view(-1, kv_dim).index_copy_(0, meta.slot_mapping, k.reshape(-1, kv_dim))
         v_cache.view(-1, kv_dim).index_copy_(0, meta.slot_mapping, v.reshape(-1, kv_dim))
+        groups = [g for g in (meta.decode, meta.prefill) if g is not None]
+        if len(groups) == 1:  # all decodes or all prefill: no scatter into a shared output
+            return self._group(q, k_cache, v_cache, groups[0], is_sliding).reshape(q.shape[0], -1)
         out = torch.empty_like(q)
-        for group in (meta.decode, meta.prefill):
-            if group is not None:
-                sl = slice(group.token_start, group.token_start + group.num_tokens)
-                out[sl] = self._group(q[sl], k_cache, v_cache, group, is_sliding)
+        for group in groups:
+            sl = slice(group.token_start, group.token_start + group.num_tokens)
+            out[sl] = self._group(q[sl], k_cache, v_cache, group, is_sliding)
         return out.view(q.shape[0], -1)
 
     def _group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim]
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, signed sin), each [T, 1, head_dim]
 
 
 class RotaryEmbedding:
@@ -21,15 +21,16 @@ class RotaryEmbedding:
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((angles, angles), dim=-1)
         self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        # rotate_half(x) = cat(-x2, x1) = roll(x, d/2) * [-1…, +1…]: fold the signs into sin.
+        sin = emb.sin()
+        half = head_dim // 2
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype=dtype, device=device)
 
     def tables(self, positions: torch.Tensor) -> RopeTables:
         """cos/sin for `positions` [T], shaped [T, 1, head_dim] to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim] → x·cos + rotate_half(x)·sin, in three ops."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

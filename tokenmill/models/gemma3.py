@@ -30,6 +30,8 @@ class Gemma3DecoderLayer(DecoderLayer):
                 "post_feedforward_layernorm": self.post_feedforward_layernorm,
                 "self_attn.q_norm": self.q_norm, "self_attn.k_norm": self.k_norm}
 
+    has_qk_norm = True
+
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)
 

@@ -28,8 +28,6 @@ class DecoderLayer(nn.Module):
         self.arch = arch
         self.layer_idx = layer_idx
         self.is_sliding = arch.is_sliding_layer(layer_idx)
-        self.q_size = arch.num_heads * arch.head_dim
-        self.kv_size = arch.num_kv_heads * arch.head_dim
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_offset)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_offset)
         self.qkv_weight = torch.empty(0)
@@ -58,13 +56,17 @@ class DecoderLayer(nn.Module):
         return {"input_layernorm": self.input_layernorm, "post_attention_layernorm": self.post_attention_layernorm}
 
     def qkv(self, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.arch.num_heads, self.arch.head_dim)
-        k = k.view(-1, self.arch.num_kv_heads, self.arch.head_dim)
-        q, k = self.qk_norm(q, k)
-        cos, sin = rope
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.view_as(k)
+        num_heads, num_kv_heads = self.arch.num_heads, self.arch.num_kv_heads
+        heads = F.linear(x, self.qkv_weight, self.qkv_bias).view(-1, num_heads + 2 * num_kv_heads, self.arch.head_dim)
+        v = heads[:, num_heads + num_kv_heads:]
+        if self.has_qk_norm:
+            q, k = self.qk_norm(heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads])
+            return apply_rotary(q, *rope), apply_rotary(k, *rope), v
+        # q and k rotate together: one set of RoPE ops per layer instead of two.
+        qk = apply_rotary(heads[:, :num_heads + num_kv_heads], *rope)
+        return qk[:, :num_heads], qk[:, num_heads:], v
+
+    has_qk_norm = False
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
