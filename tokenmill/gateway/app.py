@@ -37,8 +37,10 @@ GRACEFUL_SHUTDOWN_S = 30
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, launcher: LocalLauncher | None = None) -> None:
+        """`launcher`: how local replicas start (default: `tokenmill serve` per config.local)."""
         self.config = config
+        self._launcher = launcher
         self.metrics = GatewayMetrics()
         self.replicas = ReplicaSet()
         health = config.health
@@ -57,8 +59,8 @@ class Gateway:
             return None
         # Without autoscaling the fleet is fixed, but a dead replica is still replaced.
         fixed = AutoscaleConfig(self.config.initial_replicas, self.config.initial_replicas)
-        return Autoscaler(self.replicas, LocalLauncher(self.config.local), self.config.autoscale or fixed,
-                          self.config.breaker, self.metrics)
+        launcher = self._launcher or LocalLauncher(self.config.local)
+        return Autoscaler(self.replicas, launcher, self.config.autoscale or fixed, self.config.breaker, self.metrics)
 
     async def start(self) -> None:
         for url in self.config.backends:
@@ -121,8 +123,9 @@ def build_app(gateway: Gateway) -> FastAPI:
     return app
 
 
-def make_server(config: GatewayConfig, *, log_level: str = "info", access_log: bool = False) -> uvicorn.Server:
-    app = build_app(Gateway(config))
+def make_server(config: GatewayConfig, *, gateway: Gateway | None = None, log_level: str = "info",
+                access_log: bool = False) -> uvicorn.Server:
+    app = build_app(gateway or Gateway(config))
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_config=None, log_level=log_level,
                                access_log=access_log, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
     return uvicorn.Server(uv_config)
