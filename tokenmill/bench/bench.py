@@ -24,7 +24,7 @@ from tokenmill.bench.errors import BenchError
 from tokenmill.bench.metrics import SLO, BenchMetrics, compute_metrics
 from tokenmill.bench.records import RequestRecord
 from tokenmill.bench.runner import RunOutcome, RunSpec, make_client, run_sessions
-from tokenmill.bench.server_metrics import phase_breakdown, scrape
+from tokenmill.bench.server_metrics import finished_count, phase_breakdown, scrape_settled
 from tokenmill.bench.sessions import Api, Session
 from tokenmill.bench.tokens import PromptFactory, connect_tokenizer
 from tokenmill.bench.workloads import WorkloadParams, get_workload
@@ -99,7 +99,7 @@ async def prepare(client: httpx.AsyncClient, config: BenchConfig, urls: Sequence
     targets = [Target(server_root(url), model or await discover_model(client, server_root(url), api_key), api_key)
                for url in urls]
     tokenizer = await connect_tokenizer(client, targets[0].base_url, targets[0].model)
-    prompts = await PromptFactory.load(tokenizer)
+    prompts = PromptFactory(tokenizer)
     rng = np.random.default_rng([config.seed, 0])
     if config.dataset is not None:
         sessions = await load_sessions(Path(config.dataset), config.params.num_sessions, config.params.turns,
@@ -132,9 +132,11 @@ async def measure(client: httpx.AsyncClient, target: Target, config: BenchConfig
     offsets = arrival.offsets_s(len(sessions), np.random.default_rng([config.seed, 1]))  # same for every target
     spec = RunSpec(get_workload(config.workload).api, sessions, offsets, config.params.think_time_s,
                    config.max_concurrency, config.ignore_eos)
-    before = await scrape(client, target.base_url)
+    before = await scrape_settled(client, target.base_url)
     outcome = await run_sessions(client, target, spec)
-    server = phase_breakdown(before, await scrape(client, target.base_url))
+    num_done = sum(record.is_success for record in outcome.records)
+    after = await scrape_settled(client, target.base_url, (finished_count(before) or 0.0) + num_done)
+    server = phase_breakdown(before, after)
     return outcome, server, arrival
 
 

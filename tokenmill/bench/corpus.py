@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import warnings
 from enum import StrEnum
 
 # Chosen for size and variety; the order is part of the corpus, keep it stable.
@@ -28,6 +29,13 @@ def corpus_text(kind: TextKind) -> str:
 
 
 def _prose() -> str:
+    # Reading every member's docstring touches deprecated aliases (typing.io, typing.re) that warn.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _docstrings()
+
+
+def _docstrings() -> str:
     pieces: list[str] = []
     for name in _PROSE_MODULES:
         module = importlib.import_module(name)

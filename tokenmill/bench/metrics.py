@@ -48,16 +48,22 @@ class SLO:
 
 @dataclass(slots=True, frozen=True)
 class SLOCheck:
-    """Run-level verdict on one bound: is the chosen percentile of the metric within it?"""
+    """Run-level verdict on one bound: is the chosen percentile of the metric within it?
+
+    The percentile is over successful requests; a failed request never got its answer, as if
+    infinitely slow, so the check also fails when failures alone fill the tail (P99: > 1% failed).
+    """
 
     metric: str
     percentile: int
     bound_s: float
     value_s: float | None
+    failed_fraction: float = 0.0
 
     @property
     def is_met(self) -> bool:
-        return self.value_s is not None and self.value_s <= self.bound_s
+        tail_fraction = (100 - self.percentile) / 100
+        return self.value_s is not None and self.value_s <= self.bound_s and self.failed_fraction <= tail_fraction
 
 
 @dataclass(slots=True)
@@ -107,7 +113,7 @@ class BenchMetrics:
 
 def _check_json(check: SLOCheck) -> dict[str, Any]:
     return {"metric": check.metric, "percentile": check.percentile, "bound_s": check.bound_s,
-            "value_s": check.value_s, "is_met": check.is_met}
+            "value_s": check.value_s, "failed_fraction": check.failed_fraction, "is_met": check.is_met}
 
 
 def compute_metrics(records: Sequence[RequestRecord], duration_s: float, slo: SLO | None = None,
@@ -140,8 +146,9 @@ def _apply_slo(metrics: BenchMetrics, records: Sequence[RequestRecord], slo: SLO
     metrics.goodput = num_good / metrics.duration_s
     metrics.slo_attainment = num_good / len(records) if records else None
     summaries = {"ttft": metrics.ttft, "tpot": metrics.tpot, "e2e": metrics.e2e}
-    metrics.slo_checks = [SLOCheck(name, slo.percentile, bound, summaries[name].percentile(slo.percentile))
-                          for name, bound in slo.bounds().items()]
+    failed_fraction = metrics.num_failed / metrics.num_requests if metrics.num_requests else 0.0
+    metrics.slo_checks = [SLOCheck(name, slo.percentile, bound, summaries[name].percentile(slo.percentile),
+                                   failed_fraction) for name, bound in slo.bounds().items()]
 
 
 def errors_by_kind(records: Sequence[RequestRecord]) -> dict[str, int]:

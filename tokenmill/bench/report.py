@@ -6,6 +6,7 @@ Latencies are stored in seconds in the JSON, shown in milliseconds in tables, as
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,7 +31,9 @@ def document(config: BenchConfig, prepared: Prepared, results: Sequence[RunResul
         "schema": SCHEMA, "created_unix": time.time(), "command": list(command),
         "workload": {"name": workload.name, "api": workload.api.value, "params": config.params.as_dict(),
                      "dataset": config.dataset},
-        "arrival": {"process": config.arrival, "sweep_rates": list(config.rates) or None},
+        # JSON has no infinity: an unlimited rate is null, as in each run's arrival description.
+        "arrival": {"process": config.arrival,
+                    "sweep_rates": [None if math.isinf(r) else r for r in config.rates] or None},
         "max_concurrency": config.max_concurrency, "seed": config.seed, "ignore_eos": config.ignore_eos,
         "slo": {"ttft_s": config.slo.ttft_s, "tpot_s": config.slo.tpot_s, "e2e_s": config.slo.e2e_s,
                 "percentile": config.slo.percentile},
@@ -91,8 +94,11 @@ ROWS: list[Row] = [
 
 
 def column_name(result: RunResult, many_targets: bool) -> str:
-    rate = result.arrival.get("rate")
-    rate_text = f"{rate:g}/s" if isinstance(rate, int | float) else result.arrival.get("process", "")
+    if "rate" in result.arrival:
+        rate = result.arrival["rate"]
+        rate_text = "inf" if rate is None else f"{rate:g}/s"
+    else:
+        rate_text = str(result.arrival.get("process", ""))
     return f"{result.target.base_url}\n{rate_text}" if many_targets else str(rate_text)
 
 

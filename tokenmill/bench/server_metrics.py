@@ -8,7 +8,9 @@ inside a bucket, so they are only as fine as the buckets: 0.3, 0.5, 0.8, 1, 1.5,
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,8 @@ PREFIXES = ("tokenmill:", "vllm:")
 PHASES = {"queue": "request_queue_time_seconds", "prefill": "request_prefill_time_seconds",
           "decode": "request_decode_time_seconds", "ttft": "time_to_first_token_seconds",
           "e2e": "e2e_request_latency_seconds"}
+SETTLE_TIMEOUT_S = 3.0
+SETTLE_POLL_S = 0.05
 PREFIX_CACHE = ("prefix_cache_queries_total", "prefix_cache_hits_total")
 
 SampleKey = tuple[str, float | None]  # (sample name, `le` bound or None), summed over other labels
@@ -68,6 +72,27 @@ async def scrape(client: httpx.AsyncClient, base_url: str) -> Samples | None:
         return parse(response.text)
     except (httpx.HTTPError, ValueError):
         return None
+
+
+async def scrape_settled(client: httpx.AsyncClient, base_url: str, min_finished: float = 0.0) -> Samples | None:
+    """Scrapes until the server has booked every finished request: a stream can end a few
+    milliseconds before the server records the request's histograms, so we wait until the count
+    of finished requests reaches `min_finished` and holds still across two scrapes."""
+    previous: float | None = None
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while True:
+        samples = await scrape(client, base_url)
+        count = finished_count(samples)
+        if count is None or (count == previous and count >= min_finished) or time.monotonic() > deadline:
+            return samples
+        previous = count
+        await asyncio.sleep(SETTLE_POLL_S)
+
+
+def finished_count(samples: Samples | None) -> float | None:
+    prefix = _prefix(samples) if samples is not None else None
+    e2e = histogram(samples, prefix + PHASES["e2e"]) if samples is not None and prefix is not None else None
+    return e2e.count if e2e is not None else None
 
 
 def parse(text: str) -> Samples:

@@ -113,15 +113,13 @@ def chunks(text: str, size: int = CHUNK_CHARS) -> list[str]:
 class PromptFactory:
     """Cuts texts of a chosen token count out of the tokenized corpus, at random offsets."""
 
-    def __init__(self, tokenizer: Tokenizer, corpus_ids: dict[TextKind, list[int]]) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.corpus_ids = corpus_ids
-
-    @classmethod
-    async def load(cls, tokenizer: Tokenizer) -> PromptFactory:
-        return cls(tokenizer, {kind: await _tokenize_corpus(tokenizer, kind) for kind in TextKind})
+        self.corpus_ids: dict[TextKind, list[int]] = {}  # tokenized on first use: a workload needs one kind
 
     async def text(self, kind: TextKind, num_tokens: int, rng: np.random.Generator) -> str:
+        if kind not in self.corpus_ids:
+            self.corpus_ids[kind] = await _tokenize_corpus(self.tokenizer, kind)
         ids = self.corpus_ids[kind]
         repeats = -(-num_tokens // len(ids)) + 1  # a prompt longer than the corpus wraps around
         offset = int(rng.integers(0, len(ids)))
