@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.errors import TokenmillError
+from tokenmill.platform import auto_dtype
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -19,7 +20,7 @@ def _require(ok: bool, message: str) -> None:
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model: str
-    dtype: str = "auto"  # "auto": bfloat16 (AMX on CPU, tensor cores on GPU); float32 for parity
+    dtype: str = "auto"  # "auto": bfloat16 where the hardware has it natively (GPU, AVX512-BF16/AMX), else float32
     device: str = "auto"  # "auto": cuda when available, else cpu
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
@@ -30,7 +31,7 @@ class ModelConfig:
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
 
     def torch_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.dtype == "auto" else _DTYPES[self.dtype]
+        return auto_dtype(self.torch_device()) if self.dtype == "auto" else _DTYPES[self.dtype]
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
