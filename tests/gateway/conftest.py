@@ -1,11 +1,12 @@
 """A live gateway on a free 127.0.0.1 port, in a thread, with test-sized timeouts (fast probes, short
-ejections), in front of fake replicas (fakes.py)."""
+ejections), in front of fake replicas (fakes.py) or, for the slow tests, real local replicas."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,7 +14,7 @@ import uvicorn
 
 from tests.gateway.fakes import FakeReplica, free_port, wait_until
 from tokenmill.gateway.app import Gateway, make_server
-from tokenmill.gateway.config import BreakerConfig, GatewayConfig, HealthConfig, RetryConfig
+from tokenmill.gateway.config import BreakerConfig, GatewayConfig, HealthConfig, LocalReplicaConfig, RetryConfig
 
 FAST_HEALTH = HealthConfig(probe_interval_s=0.05, probe_timeout_s=0.5, connect_timeout_s=0.5, read_timeout_s=2.0)
 FAST_RETRY = RetryConfig(max_attempts=3, backoff_base_s=0.01, backoff_max_s=0.05, wait_for_replica_s=2.0)
@@ -90,3 +91,33 @@ def wait_ready(gateway: LiveGateway, num_routable: int = 1, timeout_s: float = 1
         return response.status_code == 200 and response.json()["num_routable"] >= num_routable
 
     wait_until(ready, timeout_s, what=f"{num_routable} routable replicas")
+
+
+# ---- real local replicas (slow tests): `tokenmill serve` of the tiny llama
+
+TINY_SERVE_ARGS = ("--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "128", "--threads", "1",
+                   "--log-level", "warning")
+REAL_HEALTH = HealthConfig(probe_interval_s=1.0, probe_timeout_s=2.0, connect_timeout_s=2.0, read_timeout_s=60.0)
+REAL_RETRY = RetryConfig(max_attempts=3, wait_for_replica_s=60.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_hf_dir: Callable[[str], Path]) -> Path:
+    return tiny_hf_dir("llama")
+
+
+@pytest.fixture
+def local_gateway(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., LiveGateway]]:
+    started: list[LiveGateway] = []
+
+    def make(num_replicas: int, serve_args: tuple[str, ...] = TINY_SERVE_ARGS, **overrides: object) -> LiveGateway:
+        local = LocalReplicaConfig(str(tiny_model), serve_args, log_dir=str(tmp_path / "logs"), drain_timeout_s=10)
+        config = fast_config(backends=(), local=local, initial_replicas=num_replicas, health=REAL_HEALTH,
+                             retry=REAL_RETRY, breaker=BreakerConfig(failure_threshold=3, open_s=2.0),
+                             policy="least_outstanding")
+        started.append(start_gateway(replace(config, **overrides)))  # type: ignore[arg-type]
+        return started[-1]
+
+    yield make
+    for live in started:
+        live.stop()

@@ -48,23 +48,23 @@ def test_autoscaler_keeps_a_warm_buffer_replaces_the_dead_and_drains_down() -> N
                             BreakerConfig(), metrics)
         try:
             scaler.tick()
-            assert len(replicas) == 1  # idle: max(min 1, 0 busy + 1 warm)
+            assert len(replicas) == 2  # idle: the floor (min 1) + 1 warm
             first = next(iter(replicas))
-            first.num_outstanding = 3  # ceil(3 / 2) = 2 busy + 1 warm
+            first.num_outstanding = 5  # ceil(5 / 2) = 3 busy + 1 warm
             scaler.tick()
-            assert len(replicas) == 3
+            assert len(replicas) == 4
             victim = list(replicas)[1]
             assert victim.process is not None
             victim.process.signal(signal.SIGKILL)
             wait_until(victim.process.has_exited, what="the kill")
             scaler.tick()  # reaped and replaced in one tick
-            assert victim not in list(replicas) and len(replicas) == 3
+            assert victim not in list(replicas) and len(replicas) == 4
             assert metrics.registry.get_sample_value(REPLACED) == 1
             first.num_outstanding = 0
             for _ in range(4):  # one drain per tick (delay 0) down to the floor
                 scaler.tick()
                 await asyncio.sleep(0)
-            assert sum(r.is_live for r in replicas) == 1
+            assert sum(r.is_live for r in replicas) == 2
         finally:
             await scaler.stop_all()
         assert all(r.lifecycle is Lifecycle.GONE for r in replicas) and len(replicas) == 0

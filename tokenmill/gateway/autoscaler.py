@@ -1,10 +1,11 @@
 """Autoscaling of local replicas, with a buffer of warm idle ones, and replacement of dead ones.
 
     load     = Σ over local replicas of max(gateway's outstanding, replica's running + waiting)
-    desired  = clamp(ceil(load / target_load_per_replica) + warm_replicas, min_replicas, max_replicas)
+    busy     = max(ceil(load / target_load_per_replica), min_replicas)
+    desired  = min(busy + warm_replicas, max_replicas)
 
 The `warm_replicas` term is the buffer: replicas already loaded and idle beyond what the load
-needs, so a step up in traffic lands on a ready replica at once while the autoscaler starts a
+(or the floor) needs, so a step up in traffic lands on a ready replica at once while the autoscaler starts a
 cold one to refill the buffer. Scale-up is immediate (new replicas start concurrently); scale-
 down waits until the fleet has been too big for `scale_down_delay_s` (no flapping on bursty
 traffic) and then drains one replica at a time with SIGTERM, so no request is cut off.
@@ -53,8 +54,8 @@ class Autoscaler:
 
     def desired(self, live: list[Replica]) -> int:
         load = sum(replica.load() for replica in live)
-        busy = math.ceil(load / self.config.target_load_per_replica)
-        return max(self.config.min_replicas, min(self.config.max_replicas, busy + self.config.warm_replicas))
+        busy = max(math.ceil(load / self.config.target_load_per_replica), self.config.min_replicas)
+        return min(busy + self.config.warm_replicas, self.config.max_replicas)
 
     def start(self, num_replicas: int) -> list[Replica]:
         """Spawn replicas at once: they load in parallel, and the prober admits each when ready."""

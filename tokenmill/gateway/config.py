@@ -75,7 +75,7 @@ class LocalReplicaConfig:
 
 @dataclass(frozen=True, slots=True)
 class AutoscaleConfig:
-    """Local replicas: keep ceil(load / target) busy ones plus `warm` idle ones, within [min, max]."""
+    """Local replicas: max(ceil(load / target), min) busy ones plus `warm` idle ones, at most max."""
 
     min_replicas: int = 1
     max_replicas: int = 1

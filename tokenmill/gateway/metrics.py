@@ -11,7 +11,15 @@ Outcomes of a client request (label `outcome`, one per request, on the replica t
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from tokenmill.gateway.breaker import BreakerState
 from tokenmill.gateway.replica import Lifecycle, Replica
@@ -23,6 +31,9 @@ NO_REPLICA = "none"  # the replica label of requests that never reached one
 # vLLM's e2e boundaries (the replicas use them too), so gateway and replica latencies line up.
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                      40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+# As the server does (server/metrics.py): no `*_created` series, which no dashboard reads.
+disable_created_metrics()
+
 START_BUCKETS_S = (0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
