@@ -99,17 +99,18 @@ class TokenmillReplica:
         self.settings = settings
         started = time.monotonic()
         self.engine = AsyncEngine.from_config(_engine_config(settings))
-        self.app = build_app(self.engine, _server_config(settings))
-        self.state = self.app.state.tokenmill
+        # Not `self.app`: Ray's ingress wrapper, which this class becomes a base of, owns that name.
+        self.server_app = build_app(self.engine, _server_config(settings))
+        self.server_state = self.server_app.state.tokenmill
         self._unready_since: float | None = None
         log.info("tokenmill replica ready in %.1f s", time.monotonic() - started)
 
     def __serve_build_asgi_app__(self) -> Any:
-        return self.app  # Ray serves it and runs its lifespan (the engine monitor)
+        return self.server_app  # Ray serves it and runs its lifespan (the engine monitor)
 
     def check_health(self) -> None:
         """Raise to have Ray replace this replica; a short engine restart is not a reason."""
-        reason = self.state.not_ready_reason()
+        reason = self.server_state.not_ready_reason()
         if reason is None or reason == "draining":
             self._unready_since = None
             return
