@@ -1,0 +1,303 @@
+"""Shared helpers of the benchmark scripts: prompts, machine noise, timing stats, results on disk.
+
+Every script is run as `python benchmarks/NAME.py`, so this module also puts the repository
+root on `sys.path` (tokenmill need not be installed).
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import datetime as _dt
+import importlib
+import importlib.util
+import inspect
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+if importlib.util.find_spec("tokenmill") is None and str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # else: an installed tokenmill, or one on PYTHONPATH, wins
+
+MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b")
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+# Stdlib modules whose docstrings make the prompt corpus: fixed for a given Python version, so
+# the prompts are the same on every run and every machine with that Python.
+_CORPUS_MODULES = ("json", "argparse", "collections", "textwrap", "functools", "itertools", "pathlib",
+                   "subprocess", "logging", "dataclasses", "asyncio", "unittest", "typing", "re", "string",
+                   "statistics", "datetime", "csv", "shutil", "tempfile", "heapq", "bisect", "enum", "contextlib")
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def corpus_text() -> str:
+    """English prose from the Zen of Python and the docstrings of stdlib modules, in a fixed order."""
+    pieces = [_zen_of_python()]
+    for name in _CORPUS_MODULES:
+        module = importlib.import_module(name)
+        pieces.append(inspect.getdoc(module) or "")
+        for _, member in sorted(vars(module).items()):
+            if (inspect.isclass(member) or inspect.isfunction(member)) and getattr(member, "__module__", "") == name:
+                pieces.append(inspect.getdoc(member) or "")
+    return "\n\n".join(p for p in pieces if p)
+
+
+def _zen_of_python() -> str:
+    with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints the Zen
+        this = importlib.import_module("this")
+    return codecs.decode(this.s, "rot13")
+
+
+def build_prompts(encode: Callable[..., list[int]], num_prompts: int, prompt_len: int,
+                  bos_token_id: int | None) -> list[list[int]]:
+    """`num_prompts` prompts of exactly `prompt_len` token ids: consecutive, non-overlapping windows
+    of the corpus (so no two prompts share a prefix), each led by BOS when the model uses one."""
+    ids = encode(corpus_text(), add_special_tokens=False)
+    body = prompt_len - (1 if bos_token_id is not None else 0)
+    if len(ids) < num_prompts * body:
+        ids = ids * (num_prompts * body // len(ids) + 1)  # wraps only for very long requests
+    lead = [bos_token_id] if bos_token_id is not None else []
+    return [lead + ids[i * body:(i + 1) * body] for i in range(num_prompts)]
+
+
+def prompt_bos(tokenizer: Any) -> int | None:
+    return tokenizer.bos_token_id if tokenizer.add_bos_token else None
+
+
+# ---------------------------------------------------------------- machine noise
+
+
+def _busy_jiffies() -> int:
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields[:8]) - idle
+
+
+def _own_jiffies() -> int:
+    with open("/proc/self/stat") as f:
+        after_name = f.read().rsplit(")", 1)[1].split()
+    return int(after_name[11]) + int(after_name[12])  # utime + stime, all threads
+
+
+@dataclass(slots=True)
+class NoiseMeter:
+    """CPU time that *other* processes used while this one ran, in cores (0 = quiet machine).
+
+    On 2 cores any other busy process stalls every parallel op (see shared/CPU_NOTES.md), so
+    each figure carries the noise it was measured under.
+    """
+
+    started_s: float = field(default_factory=time.monotonic)
+    busy0: int = field(default_factory=_busy_jiffies)
+    own0: int = field(default_factory=_own_jiffies)
+
+    def others_cores(self) -> float:
+        wall = max(time.monotonic() - self.started_s, 1e-9)
+        others = (_busy_jiffies() - self.busy0) - (_own_jiffies() - self.own0)
+        return max(0.0, others / _CLOCK_TICKS / wall)
+
+
+def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.25, window_s: float = 2.0) -> float:
+    """Sleep until other processes use under `threshold_cores` over a window (or give up).
+    Returns the last measured load of others, in cores."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        meter = NoiseMeter()
+        time.sleep(window_s)
+        load = meter.others_cores()
+        if load < threshold_cores or time.monotonic() >= deadline:
+            if load >= threshold_cores:
+                print(f"warning: machine still busy (others use {load:.2f} cores); measuring anyway")
+            return load
+        print(f"waiting for a quiet machine: others use {load:.2f} cores")
+
+
+# ---------------------------------------------------------------- timing
+
+
+@dataclass(slots=True)
+class Stats:
+    n: int
+    median: float
+    mean: float
+    p10: float
+    p90: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Stats:
+        ordered = sorted(values)
+        return cls(len(ordered), statistics.median(ordered), statistics.fmean(ordered), _quantile(ordered, 0.1),
+                   _quantile(ordered, 0.9), ordered[0], ordered[-1])
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks."""
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+class Timer:
+    """`with Timer() as t: ...` then `t.elapsed_s`."""
+
+    def __enter__(self) -> Timer:
+        self.start = time.perf_counter()
+        self.elapsed_s = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.elapsed_s = time.perf_counter() - self.start
+
+
+def pin_threads(num_threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(num_threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
+
+
+# ---------------------------------------------------------------- model sizes
+
+
+def weight_bytes(model: Any) -> dict[str, Any]:
+    """Sum of the weight tensors a decode step reads, each storage once (tied lm_head counted once)."""
+    import torch
+
+    seen: dict[int, int] = {}
+    dtypes: set[str] = set()
+    embed = model.embed_weight
+    for module in model.modules():
+        tensors = [p for _, p in module.named_parameters(recurse=False)]
+        tensors += [v for k, v in vars(module).items()
+                    if isinstance(v, torch.Tensor) and k.endswith(("weight", "bias"))]
+        for t in tensors:
+            if t.numel():
+                seen[t.data_ptr()] = t.numel() * t.element_size()
+                dtypes.add(str(t.dtype).removeprefix("torch."))
+    embed_counted = embed.data_ptr() == model.lm_head_weight.data_ptr()
+    if not embed_counted:
+        seen.pop(embed.data_ptr(), None)
+    return {"bytes": sum(seen.values()), "num_tensors": len(seen), "lm_head_tied_to_embedding": embed_counted,
+            "embedding_bytes": embed.numel() * embed.element_size(), "dtypes": sorted(dtypes)}
+
+
+def kv_bytes_per_token(arch: Any, dtype: Any) -> int:
+    import torch
+
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+# ---------------------------------------------------------------- results
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(), "torch": torch.__version__, "num_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(), "cpu": _cpu_model(), "loadavg": os.getloadavg(),
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+    }
+    info["git"] = _git_state()
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _git_state() -> dict[str, str | bool]:
+    """The commit measured, and whether the engine's sources differed from it."""
+    import subprocess
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    import tokenmill
+
+    return {"commit": git("rev-parse", "HEAD"), "tokenmill_dirty": bool(git("status", "--porcelain", "tokenmill")),
+            "tokenmill_path": str(Path(tokenmill.__file__).parent)}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def result_path(benchmark: str, model: str, suffix: str) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    return RESULTS_DIR / f"{benchmark}_{model}_{_dt.date.today().isoformat()}.{suffix}"
+
+
+def save_json(benchmark: str, model: str, payload: dict[str, Any]) -> Path:
+    path = result_path(benchmark, model, "json")
+    path.write_text(json.dumps({"benchmark": benchmark, "model": model, "environment": environment(), **payload},
+                               indent=2, default=_jsonable) + "\n")
+    print(f"saved {path.relative_to(ROOT)}")
+    return path
+
+
+def _jsonable(value: object) -> object:
+    if hasattr(value, "__dataclass_fields__"):
+        return {k: getattr(value, k) for k in value.__dataclass_fields__}
+    return str(value)
+
+
+def new_figure(benchmark: str, model: str) -> tuple[Any, Any, Path]:
+    """A matplotlib (figure, axes, png path), headless."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    return fig, ax, result_path(benchmark, model, "png")
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"saved {path.relative_to(ROOT)}")
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    cells = [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:,.2f}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def verdict(ratio: float, target: float) -> str:
+    return f"{ratio:.2f}x (target >= {target:g}x: {'PASS' if ratio >= target else 'FAIL'})"
