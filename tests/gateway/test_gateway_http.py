@@ -165,3 +165,18 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica(fakes: Fakes, gate
 
 def _retry(**overrides: Any) -> RetryConfig:
     return replace(FAST_RETRY, **overrides)
+
+
+def test_a_client_that_leaves_mid_stream_closes_the_upstream_and_is_counted(fakes: Fakes,
+                                                                             gateway_for: GatewayFor) -> None:
+    (fake,) = fakes(1)
+    fake.behaviour.num_tokens, fake.behaviour.token_delay_s = 50, 0.05
+    live = gateway_for([fake.url])
+    wait_ready(live)
+    with httpx.stream("POST", f"{live.url}/v1/completions", json={"prompt": "hi", "stream": True}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    replica = next(iter(live.gateway.replicas))
+    wait_until(lambda: live.metric("client_closed") == 1 and replica.num_outstanding == 0, timeout_s=5,
+               what="the relay to close")
+    assert replica.breaker.num_consecutive_failures == 0  # the client left: not the replica's fault

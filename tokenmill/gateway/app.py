@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import AsyncIterator
+from types import FrameType
 
 import httpx
 import uvicorn
@@ -123,12 +125,22 @@ def build_app(gateway: Gateway) -> FastAPI:
     return app
 
 
+class GatewayServer(uvicorn.Server):
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not self.should_exit:
+            # A graceful stop, not a crash: uvicorn would re-raise the signal after shutting
+            # down (exit status -15); a drained gateway exits 0, as `tokenmill serve` does.
+            self.should_exit = True
+            return
+        super().handle_exit(sig, frame)
+
+
 def make_server(config: GatewayConfig, *, gateway: Gateway | None = None, log_level: str = "info",
                 access_log: bool = False) -> uvicorn.Server:
     app = build_app(gateway or Gateway(config))
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_config=None, log_level=log_level,
                                access_log=access_log, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
-    return uvicorn.Server(uv_config)
+    return GatewayServer(uv_config)
 
 
 def run_gateway(config: GatewayConfig, *, log_level: str = "info") -> int:

@@ -106,6 +106,14 @@ class Proxy:
 
     async def _attempt(self, replica: Replica, outbound: Outbound) -> Response | Failure:
         self.accounting.begin(replica)
+        try:
+            return await self._exchange(replica, outbound)
+        except asyncio.CancelledError:  # the gateway is stopping mid-attempt: no verdict, nothing leaked
+            self.accounting.end(replica, Verdict.NONE)
+            raise
+
+    async def _exchange(self, replica: Replica, outbound: Outbound) -> Response | Failure:
+        """One attempt; every path but cancellation books its end (or hands it to the relay)."""
         request = self.client.build_request(outbound.method, replica.url + outbound.path,
                                             headers=outbound.headers, content=outbound.body)
         try:
