@@ -221,7 +221,7 @@ async def run_server(server: str, url: str, pid: int, model: str, workloads: lis
             if workload not in sessions:
                 sessions[workload] = (await prepare(client, config, [url], model, None)).sessions
             target = Target(url, model)
-            await warm_up(client, target, config, sessions[workload])
+            await warm_up(client, target, config)
             before = meter.wait_quiet(settings.quiet_wait_s)
             meter.start()
             outcome, server_metrics, arrival = await measure(client, target, config, sessions[workload], None)

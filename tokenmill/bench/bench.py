@@ -109,21 +109,20 @@ async def prepare(client: httpx.AsyncClient, config: BenchConfig, urls: Sequence
     return Prepared(targets, sessions, tokenizer.name)
 
 
-async def warm_up(client: httpx.AsyncClient, target: Target, config: BenchConfig, sessions: list[Session]) -> None:
+WARMUP_TEXT = "Warm-up request: reply with one word."
+
+
+async def warm_up(client: httpx.AsyncClient, target: Target, config: BenchConfig) -> None:
     """One short request first, as vLLM's benchmark does: it fails fast on a wrong URL or model,
-    and the first request's one-off costs stay out of the numbers."""
+    and one-off first-request costs stay out of the numbers. Its text is none of the sessions',
+    so that it primes no prefix cache for them."""
     api = get_workload(config.workload).api
     record = RequestRecord(-1, 0)
-    payload = {"max_tokens": 4, "temperature": 0.0, **_first_message(api, sessions)}
-    await send(client, target, api, payload, record, 0.0)
+    message = {"messages": [{"role": "user", "content": WARMUP_TEXT}]} if api is Api.CHAT else {"prompt": WARMUP_TEXT}
+    await send(client, target, api, {"max_tokens": 4, "temperature": 0.0, **message}, record, 0.0)
     if not record.is_success:
         raise BenchError(f"the warm-up request to {target.base_url} (model {target.model!r}) failed: "
                          f"{record.error_kind}: {record.error}")
-
-
-def _first_message(api: Api, sessions: list[Session]) -> dict[str, Any]:
-    text = sessions[0].turns[0].content[:200]
-    return {"messages": [{"role": "user", "content": text}]} if api is Api.CHAT else {"prompt": text}
 
 
 async def measure(client: httpx.AsyncClient, target: Target, config: BenchConfig, sessions: list[Session],
@@ -167,7 +166,7 @@ async def run_benchmark(config: BenchConfig, url: str, model: str | None = None,
         prepared = await prepare(client, config, [url], model, api_key)
         target = prepared.targets[0]
         if config.warmup:
-            await warm_up(client, target, config, prepared.sessions)
+            await warm_up(client, target, config)
         results = []
         for rate in config.sweep():
             outcome, server, arrival = await measure(client, target, config, prepared.sessions, rate)
@@ -184,7 +183,7 @@ async def compare_targets(config: BenchConfig, urls: Sequence[str], rounds: int 
         prepared = await prepare(client, config, urls, model, api_key)
         if config.warmup:
             for target in prepared.targets:
-                await warm_up(client, target, config, prepared.sessions)
+                await warm_up(client, target, config)
         results: list[RunResult] = []
         for rate in config.sweep():
             results.extend(await _compare_at(client, config, prepared, rate, rounds))
