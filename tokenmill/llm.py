@@ -63,17 +63,22 @@ class LLM:
         processor = OutputProcessor(self.tokenizer)
         request_id = self._add(processor, prompt, params, 0) + "-0"
         try:
-            while self.core.has_unfinished:
-                for out in self.core.step().outputs:
-                    processed = processor.process(out)
-                    if processed is None:
-                        continue
-                    if processed.stopped_by_string:
-                        self.core.abort(out.request_id)
-                    if out.request_id == request_id:
-                        yield processed.output.outputs[0]
+            for output in self._outputs(processor):
+                if output.request_id == request_id:
+                    yield output.outputs[0]
         finally:
             self.core.abort(request_id)
+
+    def _outputs(self, processor: OutputProcessor) -> Iterator[RequestOutput]:
+        """Step until idle; a stop string ends its request in the core as soon as it is seen."""
+        while self.core.has_unfinished:
+            for out in self.core.step().outputs:
+                processed = processor.process(out)
+                if processed is None:
+                    continue
+                if processed.stopped_by_string:
+                    self.core.abort(out.request_id)
+                yield processed.output
 
     def _add(self, processor: OutputProcessor, prompt: Prompt, params: SamplingParams, priority: int) -> str:
         text = prompt if isinstance(prompt, str) else None
@@ -90,19 +95,13 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         bar = tqdm(total=len(order) * n, desc="generate", unit="req", disable=not use_tqdm)
-        while self.core.has_unfinished:
-            for out in self.core.step().outputs:
-                processed = processor.process(out)
-                if processed is None:
-                    continue
-                if processed.stopped_by_string:
-                    self.core.abort(out.request_id)
-                if processed.output.prompt_logprobs is not None:
-                    prompt_logprobs[out.request_id] = processed.output.prompt_logprobs
-                if processed.output.finished:
-                    processed.output.prompt_logprobs = prompt_logprobs.get(out.request_id)
-                    finished[out.request_id] = processed.output
-                    bar.update(1)
+        for output in self._outputs(processor):
+            if output.prompt_logprobs is not None:
+                prompt_logprobs[output.request_id] = output.prompt_logprobs
+            if output.finished:
+                output.prompt_logprobs = prompt_logprobs.get(output.request_id)
+                finished[output.request_id] = output
+                bar.update(1)
         bar.close()
         return [_merge([finished[f"{rid}-{i}"] for i in range(n)], rid) for rid in order]
 
