@@ -35,8 +35,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--copy-gib", type=float, default=1.0, help="size of the bandwidth probe")
     p.add_argument("--copy-repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--profile-steps", type=int, default=20, help="decode steps to profile afterwards (0: none)")
     p.add_argument("--quiet-wait-s", type=float, default=120.0)
+    p.add_argument("--attempts", type=int, default=3, help="reruns of a measurement that others disturbed")
+    p.add_argument("--noise-limit", type=float, default=0.1, help="cores others may use during a valid run")
     return p.parse_args()
 
 
@@ -129,16 +132,22 @@ def main() -> None:
     from tokenmill.llm import LLM
 
     blocks = 2 * -(-(args.prompt_len + args.output_len + 64) // 16) + 8
-    llm = LLM(args.model, dtype="auto", num_threads=args.threads, max_num_seqs=4, num_kv_blocks=blocks)
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_num_seqs=4, num_kv_blocks=blocks)
     prompts = common.build_prompts(llm.tokenizer.encode, 3, args.prompt_len, common.prompt_bos(llm.tokenizer))
     model = llm.core.runner.model
     weights = common.weight_bytes(model)
     timed_request(llm, prompts[1], 16, "warmup")
-    common.wait_for_quiet(args.quiet_wait_s)
-    noise = common.NoiseMeter()
-    bandwidth = copy_bandwidth(args.copy_gib, args.copy_repeats)
-    steps = timed_request(llm, prompts[0], args.output_len, "timed")
-    others = noise.others_cores()
+    tries = iter(range(args.attempts))
+
+    def attempt() -> tuple[dict[str, Any], list[tuple[int, float]], float]:
+        llm.core.kv.reset_prefix_cache()  # every try prefills the prompt again
+        noise = common.NoiseMeter()
+        bandwidth = copy_bandwidth(args.copy_gib, args.copy_repeats)
+        steps = timed_request(llm, prompts[0], args.output_len, f"timed-{next(tries)}")
+        return bandwidth, steps, noise.others_cores()
+
+    (bandwidth, steps, others), noises = common.quietest(attempt, lambda r: r[2], args.attempts, args.noise_limit,
+                                                         args.quiet_wait_s)
     decode_s = [s for n, s in steps if n == 1]
     stats = common.Stats.of(decode_s)
     bw = bandwidth["copy_bytes_per_s"]
@@ -149,7 +158,7 @@ def main() -> None:
         "config": vars(args), "weights": weights, "bandwidth": bandwidth, "decode_step_s": stats,
         "prefill_s": [s for n, s in steps if n > 1], "num_decode_steps": len(decode_s),
         "achieved_tok_s": 1 / stats.median, "roofline_tok_s": 1 / roofline_s, "fraction_of_roofline":
-        roofline_s / stats.median, "others_cores": others,
+        roofline_s / stats.median, "others_cores": others, "attempts_others_cores": noises,
         "kv_bytes_per_token": kv_tok, "kv_bytes_read_at_mid_context": kv_tok * mid_context,
         "effective_weight_bytes_per_s": weights["bytes"] / stats.median,
         "step_times_s": decode_s,

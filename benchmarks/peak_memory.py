@@ -78,6 +78,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--sample-ms", type=float, default=20.0)
     return p.parse_args()
 
@@ -90,7 +91,7 @@ def measure(args: argparse.Namespace, sampler: RssSampler) -> dict[str, Any]:
     figures: dict[str, Any] = {"baseline_rss": status_bytes("VmRSS"), "hwm_reset_supported": reset_peak()}
     sampler.phase = "load"
     # Engine defaults (KV budget a fraction of free memory, lazily zeroed): the figure is what a user gets.
-    llm = LLM(args.model, dtype="auto", num_threads=args.threads, max_num_seqs=args.num_prompts)
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_num_seqs=args.num_prompts)
     prompts = common.build_prompts(llm.tokenizer.encode, args.num_prompts, args.prompt_len,
                                    common.prompt_bos(llm.tokenizer))
     gc.collect()
