@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -70,6 +72,8 @@ class Settings:
     quiet_wait_s: float
     seed: int
     tokenmill_dtype: str
+    max_noise_cores: float = 0.25  # a run during which others used more is run again
+    noise_retries: int = 2
 
 
 def default_tokenmill_dtype() -> str:
@@ -144,8 +148,6 @@ def running(server: str, gguf: Path, model: str, settings: Settings) -> Iterator
 
 
 def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
-    import httpx
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -222,16 +224,24 @@ async def run_server(server: str, url: str, pid: int, model: str, workloads: lis
                 sessions[workload] = (await prepare(client, config, [url], model, None)).sessions
             target = Target(url, model)
             await warm_up(client, target, config)
-            before = meter.wait_quiet(settings.quiet_wait_s)
-            meter.start()
-            outcome, server_metrics, arrival = await measure(client, target, config, sessions[workload], None)
             pair = pairs.setdefault(workload, PeerPair())
-            pair.noise[server] = {"others_cores_before": round(before, 3),
-                                  "others_cores": round(meter.others_cores(), 3)}
-            pair.results[server] = finish(target, config, arrival, [outcome], [server_metrics])
-            print(f"  {server:9} {workload:8} {outcome.duration_s:6.1f} s  "
-                  f"{pair.results[server].metrics.output_throughput:7.2f} out tok/s  "
-                  f"others {pair.noise[server]['others_cores']}", flush=True)
+            for attempt in range(settings.noise_retries + 1):
+                await _measure_once(client, target, config, sessions[workload], meter, settings, pair, server)
+                if pair.noise[server]["others_cores"] <= settings.max_noise_cores:
+                    break
+                print(f"  noisy (attempt {attempt + 1}): waiting for quiet and running it again", flush=True)
+
+
+async def _measure_once(client: httpx.AsyncClient, target: Target, config: BenchConfig, sessions: list[Session],
+                        meter: NoiseMeter, settings: Settings, pair: PeerPair, server: str) -> None:
+    before = meter.wait_quiet(settings.quiet_wait_s)
+    meter.start()
+    outcome, server_metrics, arrival = await measure(client, target, config, sessions, None)
+    pair.noise[server] = {"others_cores_before": round(before, 3), "others_cores": round(meter.others_cores(), 3)}
+    pair.results[server] = finish(target, config, arrival, [outcome], [server_metrics])
+    print(f"  {server:9} {config.workload:8} {outcome.duration_s:6.1f} s  "
+          f"{pair.results[server].metrics.output_throughput:7.2f} out tok/s  "
+          f"others {pair.noise[server]['others_cores']}", flush=True)
 
 
 def run_model(model: str, workloads: list[str], settings: Settings, order: tuple[str, ...]) -> dict[str, PeerPair]:
@@ -320,11 +330,14 @@ def main() -> None:
     parser.add_argument("--ctx-per-slot", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quiet-wait-s", type=float, default=20.0)
+    parser.add_argument("--max-noise-cores", type=float, default=0.25,
+                        help="rerun a run during which other processes used more cores than this")
+    parser.add_argument("--noise-retries", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenmill-dtype", default=None, help="default: auto where bf16 is native, else float32")
     args = parser.parse_args()
     settings = Settings(args.slots, args.ctx_per_slot, args.threads, args.quiet_wait_s, args.seed,
-                        args.tokenmill_dtype or default_tokenmill_dtype())
+                        args.tokenmill_dtype or default_tokenmill_dtype(), args.max_noise_cores, args.noise_retries)
     llama_server.ensure_built()
     started = time.monotonic()
     report: Report = {}
