@@ -10,7 +10,8 @@ Weight bytes: every weight tensor of the model as the engine stores it (fused qk
 down, norms, lm_head), each tensor once; the embedding lookup reads one row and counts as 0
 (unless the lm_head is tied to it, then it is counted once as the lm_head). KV-cache reads are
 left out of the roofline and reported beside it. Bandwidth: a 1 GiB `dst.copy_(src)` measured
-in the same run, counting read + write bytes, median of several.
+in the same run, counting read + write bytes; the median of samples taken before and after the
+decode run.
 
     python benchmarks/decode_roofline.py --model qwen2.5-coder-0.5b [--profile-steps 20]
 """
@@ -33,7 +34,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--copy-gib", type=float, default=1.0, help="size of the bandwidth probe")
-    p.add_argument("--copy-repeats", type=int, default=7)
+    p.add_argument("--copy-repeats", type=int, default=5, help="bandwidth samples before and after the run")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--profile-steps", type=int, default=20, help="decode steps to profile afterwards (0: none)")
@@ -46,28 +47,35 @@ def parse_args() -> argparse.Namespace:
 # ---------------------------------------------------------------- the roofline's two terms
 
 
-def copy_bandwidth(gib: float, repeats: int) -> dict[str, Any]:
-    """Bytes moved per second by a large tensor copy (read src + write dst), and by a pure read."""
-    import torch
+class BandwidthProbe:
+    """Bytes moved per second by a large tensor copy (read src + write dst), and by a pure read.
+    Sampled before and after the decode run, so a drift of the host shows in the spread."""
 
-    numel = int(gib * (1 << 30)) // 4
-    src = torch.ones(numel, dtype=torch.float32)  # touch every page before timing
-    dst = torch.zeros_like(src)
-    dst.copy_(src)
-    copy_s, read_s = [], []
-    for _ in range(repeats):
-        with common.Timer() as t:
-            dst.copy_(src)
-        copy_s.append(t.elapsed_s)
-        with common.Timer() as t:
-            src.sum()
-        read_s.append(t.elapsed_s)
-    nbytes = numel * 4
-    copy = common.Stats.of([2 * nbytes / s for s in copy_s])
-    read = common.Stats.of([nbytes / s for s in read_s])
-    del src, dst
-    return {"copy_bytes_per_s": copy.median, "copy_stats": copy, "read_bytes_per_s": read.median,
-            "read_stats": read, "probe_bytes": nbytes}
+    def __init__(self, gib: float) -> None:
+        import torch
+
+        self.numel = int(gib * (1 << 30)) // 4
+        self.src = torch.ones(self.numel, dtype=torch.float32)  # touch every page before timing
+        self.dst = torch.zeros_like(self.src)
+        self.dst.copy_(self.src)
+        self.copy_s: list[float] = []
+        self.read_s: list[float] = []
+
+    def sample(self, repeats: int) -> None:
+        for _ in range(repeats):
+            with common.Timer() as t:
+                self.dst.copy_(self.src)
+            self.copy_s.append(t.elapsed_s)
+            with common.Timer() as t:
+                self.src.sum()
+            self.read_s.append(t.elapsed_s)
+
+    def result(self) -> dict[str, Any]:
+        nbytes = self.numel * 4
+        copy = common.Stats.of([2 * nbytes / s for s in self.copy_s])
+        read = common.Stats.of([nbytes / s for s in self.read_s])
+        return {"copy_bytes_per_s": copy.median, "copy_stats": copy, "read_bytes_per_s": read.median,
+                "read_stats": read, "probe_bytes": nbytes}
 
 
 # ---------------------------------------------------------------- decode timing
@@ -142,9 +150,11 @@ def main() -> None:
     def attempt() -> tuple[dict[str, Any], list[tuple[int, float]], float]:
         llm.core.kv.reset_prefix_cache()  # every try prefills the prompt again
         noise = common.NoiseMeter()
-        bandwidth = copy_bandwidth(args.copy_gib, args.copy_repeats)
+        probe = BandwidthProbe(args.copy_gib)
+        probe.sample(args.copy_repeats)
         steps = timed_request(llm, prompts[0], args.output_len, f"timed-{next(tries)}")
-        return bandwidth, steps, noise.others_cores()
+        probe.sample(args.copy_repeats)
+        return probe.result(), steps, noise.others_cores()
 
     (bandwidth, steps, others), noises = common.quietest(attempt, lambda r: r[2], args.attempts, args.noise_limit,
                                                          args.quiet_wait_s)
