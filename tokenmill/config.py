@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.errors import TokenmillError
+from tokenmill.layers.attention import ATTENTION_BACKENDS
+from tokenmill.layers.linear import GEMM_BACKENDS
 from tokenmill.platform import auto_dtype
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -24,8 +26,18 @@ class ModelConfig:
     device: str = "auto"  # "auto": cuda when available, else cpu
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
+    # CPU GEMM kernel per weight: "auto" picks oneDNN for large matrices (faster than MKL on AVX2
+    # hosts), "aten" always F.linear, "onednn" always oneDNN where available. See layers/linear.py.
+    gemm_backend: str = "auto"
+    # Decode attention: "auto" uses the native CPU kernel where it builds, "sdpa" the PyTorch path,
+    # "native" insists on the kernel. See layers/attention.py.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.gemm_backend in GEMM_BACKENDS,
+                 f"gemm backend '{self.gemm_backend}' is not supported: use {', '.join(GEMM_BACKENDS)}")
+        _require(self.attention_backend in ATTENTION_BACKENDS,
+                 f"attention backend '{self.attention_backend}' is not supported: use {', '.join(ATTENTION_BACKENDS)}")
         _require(self.dtype == "auto" or self.dtype in _DTYPES,
                  f"dtype '{self.dtype}' is not supported: use auto, {', '.join(_DTYPES)}")
         _require(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")

@@ -54,12 +54,17 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[in
     return ids[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=[(a, f) for a in ARCHS for f in ("hf", "gguf")], ids=lambda p: f"{p[0]}-{p[1]}")
+# "auto" leaves the tiny weights on aten's GEMM; "onednn" forces the kernel large weights get on CPU.
+CASES = [(a, f, "auto") for a in ARCHS for f in ("hf", "gguf")] + [(a, "gguf", "onednn") for a in ARCHS]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: "-".join(p))
 def pair(request: pytest.FixtureRequest, tiny_hf_dir: Callable[[str], Path],
          tiny_gguf_path: Callable[[str], Path]) -> tuple[LLM, torch.nn.Module]:
-    arch, fmt = request.param
+    arch, fmt, gemm = request.param
     path = tiny_gguf_path(arch) if fmt == "gguf" else tiny_hf_dir(arch)
-    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, block_size=16, max_model_len=256)
+    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, block_size=16, max_model_len=256,
+              gemm_backend=gemm)
     assert arch != "gemma3" or llm.core.arch.head_dim == 32
     return llm, _hf_model(path, fmt, arch)
 

@@ -99,6 +99,7 @@ def _group(group: list[ScheduledRequest], token_start: int, block_size: int, sli
         pad_index = torch.from_numpy(rows * max_q + cols).to(device)
     return GroupMetadata(
         block_table=torch.from_numpy(table).to(device),
+        seq_lens=torch.from_numpy((starts + lens)[:, 0]).to(device),
         mask=torch.from_numpy(mask[:, None]).to(device),
         sliding_mask=None if sliding is None else torch.from_numpy(sliding[:, None]).to(device),
         token_start=token_start,

@@ -55,7 +55,8 @@ class ModelRunner:
         self.dtype = model_config.torch_dtype()
         self.arch = arch
         self.block_size = block_size
-        self.model: LlamaForCausalLM = model_class(arch.architecture)(arch, max_model_len, self.dtype, self.device)
+        self.model: LlamaForCausalLM = model_class(arch.architecture)(
+            arch, max_model_len, self.dtype, self.device, model_config.gemm_backend, model_config.attention_backend)
         self.model.load_weights(tensors)
         self.kv_caches = self._allocate_kv(num_blocks)
         self.sampler = Sampler(self.device, model_config.seed)

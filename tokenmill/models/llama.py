@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.errors import ModelFormatError
-from tokenmill.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.layers.attention import AttentionMetadata, PagedAttention, decode_kernel
+from tokenmill.layers.linear import LinearFn, linear_kernel
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig
@@ -23,9 +24,10 @@ _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxi
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_idx: int, norm_offset: float) -> None:
+    def __init__(self, arch: ArchConfig, layer_idx: int, norm_offset: float, gemm_backend: str = "auto") -> None:
         super().__init__()
         self.arch = arch
+        self.gemm_backend = gemm_backend
         self.layer_idx = layer_idx
         self.is_sliding = arch.is_sliding_layer(layer_idx)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_offset)
@@ -36,6 +38,11 @@ class DecoderLayer(nn.Module):
         self.gate_up_weight = torch.empty(0)
         self.down_weight = torch.empty(0)
         self.act = _ACTIVATIONS[arch.hidden_act]
+        # One GEMM kernel per weight, picked at load from the weight's size (see layers/linear.py).
+        self._qkv_mm: LinearFn = F.linear
+        self._o_mm: LinearFn = F.linear
+        self._gate_up_mm: LinearFn = F.linear
+        self._down_mm: LinearFn = F.linear
 
     def load(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
         p = f"model.layers.{self.layer_idx}."
@@ -49,6 +56,10 @@ class DecoderLayer(nn.Module):
         self.o_weight = get("self_attn.o_proj.weight").contiguous()
         self.gate_up_weight = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]).contiguous()
         self.down_weight = get("mlp.down_proj.weight").contiguous()
+        self._qkv_mm = linear_kernel(self.qkv_weight, self.gemm_backend)
+        self._o_mm = linear_kernel(self.o_weight, self.gemm_backend)
+        self._gate_up_mm = linear_kernel(self.gate_up_weight, self.gemm_backend)
+        self._down_mm = linear_kernel(self.down_weight, self.gemm_backend)
         for name, norm in self.norms().items():
             norm.load(_take(tensors, p + name + ".weight").to(device), dtype)
 
@@ -57,7 +68,8 @@ class DecoderLayer(nn.Module):
 
     def qkv(self, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         num_heads, num_kv_heads = self.arch.num_heads, self.arch.num_kv_heads
-        heads = F.linear(x, self.qkv_weight, self.qkv_bias).view(-1, num_heads + 2 * num_kv_heads, self.arch.head_dim)
+        heads = self._qkv_mm(x, self.qkv_weight, self.qkv_bias)
+        heads = heads.view(-1, num_heads + 2 * num_kv_heads, self.arch.head_dim)
         v = heads[:, num_heads + num_kv_heads:]
         if self.has_qk_norm:
             q, k = self.qk_norm(heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads])
@@ -72,14 +84,14 @@ class DecoderLayer(nn.Module):
         return q, k
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, self.down_weight)
+        gate, up = self._gate_up_mm(x, self.gate_up_weight, None).chunk(2, dim=-1)
+        return self._down_mm(self.act(gate) * up, self.down_weight, None)
 
     def attention(self, x: torch.Tensor, rope: RopeTables, attn: PagedAttention,
                   kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv(x, rope)
         out = attn(q, k, v, kv[0], kv[1], meta, self.is_sliding)
-        return F.linear(out, self.o_weight)
+        return self._o_mm(out, self.o_weight, None)
 
     def forward(self, x: torch.Tensor, rope: RopeTables, attn: PagedAttention,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -91,17 +103,22 @@ class LlamaForCausalLM(nn.Module):
     norm_offset = 0.0
     layer_class: type[DecoderLayer] = DecoderLayer
 
-    def __init__(self, arch: ArchConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, arch: ArchConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
+                 gemm_backend: str = "auto", attention_backend: str = "auto") -> None:
         super().__init__()
         self.arch = arch
         self.dtype = dtype
         self.device = device
-        self.layers = nn.ModuleList(self.layer_class(arch, i, self.norm_offset) for i in range(arch.num_layers))
+        self.gemm_backend = gemm_backend
+        self.layers = nn.ModuleList(self.layer_class(arch, i, self.norm_offset, gemm_backend)
+                                    for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.norm_offset)
         self.embed_weight = torch.empty(0)
         self.lm_head_weight = torch.empty(0)
+        self._lm_head_mm: LinearFn = F.linear
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, self.attention_scale(),
-                                   arch.attn_logit_softcapping)
+                                   arch.attn_logit_softcapping, arch.sliding_window,
+                                   decode_kernel(attention_backend, device))
         self.rope_global = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta,
                                            arch.rope_scaling_factor or 1.0, dtype, device)
         self.rope_local = self.rope_global
@@ -117,6 +134,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_weight = self.embed_weight
         else:
             self.lm_head_weight = _take(tensors, "lm_head.weight").to(self.device, self.dtype).contiguous()
+        self._lm_head_mm = linear_kernel(self.lm_head_weight, self.gemm_backend)
         self.norm.load(_take(tensors, "model.norm.weight").to(self.device), self.dtype)
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
@@ -137,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → float32 logits [N, vocab]."""
-        logits = F.linear(hidden, self.lm_head_weight).float()
+        logits = self._lm_head_mm(hidden, self.lm_head_weight, None).float()
         cap = self.arch.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

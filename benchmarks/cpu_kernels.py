@@ -1,0 +1,130 @@
+"""CPU kernel choices, measured side by side in one process: the figures behind the `auto` defaults.
+
+  gemm       y = x Wᵀ for every weight shape of the model at several row counts (1 = batch-1
+             decode, 64 = a full decode batch, 2048 = a prefill chunk): aten (`F.linear`, MKL)
+             against oneDNN (`mkldnn::_linear_pointwise`), and the kernel `auto` picks.
+  attention  decode attention of S sequences over the paged cache: gather + SDPA (the portable
+             path) against the native kernel reading blocks in place (tokenmill/kernels).
+
+Each figure is the best of 3 rounds of N calls, the two sides interleaved round by round so a
+noisy neighbour hurts both; ratios > 1 favour the second kernel.
+
+    python benchmarks/cpu_kernels.py --model smollm2-135m
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import common  # type: ignore[import-not-found]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", choices=common.MODELS)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", default="1,16,64,2048", help="GEMM row counts")
+    p.add_argument("--seqs", default="1,16,64", help="decode batch sizes for attention")
+    p.add_argument("--context", type=int, default=256, help="keys per sequence for attention")
+    return p.parse_args()
+
+
+def best_ms(fns: list[Callable[[], Any]], calls: int = 8, rounds: int = 3) -> list[float]:
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[i] = min(best[i], (time.perf_counter() - start) / calls * 1e3)
+    return best
+
+
+def gemm_rows(arch: Any, rows: list[int]) -> list[dict[str, Any]]:
+    import torch
+
+    from tokenmill.layers.linear import kernel_name, linear_kernel
+
+    hd = arch.head_dim
+    shapes = {"qkv": ((arch.num_heads + 2 * arch.num_kv_heads) * hd, arch.hidden_size),
+              "o": (arch.hidden_size, arch.num_heads * hd),
+              "gate_up": (2 * arch.intermediate_size, arch.hidden_size),
+              "down": (arch.hidden_size, arch.intermediate_size),
+              "lm_head": (arch.vocab_size, arch.hidden_size)}
+    results = []
+    for name, (out_f, in_f) in shapes.items():
+        w = torch.randn(out_f, in_f)
+        aten, onednn = linear_kernel(w, "aten"), linear_kernel(w, "onednn")
+        for m in rows:
+            if name == "lm_head" and m > 256:  # logits are computed for sampled rows only
+                continue
+            x = torch.randn(m, in_f)
+            a, o = best_ms([partial(aten, x, w, None), partial(onednn, x, w, None)])
+            results.append({"weight": name, "shape": [out_f, in_f], "rows": m, "aten_ms": a, "onednn_ms": o,
+                            "onednn_speedup": a / o, "auto": kernel_name(linear_kernel(w))})
+    return results
+
+
+def attention_rows(arch: Any, seqs: list[int], context: int) -> list[dict[str, Any]]:
+    import torch
+
+    from tokenmill.layers.attention import AttentionMetadata, GroupMetadata, PagedAttention, decode_kernel
+
+    kernel = decode_kernel("native", torch.device("cpu"))
+    h, kvh, hd, bs = arch.num_heads, arch.num_kv_heads, arch.head_dim, 16
+    results = []
+    for s in seqs:
+        nb = -(-context // bs)
+        cache_blocks = s * nb + 8
+        k_cache = torch.randn(cache_blocks, bs, kvh, hd)
+        v_cache = torch.randn(cache_blocks, bs, kvh, hd)
+        table = torch.randperm(cache_blocks)[:s * nb].view(s, nb)
+        lens = torch.full((s,), context, dtype=torch.int64)
+        mask = (torch.arange(nb * bs)[None, :] < lens[:, None]).view(s, 1, 1, nb * bs)
+        group = GroupMetadata(table, lens, mask, None, 0, s, 1, None)
+        q = torch.randn(s, h, hd)
+        scale = hd**-0.5
+        sdpa = PagedAttention(h, kvh, hd, scale, None)
+        native = PagedAttention(h, kvh, hd, scale, None, decode_kernel=kernel)
+        meta = AttentionMetadata(torch.empty(0, dtype=torch.int64), group, None)
+        ref = sdpa._group(q, k_cache, v_cache, meta.decode, False)  # type: ignore[arg-type]
+        out = native._group(q, k_cache, v_cache, meta.decode, False)  # type: ignore[arg-type]
+        a, n = best_ms([partial(sdpa._group, q, k_cache, v_cache, group, False),
+                        partial(native._group, q, k_cache, v_cache, group, False)], calls=20)
+        results.append({"seqs": s, "context": context, "sdpa_ms": a, "native_ms": n, "native_speedup": a / n,
+                        "max_abs_diff": float((ref - out).abs().max())})
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    common.pin_threads(args.threads)
+    from tokenmill.models.loading.gguf_weights import gguf_arch_config, read_gguf_header
+    from tokenmill.models.resolve import resolve_model
+
+    path = resolve_model(args.model).path
+    arch = gguf_arch_config(read_gguf_header(path), path)
+    noise = common.NoiseMeter()
+    gemm = gemm_rows(arch, [int(r) for r in args.rows.split(",")])
+    attention = attention_rows(arch, [int(s) for s in args.seqs.split(",")], args.context)
+    others = noise.others_cores()
+    common.print_table(["weight", "rows", "aten ms", "onednn ms", "onednn speedup", "auto"],
+                       [[g["weight"], g["rows"], g["aten_ms"], g["onednn_ms"], g["onednn_speedup"], g["auto"]]
+                        for g in gemm])
+    print()
+    common.print_table(["seqs", "context", "gather+sdpa ms", "native ms", "native speedup"],
+                       [[a["seqs"], a["context"], a["sdpa_ms"], a["native_ms"], a["native_speedup"]]
+                        for a in attention])
+    print(f"others_cores during the run: {others:.2f}")
+    common.save_json("cpu_kernels", args.model, {"config": vars(args), "gemm": gemm, "attention": attention,
+                                                 "others_cores": others})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The native CPU decode-attention kernel against plain attention math over the same paged cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.kernels import cpu_kernels
+
+kernels = cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="the native CPU kernel cannot be built here")
+
+
+def _reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+               lens: torch.Tensor, scale: float, window: int, softcap: float) -> torch.Tensor:
+    num_heads, block_size = q.shape[1], k_cache.shape[1]
+    rep = num_heads // k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for s in range(q.shape[0]):
+        n = int(lens[s])
+        pos = torch.arange(max(0, n - window) if window else 0, n)
+        slots = table[s, pos // block_size] * block_size + pos % block_size
+        k = k_cache.view(-1, *k_cache.shape[2:])[slots].float().repeat_interleave(rep, dim=1)  # [n, H, hd]
+        v = v_cache.view(-1, *v_cache.shape[2:])[slots].float().repeat_interleave(rep, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[s].float(), k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        out[s] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v)
+    return out
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 32), (6, 6, 20), (16, 2, 8)])
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (5, 0.0), (0, 30.0)])
+@pytest.mark.parametrize("num_seqs", [1, 3, 12])
+def test_matches_reference_fp32(num_heads: int, num_kv_heads: int, head_dim: int, window: int, softcap: float,
+                                num_seqs: int) -> None:
+    g = torch.Generator().manual_seed(num_heads * 100 + num_seqs)
+    block_size, num_blocks, width = 4, 80, 6
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    # Distinct shuffled blocks per sequence, as the block pool hands them out.
+    table = torch.randperm(num_blocks, generator=g)[:num_seqs * width].view(num_seqs, width)
+    lens = torch.randint(1, width * block_size + 1, (num_seqs,), generator=g)
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=g)
+    scale = head_dim**-0.5
+    assert kernels is not None
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, window, softcap)
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, table, lens, scale, window, softcap),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_caches_accumulate_in_fp32(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(16, 4, 2, 16, generator=g).to(dtype)
+    v_cache = torch.randn(16, 4, 2, 16, generator=g).to(dtype)
+    table = torch.arange(16).view(2, 8)
+    lens = torch.tensor([30, 7])
+    q = torch.randn(2, 4, 16, generator=g).to(dtype)
+    assert kernels is not None
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.25, 0, 0.0)
+    assert out.dtype == dtype
+    ref = _reference(q, k_cache, v_cache, table, lens, 0.25, 0, 0.0)
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_bad_arguments_raise_instead_of_reading_out_of_bounds() -> None:
+    assert kernels is not None
+    cache = torch.zeros(4, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="int64 indices"):
+        kernels.paged_decode_attention(torch.zeros(1, 4, 8), cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                       torch.ones(1, dtype=torch.int64), 1.0, 0, 0.0)
+    with pytest.raises(RuntimeError, match="head layout"):
+        kernels.paged_decode_attention(torch.zeros(1, 3, 8), cache, cache, torch.zeros(1, 1, dtype=torch.int64),
+                                       torch.ones(1, dtype=torch.int64), 1.0, 0, 0.0)

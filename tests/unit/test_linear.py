@@ -1,0 +1,48 @@
+"""GEMM dispatch: which kernel a weight gets, and that the kernels agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.config import ModelConfig
+from tokenmill.errors import TokenmillError
+from tokenmill.layers.linear import ONEDNN_MIN_NUMEL, kernel_name, linear_kernel, onednn_supported
+
+needs_onednn = pytest.mark.skipif(not onednn_supported(torch.device("cpu"), torch.float32),
+                                  reason="this torch build has no oneDNN")
+
+
+@needs_onednn
+def test_auto_sends_only_large_cpu_weights_to_onednn() -> None:
+    small = torch.zeros(64, 64)
+    large = torch.zeros(-(-ONEDNN_MIN_NUMEL // 64), 64)
+    assert kernel_name(linear_kernel(small)) == "aten"
+    assert kernel_name(linear_kernel(large)) == "onednn"
+    assert kernel_name(linear_kernel(large, "aten")) == "aten"
+    assert kernel_name(linear_kernel(small, "onednn")) == "onednn"
+
+
+def test_float16_on_cpu_stays_on_aten() -> None:
+    assert kernel_name(linear_kernel(torch.zeros(ONEDNN_MIN_NUMEL, 2, dtype=torch.float16), "onednn")) == "aten"
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_onednn_matches_aten(rows: int, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g)
+    w = torch.randn(200, 96, generator=g)
+    b = torch.randn(200, generator=g) if with_bias else None
+    ref = linear_kernel(w, "aten")(x, w, b)
+    out = linear_kernel(w, "onednn")(x, w, b)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_unknown_backend_is_a_clear_error() -> None:
+    with pytest.raises(TokenmillError, match="gemm backend 'mkl' is not supported"):
+        ModelConfig("smollm2-135m", gemm_backend="mkl")
+    with pytest.raises(ValueError, match="not supported"):
+        linear_kernel(torch.zeros(2, 2), "mkl")
