@@ -15,7 +15,7 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 

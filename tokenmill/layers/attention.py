@@ -8,7 +8,7 @@ KV cache layout, one tensor per layer for keys and one for values:
 A step's tokens are flattened: first the decode tokens (one per sequence), then the prefill
 chunks back to back. Attention runs once per group, never once per request:
   * decode group:  the native CPU kernel reads keys and values in place through the block table
-                   (kernels/paged_attention_cpu.cpp); elsewhere q [D, H, 1, hd] against keys
+                   (kernels/cpu_kernels.cpp); elsewhere q [D, H, 1, hd] against keys
                    gathered through the block table [D, Lk]
   * prefill group: q padded to [P, H, Lq_max, hd] against keys gathered the same way
 Masks are built once per step by the runner and shared by all layers.

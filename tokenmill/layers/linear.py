@@ -1,10 +1,12 @@
 """Dense GEMM dispatch: y = x Wᵀ + b through the faster of the kernels the device has.
 
 Why this exists: on CPU, `F.linear` goes to MKL's sgemm, which on AVX2 hosts is slow for the
-wide matrices of a decoder (measured on a 2-core EPYC, fp32, `benchmarks/gemm_backends.py`):
+wide matrices of a decoder (measured on a 2-core EPYC, fp32, `benchmarks/cpu_kernels.py`):
 oneDNN's inner-product kernel runs the lm_head 1.8-2.9x faster at 1-64 rows and the MLP
-up-projection 1.3-2.2x faster, while small square matrices are a tie either way. So each weight
-gets a kernel once, at load, from its size; the per-call cost is one attribute lookup.
+up-projection 1.3-2.2x faster, while small square matrices are a tie either way. And for 1-4
+rows (small-batch decode, a pure stream over W) both libraries use one thread; the native
+kernel (tokenmill/kernels) splits W over all threads and reads it ~1.7x faster. So each weight
+gets a kernel once, at load, from its size; per call only the row count is checked.
 
 Both kernels compute the same fp32 dot products in a different summation order, so outputs differ
 by rounding only (parity tests hold them to 1e-4 of transformers either way).
@@ -48,10 +50,43 @@ def linear_kernel(weight: torch.Tensor, backend: str = "auto") -> LinearFn:
         raise ValueError(f"gemm backend '{backend}' is not supported: use {', '.join(GEMM_BACKENDS)}")
     if backend == "aten" or not onednn_supported(weight.device, weight.dtype):
         return _aten
-    if backend == "onednn" or weight.numel() >= ONEDNN_MIN_NUMEL:
+    if backend == "onednn":
         return _onednn
-    return _aten
+    wide = _onednn if weight.numel() >= ONEDNN_MIN_NUMEL else _aten
+    skinny = _skinny_kernel() if weight.dtype == torch.float32 and weight.is_contiguous() else None
+    if skinny is None:
+        return wide
+    return _SkinnyOr(skinny, wide)
+
+
+class _SkinnyOr:
+    """Up to SKINNY_MAX_ROWS rows (decode of a small batch): the native kernel that streams W on all
+    threads (BLAS runs these on one thread: ~8 GB/s of W against ~15 GB/s here); else `wide`."""
+
+    __slots__ = ("skinny", "wide")
+
+    def __init__(self, skinny: LinearFn, wide: LinearFn) -> None:
+        self.skinny = skinny
+        self.wide = wide
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] <= SKINNY_MAX_ROWS:
+            return self.skinny(x, weight, bias)
+        return self.wide(x, weight, bias)
+
+
+SKINNY_MAX_ROWS = 4
+
+
+def _skinny_kernel() -> LinearFn | None:
+    from tokenmill.kernels import cpu_kernels
+
+    module = cpu_kernels()
+    return None if module is None else module.skinny_linear  # type: ignore[no-any-return]
 
 
 def kernel_name(fn: LinearFn) -> str:
+    """"aten", "onednn", or "native+<wide>" where batches of up to SKINNY_MAX_ROWS rows go native."""
+    if isinstance(fn, _SkinnyOr):
+        return "native+" + kernel_name(fn.wide)
     return "onednn" if fn is _onednn else "aten"
