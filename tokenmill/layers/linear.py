@@ -82,7 +82,7 @@ def _skinny_kernel() -> LinearFn | None:
     from tokenmill.kernels import cpu_kernels
 
     module = cpu_kernels()
-    return None if module is None else module.skinny_linear  # type: ignore[no-any-return]
+    return None if module is None else module.skinny_linear
 
 
 def kernel_name(fn: LinearFn) -> str:
