@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	@mkdir -p .cache
 	@if ! $(PYTHON) -c "import torch" 2>/dev/null; then $(PIP) install -q torch==2.13.0; fi
 	$(PIP) install -q -e '.[dev]'
+	$(PYTHON) -m tokenmill.kernels
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -49,3 +49,12 @@ def tiny_hf_dir(tiny_models: TinyModels) -> Callable[[TinyArch], Path]:
 def tiny_gguf_path(tiny_models: TinyModels) -> Callable[[TinyArch], Path]:
     """`tiny_gguf_path("gemma3")` → a GGUF file with the same weights as `tiny_hf_dir("gemma3")`."""
     return tiny_models.gguf_path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def native_cpu_kernels() -> None:
+    """Build the native CPU kernels once, up front: on a fresh machine the first build takes about a
+    minute, which must not land inside a test that waits seconds for a server to come up."""
+    from tokenmill.kernels import cpu_kernels
+
+    cpu_kernels()

@@ -34,6 +34,14 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--seed", type=int, default=0)
+    add_kernel_arguments(parser)
+
+
+def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gemm-backend", default="auto", choices=["auto", "aten", "onednn"],
+                        help="CPU matmuls: auto = native for 1-4 rows, oneDNN for large weights, else aten")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "native"],
+                        help="decode attention: auto = the native CPU kernel where it builds, else SDPA")
 
 
 def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +63,8 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, json=args.log_json)
     model_name = _installed_model_name(args.model)
     engine_config = EngineConfig(
-        ModelConfig(args.model, args.dtype, args.device, args.max_model_len, args.seed),
+        ModelConfig(args.model, args.dtype, args.device, args.max_model_len, args.seed, args.gemm_backend,
+                    args.attention_backend),
         CacheConfig(num_blocks=args.num_kv_blocks),
         SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy),
         num_threads=args.threads,

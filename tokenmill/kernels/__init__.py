@@ -29,6 +29,7 @@ def cpu_kernels() -> ModuleType | None:
 
 
 def _build() -> ModuleType | None:
+    log.info("loading native CPU kernels (the first build on a machine takes about a minute on 2 cores)")
     try:
         from torch.utils.cpp_extension import load
 
@@ -39,5 +40,5 @@ def _build() -> ModuleType | None:
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: all mean "use the fallback"
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.warning("native CPU kernels unavailable, using the PyTorch attention path: %s", first_line)
+        log.warning("native CPU kernels unavailable, using the PyTorch paths: %s", first_line)
         return None
