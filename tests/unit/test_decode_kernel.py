@@ -73,3 +73,8 @@ def test_bad_arguments_raise_instead_of_reading_out_of_bounds() -> None:
     with pytest.raises(RuntimeError, match="head layout"):
         kernels.paged_decode_attention(torch.zeros(1, 3, 8), cache, cache, torch.zeros(1, 1, dtype=torch.int64),
                                        torch.ones(1, dtype=torch.int64), 1.0, 0, 0.0)
+    table = torch.zeros(1, 1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        kernels.paged_decode_attention(torch.zeros(1, 4, 8), cache, cache, table, torch.tensor([5]), 1.0, 0, 0.0)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernels.paged_decode_attention(torch.zeros(1, 4, 8), cache, cache, table + 4, torch.tensor([2]), 1.0, 0, 0.0)

@@ -156,6 +156,17 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   block_table = block_table.contiguous();
   seq_lens = seq_lens.contiguous();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) && seq_lens.numel() == q.size(0),
+              "one block-table row and one length per sequence");
+  // The kernel reads raw pointers: check every index it will follow (S x W integers, microseconds).
+  const int64_t* lens_p = seq_lens.data_ptr<int64_t>();
+  const int64_t* table_p = block_table.data_ptr<int64_t>();
+  const int64_t width = block_table.size(1), bs = k_cache.size(1), num_blocks = k_cache.size(0);
+  for (int64_t s = 0; s < q.size(0); ++s) {
+    TORCH_CHECK(lens_p[s] >= 1 && lens_p[s] <= width * bs, "sequence length outside its block table");
+    for (int64_t j = 0; j < (lens_p[s] + bs - 1) / bs; ++j)
+      TORCH_CHECK(table_p[s * width + j] >= 0 && table_p[s * width + j] < num_blocks, "block id out of range");
+  }
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
