@@ -2,7 +2,9 @@
 
   gemm       y = x Wᵀ for every weight shape of the model at several row counts (1 = batch-1
              decode, 64 = a full decode batch, 2048 = a prefill chunk): aten (`F.linear`, MKL)
-             against oneDNN (`mkldnn::_linear_pointwise`), and the kernel `auto` picks.
+             against oneDNN (`mkldnn::_linear_pointwise`), the native skinny kernel at 1-4 rows,
+             and the kernel `auto` picks. Each weight is timed alone, so it stays in cache: the
+             native kernel's win (threads streaming W from memory) shows in decode_roofline.py.
   attention  decode attention of S sequences over the paged cache: gather + SDPA (the portable
              path) against the native kernel reading blocks in place (tokenmill/kernels).
 
@@ -49,7 +51,11 @@ def best_ms(fns: list[Callable[[], Any]], calls: int = 8, rounds: int = 3) -> li
 def gemm_rows(arch: Any, rows: list[int]) -> list[dict[str, Any]]:
     import torch
 
-    from tokenmill.layers.linear import kernel_name, linear_kernel
+    from tokenmill.kernels import cpu_kernels
+    from tokenmill.layers.linear import SKINNY_MAX_ROWS, kernel_name, linear_kernel
+
+    module = cpu_kernels()
+    skinny = None if module is None else module.skinny_linear
 
     hd = arch.head_dim
     shapes = {"qkv": ((arch.num_heads + 2 * arch.num_kv_heads) * hd, arch.hidden_size),
@@ -65,9 +71,15 @@ def gemm_rows(arch: Any, rows: list[int]) -> list[dict[str, Any]]:
             if name == "lm_head" and m > 256:  # logits are computed for sampled rows only
                 continue
             x = torch.randn(m, in_f)
-            a, o = best_ms([partial(aten, x, w, None), partial(onednn, x, w, None)])
-            results.append({"weight": name, "shape": [out_f, in_f], "rows": m, "aten_ms": a, "onednn_ms": o,
-                            "onednn_speedup": a / o, "auto": kernel_name(linear_kernel(w))})
+            fns = [partial(aten, x, w, None), partial(onednn, x, w, None)]
+            if skinny is not None and m <= SKINNY_MAX_ROWS:
+                fns.append(partial(skinny, x, w, None))
+            times = best_ms(fns)
+            native = times[2] if len(times) > 2 else None
+            results.append({"weight": name, "shape": [out_f, in_f], "rows": m, "aten_ms": times[0],
+                            "onednn_ms": times[1], "onednn_speedup": times[0] / times[1], "native_ms": native,
+                            "native_speedup": None if native is None else times[0] / native,
+                            "auto": kernel_name(linear_kernel(w))})
     return results
 
 
@@ -114,9 +126,9 @@ def main() -> None:
     gemm = gemm_rows(arch, [int(r) for r in args.rows.split(",")])
     attention = attention_rows(arch, [int(s) for s in args.seqs.split(",")], args.context)
     others = noise.others_cores()
-    common.print_table(["weight", "rows", "aten ms", "onednn ms", "onednn speedup", "auto"],
-                       [[g["weight"], g["rows"], g["aten_ms"], g["onednn_ms"], g["onednn_speedup"], g["auto"]]
-                        for g in gemm])
+    common.print_table(["weight", "rows", "aten ms", "onednn ms", "onednn speedup", "native speedup", "auto"],
+                       [[g["weight"], g["rows"], g["aten_ms"], g["onednn_ms"], g["onednn_speedup"],
+                         "-" if g["native_speedup"] is None else g["native_speedup"], g["auto"]] for g in gemm])
     print()
     common.print_table(["seqs", "context", "gather+sdpa ms", "native ms", "native speedup"],
                        [[a["seqs"], a["context"], a["sdpa_ms"], a["native_ms"], a["native_speedup"]]

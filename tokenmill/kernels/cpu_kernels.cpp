@@ -106,6 +106,13 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       for (int64_t t = 0; t < n; ++t) {
         const int64_t pos = lo + t;
         const T* row = k_cache + (table[pos / block_size] * block_size + pos % block_size) * token_stride;
+        if (t + 2 < n) {  // the next rows may sit in another block: start their loads early
+          const int64_t nxt = pos + 2;
+          const char* p = reinterpret_cast<const char*>(
+              k_cache + (table[nxt / block_size] * block_size + nxt % block_size) * token_stride + g0 * head_dim);
+          for (int64_t b = 0; b < heads_per_item * head_dim * static_cast<int64_t>(sizeof(T)); b += 64)
+            __builtin_prefetch(p + b);
+        }
         for (int64_t g = 0; g < heads_per_item; ++g)
           score_row(qf.data() + g * rep * head_dim, row + (g0 + g) * head_dim, rep, head_dim,
                     scores.data() + g * rep * n + t, n);
@@ -130,6 +137,13 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       for (int64_t t = 0; t < n; ++t) {
         const int64_t pos = lo + t;
         const T* row = v_cache + (table[pos / block_size] * block_size + pos % block_size) * token_stride;
+        if (t + 2 < n) {
+          const int64_t nxt = pos + 2;
+          const char* p = reinterpret_cast<const char*>(
+              v_cache + (table[nxt / block_size] * block_size + nxt % block_size) * token_stride + g0 * head_dim);
+          for (int64_t b = 0; b < heads_per_item * head_dim * static_cast<int64_t>(sizeof(T)); b += 64)
+            __builtin_prefetch(p + b);
+        }
         for (int64_t h = 0; h < nh; ++h)
           axpy(scores[h * n + t], row + (g0 + h / rep) * head_dim, acc.data() + h * head_dim, head_dim);
       }
