@@ -43,6 +43,7 @@ test-slow: install
 bench: install
 	$(PYTHON) benchmarks/offline_throughput.py --model $(MODEL)
 	$(PYTHON) benchmarks/decode_roofline.py --model $(MODEL)
+	$(PYTHON) benchmarks/cpu_kernels.py --model $(MODEL)
 
 clean:
 	rm -rf .cache .mypy_cache .ruff_cache .pytest_cache
