@@ -6,12 +6,12 @@ root on `sys.path` (tokenmill need not be installed).
 
 from __future__ import annotations
 
+import argparse
 import codecs
 import contextlib
 import datetime as _dt
 import importlib
 import importlib.util
-import inspect
 import io
 import json
 import os
@@ -33,26 +33,25 @@ MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b")
 T = TypeVar("T")
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
-# Stdlib modules whose docstrings make the prompt corpus: fixed for a given Python version, so
-# the prompts are the same on every run and every machine with that Python.
-_CORPUS_MODULES = ("json", "argparse", "collections", "textwrap", "functools", "itertools", "pathlib",
-                   "subprocess", "logging", "dataclasses", "asyncio", "unittest", "typing", "re", "string",
-                   "statistics", "datetime", "csv", "shutil", "tempfile", "heapq", "bisect", "enum", "contextlib")
-
 
 # ---------------------------------------------------------------- prompts
 
 
+def workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The offline workload the throughput and memory benchmarks share: N prompts of L tokens, O out."""
+    p.add_argument("--model", choices=MODELS, default="smollm2-135m")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+
+
 def corpus_text() -> str:
-    """English prose from the Zen of Python and the docstrings of stdlib modules, in a fixed order."""
-    pieces = [_zen_of_python()]
-    for name in _CORPUS_MODULES:
-        module = importlib.import_module(name)
-        pieces.append(inspect.getdoc(module) or "")
-        for _, member in sorted(vars(module).items()):
-            if (inspect.isclass(member) or inspect.isfunction(member)) and getattr(member, "__module__", "") == name:
-                pieces.append(inspect.getdoc(member) or "")
-    return "\n\n".join(p for p in pieces if p)
+    """English prose from the Zen of Python, then the stdlib docstrings `tokenmill bench` cuts its
+    prompts from (tokenmill.bench.corpus), in a fixed order."""
+    from tokenmill.bench.corpus import TextKind
+    from tokenmill.bench.corpus import corpus_text as bench_corpus
+
+    return _zen_of_python() + "\n\n" + bench_corpus(TextKind.PROSE)
 
 
 def _zen_of_python() -> str:

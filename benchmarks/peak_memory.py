@@ -73,10 +73,7 @@ class RssSampler:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=common.MODELS, default="smollm2-135m")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    common.workload_arguments(p)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--sample-ms", type=float, default=20.0)
