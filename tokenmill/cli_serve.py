@@ -38,9 +38,11 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gemm-backend", default="auto", choices=["auto", "aten", "onednn"],
+    from tokenmill.kernels import ATTENTION_BACKENDS, GEMM_BACKENDS
+
+    parser.add_argument("--gemm-backend", default="auto", choices=GEMM_BACKENDS,
                         help="CPU matmuls: auto = native for 1-4 rows, oneDNN for large weights, else aten")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "native"],
+    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                         help="decode attention: auto = the native CPU kernel where it builds, else SDPA")
 
 

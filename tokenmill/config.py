@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.errors import TokenmillError
-from tokenmill.layers.attention import ATTENTION_BACKENDS
-from tokenmill.layers.linear import GEMM_BACKENDS
+from tokenmill.kernels import ATTENTION_BACKENDS, GEMM_BACKENDS
 from tokenmill.platform import auto_dtype
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,8 +25,9 @@ class ModelConfig:
     device: str = "auto"  # "auto": cuda when available, else cpu
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
-    # CPU GEMM kernel per weight: "auto" picks oneDNN for large matrices (faster than MKL on AVX2
-    # hosts), "aten" always F.linear, "onednn" always oneDNN where available. See layers/linear.py.
+    # CPU GEMM kernel per weight: "auto" = the native kernel for 1-4 rows, oneDNN for large matrices
+    # (faster than MKL on AVX2 hosts), else F.linear; "aten" always F.linear, "onednn" always oneDNN
+    # where available. See layers/linear.py.
     gemm_backend: str = "auto"
     # Decode attention: "auto" uses the native CPU kernel where it builds, "sdpa" the PyTorch path,
     # "native" insists on the kernel. See layers/attention.py.

@@ -15,6 +15,10 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
+# Backend names, here (no torch import) so the CLI can offer them without loading torch.
+GEMM_BACKENDS: tuple[str, ...] = ("auto", "aten", "onednn")  # see layers/linear.py
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "native")  # see layers/attention.py
+
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}

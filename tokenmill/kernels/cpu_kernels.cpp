@@ -76,6 +76,19 @@ inline void axpy(float w, const T* v, float* out, int64_t n) {
   for (int64_t d = 0; d < n; ++d) out[d] += w * static_cast<float>(v[d]);
 }
 
+// The cache row [KVH, hd] of position `pos` of a sequence, through its block table.
+template <typename T>
+inline const T* slot_row(const T* cache, const int64_t* table, int64_t pos, int64_t block_size, int64_t stride) {
+  return cache + (table[pos / block_size] * block_size + pos % block_size) * stride;
+}
+
+// The K and V passes prefetch the row two positions ahead: it may sit in another block, where the
+// hardware prefetcher cannot follow.
+inline void prefetch_rows(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+}
+
 template <typename T>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_table,
                    const int64_t* seq_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -89,6 +102,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
   const int64_t threads = at::get_num_threads();
   const int64_t heads_per_item = num_seqs >= 4 * threads ? num_kv_heads : 1;
   const int64_t items_per_seq = num_kv_heads / heads_per_item;
+  const float qscale = softcap > 0 ? 1.f : static_cast<float>(scale);  // with a softcap, scale goes inside tanh
   at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, scores, inv_sum;
     for (int64_t item = begin; item < end; ++item) {
@@ -99,20 +113,14 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       const int64_t n = len - lo;
       const int64_t* table = block_table + s * table_width;
       const T* qs = q + (s * num_heads + g0 * rep) * head_dim;
-      const float qscale = softcap > 0 ? 1.f : static_cast<float>(scale);
       qf.resize(nh * head_dim);
       for (int64_t i = 0; i < nh * head_dim; ++i) qf[i] = static_cast<float>(qs[i]) * qscale;
+      const int64_t item_bytes = heads_per_item * head_dim * static_cast<int64_t>(sizeof(T));
       scores.resize(nh * n);
       for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = lo + t;
-        const T* row = k_cache + (table[pos / block_size] * block_size + pos % block_size) * token_stride;
-        if (t + 2 < n) {  // the next rows may sit in another block: start their loads early
-          const int64_t nxt = pos + 2;
-          const char* p = reinterpret_cast<const char*>(
-              k_cache + (table[nxt / block_size] * block_size + nxt % block_size) * token_stride + g0 * head_dim);
-          for (int64_t b = 0; b < heads_per_item * head_dim * static_cast<int64_t>(sizeof(T)); b += 64)
-            __builtin_prefetch(p + b);
-        }
+        const T* row = slot_row(k_cache, table, lo + t, block_size, token_stride);
+        if (t + 2 < n) prefetch_rows(slot_row(k_cache, table, lo + t + 2, block_size, token_stride) + g0 * head_dim,
+                                     item_bytes);
         for (int64_t g = 0; g < heads_per_item; ++g)
           score_row(qf.data() + g * rep * head_dim, row + (g0 + g) * head_dim, rep, head_dim,
                     scores.data() + g * rep * n + t, n);
@@ -135,21 +143,16 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       }
       acc.assign(nh * head_dim, 0.f);
       for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = lo + t;
-        const T* row = v_cache + (table[pos / block_size] * block_size + pos % block_size) * token_stride;
-        if (t + 2 < n) {
-          const int64_t nxt = pos + 2;
-          const char* p = reinterpret_cast<const char*>(
-              v_cache + (table[nxt / block_size] * block_size + nxt % block_size) * token_stride + g0 * head_dim);
-          for (int64_t b = 0; b < heads_per_item * head_dim * static_cast<int64_t>(sizeof(T)); b += 64)
-            __builtin_prefetch(p + b);
-        }
+        const T* row = slot_row(v_cache, table, lo + t, block_size, token_stride);
+        if (t + 2 < n) prefetch_rows(slot_row(v_cache, table, lo + t + 2, block_size, token_stride) + g0 * head_dim,
+                                     item_bytes);
         for (int64_t h = 0; h < nh; ++h)
           axpy(scores[h * n + t], row + (g0 + h / rep) * head_dim, acc.data() + h * head_dim, head_dim);
       }
       T* os = out + (s * num_heads + g0 * rep) * head_dim;
       for (int64_t h = 0; h < nh; ++h)
-        for (int64_t d = 0; d < head_dim; ++d) os[h * head_dim + d] = static_cast<T>(acc[h * head_dim + d] * inv_sum[h]);
+        for (int64_t d = 0; d < head_dim; ++d)
+          os[h * head_dim + d] = static_cast<T>(acc[h * head_dim + d] * inv_sum[h]);
     }
   });
 }

@@ -15,13 +15,11 @@ by rounding only (parity tests hold them to 1e-4 of transformers either way).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-GemmBackend = Literal["auto", "aten", "onednn"]
-GEMM_BACKENDS: tuple[str, ...] = ("auto", "aten", "onednn")
+from tokenmill.kernels import GEMM_BACKENDS, cpu_kernels
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -79,8 +77,6 @@ SKINNY_MAX_ROWS = 4
 
 
 def _skinny_kernel() -> LinearFn | None:
-    from tokenmill.kernels import cpu_kernels
-
     module = cpu_kernels()
     return None if module is None else module.skinny_linear
 
