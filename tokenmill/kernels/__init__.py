@@ -1,7 +1,8 @@
 """Native CPU kernels, compiled on first use with torch's C++ extension builder.
 
-What is here is the product's own hot path where PyTorch has no fused op (paged decode attention
-reading the block cache in place). The build needs a C++ compiler and ninja; it takes about a
+What is here is the product's own hot path where PyTorch has no fitting op: paged decode attention
+reading the block cache in place, and a skinny GEMM (1-4 rows) that streams each weight on all
+threads. The build needs a C++ compiler and ninja; it takes about a
 minute once and is cached under ~/.cache/torch_extensions (keyed by the source's hash). Where it
 cannot build, callers fall back to the pure-PyTorch path and a single warning says why.
 """
