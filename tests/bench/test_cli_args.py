@@ -8,7 +8,7 @@ import pytest
 
 from tokenmill import cli
 from tokenmill.bench.bench import BenchConfig
-from tokenmill.cli_bench import config_from_args
+from tokenmill.cli.bench import config_from_args
 
 
 def config(*flags: str) -> BenchConfig:

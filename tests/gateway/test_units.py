@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tokenmill.cli import build_parser
-from tokenmill.cli_gateway import build_config
+from tokenmill.cli.gateway import build_config
 from tokenmill.errors import TokenmillError
 from tokenmill.gateway.config import GatewayConfig, RetryConfig
 from tokenmill.gateway.prompt_key import route_prefix

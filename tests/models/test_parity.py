@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine.interfaces import ScheduledRequest, SchedulerOutput
 from tokenmill.engine.request import Request
-from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 ARCHS = ["llama", "qwen2", "gemma3"]
 NUM_STEPS = 32

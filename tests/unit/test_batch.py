@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from tokenmill.batch import completed_keys, run_batch
-from tokenmill.batch_requests import BatchLineError, Endpoint, sampling_params
+from tokenmill.batch.requests import BatchLineError, Endpoint, sampling_params
+from tokenmill.batch.runner import completed_keys, run_batch
 from tokenmill.engine.request import SamplingParams
 from tokenmill.llm import LLM
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 
 from tokenmill.config import SchedulerConfig
+from tokenmill.engine.interfaces import RunnerOutput, SampledTokens, SchedulerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import EngineOutput, FinishReason, Request, RequestStatus, SamplingParams
-from tokenmill.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.stop import check_stop
 
 BS = 4
@@ -32,7 +33,7 @@ def _request(rid: str, num_prompt: int, arrival: float, priority: int = 0, max_t
 
 
 def _update(sched: Scheduler, out: SchedulerOutput, token: int = TOKEN) -> list[EngineOutput]:
-    sampled = {s.request.request_id: (token, None) for s in out.scheduled if s.needs_sample}
+    sampled = {s.request.request_id: SampledTokens([token], [None]) for s in out.scheduled if s.needs_sample}
     return sched.update(out, RunnerOutput(sampled=sampled))
 
 
@@ -43,7 +44,7 @@ def _step(sched: Scheduler, token: int = TOKEN) -> tuple[SchedulerOutput, list[E
 
 def _plan(out: SchedulerOutput) -> list[tuple[str, int, int]]:
     """(request id, start, num_new_tokens) of every scheduled request, in scheduling order."""
-    return [(s.request.request_id, s.start, s.num_new_tokens) for s in out.scheduled]
+    return [(s.request.request_id, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled]
 
 
 # ---- token budget ----------------------------------------------------------------------------
@@ -64,7 +65,7 @@ def test_decodes_take_the_budget_first_then_a_chunk_of_the_waiting_prefill() -> 
     starts = []
     for _ in range(3):
         out, outputs = _step(sched)
-        assert _plan(out)[:3] == [(f"r{i}", out.scheduled[i].start, 1) for i in range(3)]
+        assert _plan(out)[:3] == [(f"r{i}", out.scheduled[i].num_computed_tokens, 1) for i in range(3)]
         starts.append(_plan(out)[3])
     assert starts == [("w", 5, 5), ("w", 10, 5), ("w", 15, 5)]
     assert "w" in {o.request_id for o in outputs}

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.interfaces import RunnerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner, num_kv_blocks
 from tokenmill.engine.request import EngineOutput, FinishReason, Request, SamplingParams
 from tokenmill.engine.sampler import Sampler
-from tokenmill.engine.scheduler import RunnerOutput, Scheduler
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.stats import StepStats
 from tokenmill.errors import RequestValidationError
 from tokenmill.models.arch import ArchConfig

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from tokenmill.engine.prefix_cache import update_block_hashes
+from tokenmill.engine.block_hash import update_block_hashes
 from tokenmill.engine.request import Request
 
 

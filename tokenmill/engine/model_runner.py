@@ -9,10 +9,10 @@ import numpy as np
 import torch
 
 from tokenmill.config import CacheConfig, ModelConfig
-from tokenmill.engine.batch import ModelInput, build_model_input
+from tokenmill.engine.interfaces import RunnerOutput, SampledTokens, SchedulerOutput
+from tokenmill.engine.model_input import ModelInput, build_model_input
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.engine.sampler import Sampler, token_logprobs
-from tokenmill.engine.scheduler import RunnerOutput, SchedulerOutput
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.registry import model_class
@@ -76,7 +76,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inp.sample_indices])
             requests = [s.request for s in inp.sampled]
             samples = self.sampler(logits, requests)
-            result.sampled = {r.request_id: res for r, res in zip(requests, samples, strict=True)}
+            result.sampled = {r.request_id: SampledTokens([token], [logprob])
+                              for r, (token, logprob) in zip(requests, samples, strict=True)}
         return result
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: ModelInput) -> dict[str, list[TokenLogprob]]:
@@ -84,11 +85,12 @@ class ModelRunner:
         result: dict[str, list[TokenLogprob]] = {}
         for s, offset in inp.prompt_logprob_offsets:
             request = s.request
-            last = min(s.start + s.num_new_tokens, request.num_prompt_tokens - 1)
-            if last <= s.start:
+            start = s.num_computed_tokens
+            last = min(start + s.num_new_tokens, request.num_prompt_tokens - 1)
+            if last <= start:
                 continue
-            logits = self.model.compute_logits(hidden[offset:offset + last - s.start])
-            targets = torch.tensor(request.token_ids[s.start + 1:last + 1], device=logits.device)
+            logits = self.model.compute_logits(hidden[offset:offset + last - start])
+            targets = torch.tensor(request.token_ids[start + 1:last + 1], device=logits.device)
             entries = token_logprobs(logits, targets, [request.params.prompt_logprobs] * len(targets))
             result[request.request_id] = [e for e in entries if e is not None]
         return result

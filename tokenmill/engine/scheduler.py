@@ -17,37 +17,11 @@ import time
 from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
+from tokenmill.engine.interfaces import RunnerOutput, SampledTokens, ScheduledRequest, SchedulerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.policy import POLICIES, RequestQueue
 from tokenmill.engine.request import EngineOutput, FinishReason, Request, RequestStatus, TokenLogprob
 from tokenmill.engine.stop import check_stop
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    start: int  # num_computed_tokens before this step
-    num_new_tokens: int
-    block_ids: list[int]
-
-    @property
-    def needs_sample(self) -> bool:
-        """The chunk reaches the last known token, so its logits give the next token."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_preempted: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 @dataclass(slots=True)
@@ -64,14 +38,6 @@ class StepTokenStats:
     num_generation_tokens: int = 0
     ttfts_s: list[float] = field(default_factory=list)
     inter_token_latencies_s: list[float] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class RunnerOutput:
-    """The model runner's answer to one SchedulerOutput."""
-
-    sampled: dict[str, tuple[int, TokenLogprob | None]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -174,7 +140,8 @@ class Scheduler:
             budget -= num_new
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(request, request.num_computed_tokens, num_new, self.kv.block_tables[request.request_id])
+        return ScheduledRequest(request, request.num_computed_tokens, num_new,
+                                self.kv.block_tables[request.request_id])
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[EngineOutput]:
         """Advance computed counts, append sampled tokens, finish requests that stop."""
@@ -185,27 +152,37 @@ class Scheduler:
             request = s.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            self.step_stats.num_prompt_tokens += max(0, min(s.start + s.num_new_tokens, request.num_prompt_tokens)
-                                                     - s.start)
+            start = s.num_computed_tokens
+            end = min(start + s.num_new_tokens, request.num_prompt_tokens)
+            self.step_stats.num_prompt_tokens += max(0, end - start)
             request.num_computed_tokens += s.num_new_tokens
             request.prompt_logprobs.extend(result.prompt_logprobs.get(request.request_id, []))
             self.kv.commit_computed(request)
-            if request.request_id in result.sampled:
-                outputs.append(self._append_token(request, *result.sampled[request.request_id], now))
+            sampled = result.sampled.get(request.request_id)
+            if sampled is not None:
+                outputs.append(self._append_tokens(request, sampled, now))
         return outputs
 
-    def _append_token(self, request: Request, token_id: int, logprob: TokenLogprob | None,
-                      now: float) -> EngineOutput:
-        request.token_ids.append(token_id)
-        if logprob is not None:
-            request.logprobs.append(logprob)
+    def _append_tokens(self, request: Request, sampled: SampledTokens, now: float) -> EngineOutput:
+        """Append the step's tokens one by one with the stop rules checked after each: a token past
+        a stop is never appended."""
         is_first = request.times.first_token is None
-        self._record_latency(request, now)
-        reason = check_stop(request, self.max_model_len)
-        if reason is not None:
-            self._finish(request, reason)
+        new_ids: list[int] = []
+        new_logprobs: list[TokenLogprob] = []
+        reason = None
+        for token_id, logprob in zip(sampled.token_ids, sampled.logprobs, strict=True):
+            request.token_ids.append(token_id)
+            new_ids.append(token_id)
+            if logprob is not None:
+                request.logprobs.append(logprob)
+                new_logprobs.append(logprob)
+            self._record_latency(request, now)
+            reason = check_stop(request, self.max_model_len)
+            if reason is not None:
+                self._finish(request, reason)
+                break
         prompt_logprobs = request.prompt_logprobs if is_first and request.params.prompt_logprobs is not None else None
-        return EngineOutput(request.request_id, [token_id], [logprob] if logprob else [], reason,
+        return EngineOutput(request.request_id, new_ids, new_logprobs, reason,
                             request.num_prompt_tokens, request.num_cached_tokens, request.times, prompt_logprobs)
 
     def _record_latency(self, request: Request, now: float) -> None:

@@ -1,6 +1,6 @@
 """GPU check (run on a CUDA machine): the same engine code on CUDA, parity and throughput.
 
-    PYTHONUNBUFFERED=1 python scripts/gpu_check.py [OUT_DIR]
+    PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py [OUT_DIR]
 
 1. Parity: tiny random llama / qwen2 / gemma3 checkpoints, tokenmill on CUDA (fp32) against
    transformers on CUDA: max relative logit error and greedy tokens for 32 steps.

@@ -4,7 +4,7 @@
     tokenmill gateway --replicas 1 --model M --warm 1 --min 1 --max 4        warm buffer + autoscaling
     tokenmill gateway --backend http://10.0.0.5:8000 --backend http://10.0.0.6:8000 --policy prefix_affinity
 
-Also registers `tokenmill deploy` (cli_deploy.py), so that cli.py needs one entry for both.
+Also registers `tokenmill deploy` (cli/deploy.py), so that cli/main.py needs one entry for both.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import shlex
 from typing import Any
 
-from tokenmill.cli_deploy import add_deploy_parser
+from tokenmill.cli.deploy import add_deploy_parser
 from tokenmill.gateway.config import (
     AutoscaleConfig,
     BreakerConfig,

@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from tokenmill.batch_requests import (
+from tokenmill.batch.requests import (
     BatchLineError,
     BatchRequest,
     ModelLimits,

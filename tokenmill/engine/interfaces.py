@@ -1,0 +1,58 @@
+"""The narrow dataclasses between the scheduler and the model runner, in both directions.
+
+    Scheduler.schedule() ──SchedulerOutput──▶ ModelRunner.execute() ──RunnerOutput──▶ Scheduler.update()
+
+Neither side imports the other: both import this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.engine.request import Request, TokenLogprob
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute tokens [num_computed_tokens, + num_new_tokens)."""
+
+    request: Request
+    num_computed_tokens: int  # before this step; the first query token's position
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def needs_sample(self) -> bool:
+        """The chunk reaches the last known token, so its logits give the next token."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class SampledTokens:
+    """The tokens a step produced for one request, in order, each with its logprob entry (None
+    when the request asked for none). One token per step without speculation."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """The model runner's answer to one SchedulerOutput, keyed by request id."""
+
+    sampled: dict[str, SampledTokens] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
