@@ -31,8 +31,11 @@ lint: install
 typecheck: install
 	$(PYTHON) -m mypy
 
+# The golden-parity tests need all three architectures (llama, gemma3, qwen2) pulled, else they skip.
+GOLDEN_MODELS := smollm2-135m gemma3-270m qwen2.5-coder-0.5b
+
 pytest: install
-	$(PYTHON) -m tokenmill pull --quiet smollm2-135m
+	@for m in $(GOLDEN_MODELS); do $(PYTHON) -m tokenmill pull --quiet $$m >/dev/null || exit 1; done
 	$(PYTHON) -m pytest
 
 test: lint typecheck pytest

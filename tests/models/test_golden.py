@@ -1,7 +1,7 @@
 """Real models: greedy continuations equal transformers' on the same GGUF in fp32.
 
 Golden ids come from `scripts/make_greedy_golden.py`; a model that is not pulled is skipped
-(`make test` pulls the default one).
+(`make test` pulls all three).
 """
 
 from __future__ import annotations
