@@ -32,7 +32,7 @@ def free_port() -> int:
 class Behaviour:
     """What the next requests meet; tests change it while the replica runs."""
 
-    is_ready: bool = True
+    is_ready: bool = True  # False: /ready and completions answer 503, as a loading server does
     fail_status: int | None = None  # answer completions with this status...
     num_failures: int | None = None  # ...this many times (None: until told otherwise)
     stall_s: float = 0.0  # wait before answering
@@ -40,6 +40,8 @@ class Behaviour:
     num_tokens: int = 4
     token_delay_s: float = 0.0
     num_requests: int = 0  # completions received
+    num_requests_unready: int = 0  # of those, received while not ready
+    num_probes: int = 0  # /ready requests received
     prompts: list[str] = field(default_factory=list)
 
     def take_failure(self) -> int | None:
@@ -59,6 +61,7 @@ def build_fake_app(behaviour: Behaviour, name: str = "fake") -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
+        behaviour.num_probes += 1
         return JSONResponse({"status": "ready" if behaviour.is_ready else "loading"},
                             status_code=200 if behaviour.is_ready else 503)
 
@@ -77,6 +80,10 @@ def build_fake_app(behaviour: Behaviour, name: str = "fake") -> FastAPI:
         body = await request.json()
         behaviour.num_requests += 1
         behaviour.prompts.append(str(body.get("prompt") or body.get("messages")))
+        if not behaviour.is_ready:
+            behaviour.num_requests_unready += 1
+            return JSONResponse({"error": {"message": "the model is still loading", "type": "x", "code": "loading"}},
+                                status_code=503, headers={"Retry-After": "1"})
         await asyncio.sleep(behaviour.stall_s)
         status = behaviour.take_failure()
         if status is not None:

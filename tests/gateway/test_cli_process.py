@@ -51,3 +51,24 @@ def _ready(url: str) -> bool:
         return httpx.get(f"{url}/ready", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_health_probes_are_not_logged_at_the_default_level() -> None:
+    """httpx logs each request at INFO: at --probe-interval 0.05 that would be ~20 lines a second."""
+    fake = FakeReplica().start()
+    port = free_port()
+    command = [sys.executable, "-m", "tokenmill", "gateway", "--backend", fake.url, "--port", str(port),
+               "--probe-interval", "0.05"]
+    proc = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _ready(url), timeout_s=60, what="the gateway process")
+        wait_until(lambda: fake.behaviour.num_probes >= 20, timeout_s=30, what="twenty health probes")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        output = proc.stdout.read().decode() if proc.stdout else ""
+    finally:
+        proc.kill()
+        fake.stop()
+    assert "gateway on http://" in output  # INFO lines of the gateway itself still show
+    assert "HTTP Request" not in output and "/ready" not in output, output[-2000:]

@@ -64,10 +64,14 @@ def test_a_waiting_request_is_served_when_a_replica_comes_up(fakes: Fakes, gatew
     (fake,) = fakes(1)
     fake.behaviour.is_ready = False
     live = gateway_for([fake.url])
+    wait_until(lambda: fake.behaviour.num_probes >= 2, what="the gateway to probe the unready replica")
     with httpx.Client(timeout=10) as client:
         threading.Timer(0.3, lambda: setattr(fake.behaviour, "is_ready", True)).start()
         response = client.post(f"{live.url}/v1/completions", json=COMPLETION)  # waits for the replica
-    assert response.status_code == 200
+    # The unready fake answers 503 like a loading server: only a gateway that waited for a passing
+    # probe gets a 200, and the request reached the replica once, after it became ready.
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "t0 t1 t2 t3 "
+    assert (fake.behaviour.num_requests, fake.behaviour.num_requests_unready) == (1, 0)
 
 
 @pytest.mark.parametrize("status", [429, 503, 500])

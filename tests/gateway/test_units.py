@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import AsyncIterator
 
@@ -11,6 +12,7 @@ import pytest
 from tokenmill.cli import build_parser
 from tokenmill.cli.gateway import build_config
 from tokenmill.errors import TokenmillError
+from tokenmill.gateway.app import HTTP_CLIENT_LOGGERS, quiet_http_client_logs
 from tokenmill.gateway.config import GatewayConfig, RetryConfig
 from tokenmill.gateway.prompt_key import route_prefix
 from tokenmill.gateway.replica import parse_engine_load
@@ -94,3 +96,13 @@ def test_config_refuses_a_gateway_without_replicas() -> None:
         GatewayConfig()
     with pytest.raises(TokenmillError, match="http"):
         GatewayConfig(backends=("localhost:8000",))
+
+
+@pytest.mark.parametrize(("log_level", "expected"), [("info", logging.WARNING), ("warning", logging.WARNING),
+                                                     ("debug", logging.DEBUG)])
+def test_http_client_request_lines_show_only_at_debug(log_level: str, expected: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in HTTP_CLIENT_LOGGERS:  # restored after the test
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
+    quiet_http_client_logs(log_level)
+    assert [logging.getLogger(name).level for name in HTTP_CLIENT_LOGGERS] == [expected, expected]

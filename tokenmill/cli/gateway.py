@@ -41,7 +41,8 @@ def add_gateway_parser(subparsers: Any) -> None:
                         help="a replica someone else runs (repeatable), e.g. http://10.0.0.5:8000")
     parser.add_argument("--serve-args", default="", help="extra flags for local replicas, e.g. '--dtype float32'")
     parser.add_argument("--log-dir", default=None, help="write each local replica's output here")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="debug also logs every HTTP request the gateway sends, health probes included")
     _add_routing_arguments(parser)
     _add_scaling_arguments(parser)
     parser.set_defaults(handler=run_gateway_command)

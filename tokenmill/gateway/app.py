@@ -145,7 +145,20 @@ def make_server(config: GatewayConfig, *, gateway: Gateway | None = None, log_le
 
 def run_gateway(config: GatewayConfig, *, log_level: str = "info") -> int:
     """Serve until SIGTERM/SIGINT: open streams finish, then local replicas are drained."""
+    quiet_http_client_logs(log_level)
     server = make_server(config, log_level=log_level)
     log.info("gateway on http://%s:%d/v1 (policy %s)", config.host, config.port, config.policy)
     server.run()
     return 0
+
+
+# httpx logs every request it sends at INFO; the gateway sends one health probe per replica per
+# probe interval, so at the default level they would drown everything else.
+HTTP_CLIENT_LOGGERS = ("httpx", "httpcore")
+
+
+def quiet_http_client_logs(log_level: str) -> None:
+    """The HTTP client's per-request lines show only at `--log-level debug` (the verbose setting)."""
+    level = logging.DEBUG if log_level.lower() == "debug" else logging.WARNING
+    for name in HTTP_CLIENT_LOGGERS:
+        logging.getLogger(name).setLevel(level)
