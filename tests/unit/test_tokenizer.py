@@ -63,6 +63,10 @@ def _int(value: int) -> tuple[Any, ...]:
 
 @pytest.fixture
 def bpe_gguf(tmp_path: Path) -> Path:
+    return write_bpe_gguf(tmp_path)
+
+
+def write_bpe_gguf(tmp_path: Path) -> Path:
     """Byte-level BPE like SmolLM2/Qwen: 256 byte symbols, a few merges, ChatML specials."""
     merged = ["he", "ll", "hell", "hello", "Ġw", "or", "Ġwor", "ld", "Ġworld"]
     tokens = [*BPE_SPECIALS, *_byte_alphabet(), *merged]
@@ -226,10 +230,24 @@ def test_decode_stream_byte_fallback(tmp_path: Path, arch: str) -> None:
 # ------------------------------------------------------------------------------------- caching
 
 
-def test_second_load_reads_the_cache_not_the_gguf(bpe_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's tokenizer caches go to its own TOKENMILL_HOME, not the user's."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("TOKENMILL_HOME", str(home))
+    return home / "tokenizers"
+
+
+def _entries(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.iterdir()) if cache.is_dir() else []
+
+
+def test_second_load_reads_the_cache_not_the_gguf(bpe_gguf: Path, cache_home: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     first = Tokenizer.from_gguf(bpe_gguf)
-    assert Path(f"{bpe_gguf}.tokenizer.json").is_file()
-    assert Path(f"{bpe_gguf}.tokenizer_meta.json").is_file()
+    names = _entries(cache_home)
+    assert len(names) == 2 and all(n.startswith("tiny-bpe-") for n in names)
+    assert sorted(p.name for p in bpe_gguf.parent.iterdir()) == ["home", "tiny-bpe.gguf"]  # nothing beside it
 
     def no_reader(*args: object, **kwargs: object) -> None:
         raise AssertionError("GGUFReader used despite a fresh cache")
@@ -240,8 +258,10 @@ def test_second_load_reads_the_cache_not_the_gguf(bpe_gguf: Path, monkeypatch: p
     assert (second.eos_token_ids, second.chat_template) == (first.eos_token_ids, first.chat_template)
 
 
-def test_changed_gguf_invalidates_the_cache(bpe_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_changed_gguf_invalidates_the_cache(bpe_gguf: Path, cache_home: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     Tokenizer.from_gguf(bpe_gguf)
+    before = _entries(cache_home)
     stat = bpe_gguf.stat()
     os.utime(bpe_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     calls: list[tuple[Any, ...]] = []
@@ -254,32 +274,54 @@ def test_changed_gguf_invalidates_the_cache(bpe_gguf: Path, monkeypatch: pytest.
     monkeypatch.setattr(gguf_tokenizer.gguf, "GGUFReader", counting_reader)
     Tokenizer.from_gguf(bpe_gguf)
     assert len(calls) == 1
-    meta = json.loads(Path(f"{bpe_gguf}.tokenizer_meta.json").read_text())
+    after = _entries(cache_home)
+    assert len(after) == 2 and not set(after) & set(before)  # a new entry; the stale one is removed
+    meta_name = next(n for n in after if n.endswith("_meta.json"))
+    meta = json.loads((cache_home / meta_name).read_text())
     assert meta["stamp"]["gguf_mtime_ns"] == stat.st_mtime_ns + 10**9
 
 
-def test_unwritable_model_dir_caches_under_tokenmill_home(
-    bpe_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    home = tmp_path / "home"
-    monkeypatch.setenv("TOKENMILL_HOME", str(home))
-    real_write = gguf_tokenizer._atomic_write
+def test_two_files_of_one_name_get_separate_entries(tmp_path: Path, cache_home: Path) -> None:
+    """Same file name in two folders, different vocabularies: each loads its own tokenizer."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    bpe = write_bpe_gguf(tmp_path / "a")
+    spm = spm_gguf(tmp_path / "b", "llama").rename(tmp_path / "b" / "tiny-bpe.gguf")
+    expected = {path: Tokenizer.from_gguf(path).encode("hello world") for path in (bpe, spm)}
+    assert expected[bpe] != expected[spm]
+    assert len(_entries(cache_home)) == 4
+    for path in (bpe, spm):
+        assert Tokenizer.from_gguf(path).encode("hello world") == expected[path]
 
-    def refuse_beside_model(path: Path, text: str) -> None:
-        if path.parent == bpe_gguf.parent:
-            raise PermissionError(path)
-        real_write(path, text)
 
-    monkeypatch.setattr(gguf_tokenizer, "_atomic_write", refuse_beside_model)
+def test_file_replaced_in_place_is_not_served_the_old_cache(tmp_path: Path, cache_home: Path) -> None:
+    """A different file at the same path with the same size and mtime: the inode tells them apart."""
+    (tmp_path / "new").mkdir()
+    path, replacement = write_bpe_gguf(tmp_path), spm_gguf(tmp_path / "new", "llama")
+    size = max(path.stat().st_size, replacement.stat().st_size)
+    for gguf_file in (path, replacement):  # trailing zero padding: GGUF readers go by offsets
+        with gguf_file.open("ab") as out:
+            out.write(bytes(size - gguf_file.stat().st_size))
+    old = Tokenizer.from_gguf(path).encode("hello world")
+    stat = path.stat()
+    os.utime(replacement, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    os.replace(replacement, path)
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    assert Tokenizer.from_gguf(path).encode("hello world") != old
+
+
+def test_unwritable_cache_home_still_loads(bpe_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("TOKENMILL_HOME", str(blocker))  # mkdir under a file fails
+    first = Tokenizer.from_gguf(bpe_gguf).encode("hello world")
+    assert Tokenizer.from_gguf(bpe_gguf).encode("hello world") == first
+
+
+def test_corrupt_cache_is_rebuilt(bpe_gguf: Path, cache_home: Path) -> None:
     expected = Tokenizer.from_gguf(bpe_gguf).encode("hello world")
-    assert len(list((home / "tokenizers").glob("tiny-bpe-*.tokenizer.json"))) == 1
-    monkeypatch.setattr(gguf_tokenizer.gguf, "GGUFReader", None)  # a second load must not need it
-    assert Tokenizer.from_gguf(bpe_gguf).encode("hello world") == expected
-
-
-def test_corrupt_cache_is_rebuilt(bpe_gguf: Path) -> None:
-    expected = Tokenizer.from_gguf(bpe_gguf).encode("hello world")
-    Path(f"{bpe_gguf}.tokenizer.json").write_text("{not json")
+    json_name = next(n for n in _entries(cache_home) if n.endswith(".tokenizer.json"))
+    (cache_home / json_name).write_text("{not json")
     assert Tokenizer.from_gguf(bpe_gguf).encode("hello world") == expected
 
 

@@ -33,11 +33,15 @@ from tokenmill.models.catalog import CATALOG, CatalogEntry, Layout, PackagedFile
 _BLOCK_BYTES = 4 << 20
 
 
+def tokenmill_home() -> Path:
+    """`$TOKENMILL_HOME`, else `~/.cache/tokenmill`: pulled models and derived caches live under it."""
+    root = os.environ.get("TOKENMILL_HOME")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "tokenmill"
+
+
 def models_home() -> Path:
     """`$TOKENMILL_HOME/models`, else `~/.cache/tokenmill/models`."""
-    root = os.environ.get("TOKENMILL_HOME")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "tokenmill"
-    return base / "models"
+    return tokenmill_home() / "models"
 
 
 def model_dir(name: str) -> Path:

@@ -3,7 +3,8 @@
 A GGUF carries no tokenizer.json, only llama.cpp's `tokenizer.ggml.*` arrays. We rebuild the
 tokenizer the way transformers' GGUF integration does, with llama.cpp's pre-tokenizer regex per
 `tokenizer.ggml.pre`. `GGUFReader` spends seconds parsing those arrays, so the result is cached
-as `<file>.tokenizer.json` + `<file>.tokenizer_meta.json`, keyed on the GGUF's size and mtime.
+under `$TOKENMILL_HOME/tokenizers/` (never beside the model: that can be site-packages or read-only),
+one entry per file identity (absolute path, size, mtime, inode).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 
 from tokenmill.errors import ModelFormatError
+from tokenmill.models.pull import tokenmill_home
 
 # Bump when the builder changes what it produces, so stale caches are rebuilt.
 CACHE_FORMAT_VERSION = 2
@@ -123,10 +125,9 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]) -> tuple[Tokenizer, Tokeni
     if not gguf_path.is_file():
         raise ModelFormatError(f"GGUF file {gguf_path} does not exist: check the model path")
     stamp = _file_stamp(gguf_path)
-    for json_path, meta_path in _cache_locations(gguf_path):
-        cached = _read_cache(json_path, meta_path, stamp)
-        if cached is not None:
-            return cached
+    cached = _read_cache(*_cache_paths(gguf_path, stamp), stamp)
+    if cached is not None:
+        return cached
     vocab = read_gguf_vocab(gguf_path)
     tokenizer, meta = build_tokenizer(vocab), derive_meta(vocab)
     _write_cache(gguf_path, tokenizer, meta, stamp)
@@ -343,18 +344,29 @@ def _file_stamp(path: Path) -> dict[str, int]:
         "format_version": CACHE_FORMAT_VERSION,
         "gguf_size": stat.st_size,
         "gguf_mtime_ns": stat.st_mtime_ns,
+        "gguf_device": stat.st_dev,
+        "gguf_inode": stat.st_ino,
     }
 
 
-def _cache_locations(gguf_path: Path) -> list[tuple[Path, Path]]:
-    """Next to the GGUF first, then a per-user directory keyed by the GGUF's absolute path."""
-    beside = (
-        gguf_path.with_name(gguf_path.name + ".tokenizer.json"),
-        gguf_path.with_name(gguf_path.name + ".tokenizer_meta.json"),
-    )
-    home = Path(os.environ.get("TOKENMILL_HOME") or Path.home() / ".cache" / "tokenmill") / "tokenizers"
-    key = f"{gguf_path.stem}-{hashlib.sha256(str(gguf_path).encode()).hexdigest()[:12]}"
-    return [beside, (home / f"{key}.tokenizer.json", home / f"{key}.tokenizer_meta.json")]
+def cache_dir() -> Path:
+    return tokenmill_home() / "tokenizers"
+
+
+def _cache_paths(gguf_path: Path, stamp: dict[str, int]) -> tuple[Path, Path]:
+    """`<stem>-<path hash>-<identity hash>.tokenizer{,_meta}.json` in cache_dir().
+
+    The path hash keeps two files of one name apart; the identity hash (the stamp: size, mtime,
+    inode, format) gives a file replaced in place a new entry instead of a shared, stale one.
+    """
+    identity = json.dumps(stamp, sort_keys=True)
+    key = f"{_path_prefix(gguf_path)}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
+    home = cache_dir()
+    return home / f"{key}.tokenizer.json", home / f"{key}.tokenizer_meta.json"
+
+
+def _path_prefix(gguf_path: Path) -> str:
+    return f"{gguf_path.stem}-{hashlib.sha256(str(gguf_path).encode()).hexdigest()[:12]}"
 
 
 def _read_cache(json_path: Path, meta_path: Path, stamp: dict[str, int]) -> tuple[Tokenizer, TokenizerMeta] | None:
@@ -369,16 +381,21 @@ def _read_cache(json_path: Path, meta_path: Path, stamp: dict[str, int]) -> tupl
 
 
 def _write_cache(gguf_path: Path, tokenizer: Tokenizer, meta: TokenizerMeta, stamp: dict[str, int]) -> None:
+    """Best effort: an unwritable home costs the next load a rebuild, nothing else."""
+    json_path, meta_path = _cache_paths(gguf_path, stamp)
     payload = json.dumps({"stamp": stamp, "meta": meta.to_json()}, ensure_ascii=False)
-    for json_path, meta_path in _cache_locations(gguf_path):
-        try:
-            json_path.parent.mkdir(parents=True, exist_ok=True)
-            # The meta file is the commit marker: written last, so a reader never pairs it with old JSON.
-            _atomic_write(json_path, tokenizer.to_str())
-            _atomic_write(meta_path, payload)
-            return
-        except OSError:
-            continue
+    try:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        # The meta file is the commit marker: written last, so a reader never pairs it with old JSON.
+        _atomic_write(json_path, tokenizer.to_str())
+        _atomic_write(meta_path, payload)
+    except OSError:
+        return
+    prefix = _path_prefix(gguf_path) + "-"
+    for old in json_path.parent.iterdir():
+        if old.name.startswith(prefix) and old not in (json_path, meta_path):  # earlier versions of this file
+            with contextlib.suppress(OSError):
+                old.unlink()
 
 
 def _atomic_write(path: Path, text: str) -> None:
