@@ -87,6 +87,7 @@ def attention_rows(arch: Any, seqs: list[int], context: int) -> list[dict[str, A
     import torch
 
     from tokenmill.layers.attention import AttentionMetadata, GroupMetadata, PagedAttention, decode_kernel
+    from tokenmill.layers.kv_cache import DenseKVCache
 
     kernel = decode_kernel("native", torch.device("cpu"))
     h, kvh, hd, bs = arch.num_heads, arch.num_kv_heads, arch.head_dim, 16
@@ -96,6 +97,7 @@ def attention_rows(arch: Any, seqs: list[int], context: int) -> list[dict[str, A
         cache_blocks = s * nb + 8
         k_cache = torch.randn(cache_blocks, bs, kvh, hd)
         v_cache = torch.randn(cache_blocks, bs, kvh, hd)
+        cache = DenseKVCache(k_cache, v_cache)
         table = torch.randperm(cache_blocks)[:s * nb].view(s, nb)
         lens = torch.full((s,), context, dtype=torch.int64)
         mask = (torch.arange(nb * bs)[None, :] < lens[:, None]).view(s, 1, 1, nb * bs)
@@ -105,10 +107,10 @@ def attention_rows(arch: Any, seqs: list[int], context: int) -> list[dict[str, A
         sdpa = PagedAttention(h, kvh, hd, scale, None)
         native = PagedAttention(h, kvh, hd, scale, None, decode_kernel=kernel)
         meta = AttentionMetadata(torch.empty(0, dtype=torch.int64), group, None)
-        ref = sdpa._group(q, k_cache, v_cache, meta.decode, False)  # type: ignore[arg-type]
-        out = native._group(q, k_cache, v_cache, meta.decode, False)  # type: ignore[arg-type]
-        a, n = best_ms([partial(sdpa._group, q, k_cache, v_cache, group, False),
-                        partial(native._group, q, k_cache, v_cache, group, False)], calls=20)
+        ref = sdpa._group(q, cache, meta.decode, False)  # type: ignore[arg-type]
+        out = native._group(q, cache, meta.decode, False)  # type: ignore[arg-type]
+        a, n = best_ms([partial(sdpa._group, q, cache, group, False),
+                        partial(native._group, q, cache, group, False)], calls=20)
         results.append({"seqs": s, "context": context, "sdpa_ms": a, "native_ms": n, "native_speedup": a / n,
                         "max_abs_diff": float((ref - out).abs().max())})
     return results

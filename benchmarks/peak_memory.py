@@ -115,8 +115,7 @@ def model_budget(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "weight_bytes": weights["bytes"] + embed_extra,
         "kv_bytes_needed": kv_token * args.num_prompts * (args.prompt_len + args.output_len),
-        "kv_bytes_reserved_virtual": sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-                                         for k, v in caches),
+        "kv_bytes_reserved_virtual": sum(layer.nbytes for layer in caches),
         "weight_dtypes": weights["dtypes"],
     }
 

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any
 
-from tokenmill.cli.serve import add_kernel_arguments
+from tokenmill.cli.serve import add_kernel_arguments, add_kv_cache_argument
 from tokenmill.engine.request import SamplingParams
 from tokenmill.models.catalog import DEFAULT_MODEL
 
@@ -32,6 +32,7 @@ def add_generate_parser(subparsers: Any) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--quiet-stats", action="store_true", help="do not print timings to stderr")
+    add_kv_cache_argument(parser)
     add_kernel_arguments(parser)
     parser.set_defaults(handler=run_generate)
 
@@ -44,7 +45,8 @@ def run_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                             seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     llm = LLM(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              num_threads=args.threads, gemm_backend=args.gemm_backend, attention_backend=args.attention_backend)
+              num_threads=args.threads, gemm_backend=args.gemm_backend, attention_backend=args.attention_backend,
+              kv_cache_dtype=args.kv_cache_dtype)
     tokens: str | list[int] = prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -29,12 +29,21 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: by memory)")
+    add_kv_cache_argument(parser)
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--seed", type=int, default=0)
     add_kernel_arguments(parser)
+
+
+def add_kv_cache_argument(parser: Any) -> None:
+    from tokenmill.layers import KV_CACHE_DTYPES
+
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="keys and values: auto = the model dtype; int8 holds 1.9x the tokens of bf16 "
+                             "(3.9x fp32) in the same memory, with a scale per token and kv head")
 
 
 def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_config = EngineConfig(
         ModelConfig(args.model, args.dtype, args.device, args.max_model_len, args.seed, args.gemm_backend,
                     args.attention_backend),
-        CacheConfig(num_blocks=args.num_kv_blocks),
+        CacheConfig(num_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype),
         SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy),
         num_threads=args.threads,
     )

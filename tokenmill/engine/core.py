@@ -18,6 +18,7 @@ from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.stats import StepStats
 from tokenmill.errors import RequestValidationError
+from tokenmill.layers.kv_cache import kv_cache_spec
 from tokenmill.models.arch import ArchConfig
 
 log = logging.getLogger(__name__)
@@ -39,11 +40,16 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         dtype, device = config.model.torch_dtype(), config.model.torch_device()
         block_size = config.cache.block_size
-        num_blocks = num_kv_blocks(arch, config.cache, dtype, device)
+        kv_spec = kv_cache_spec(config.cache.kv_cache_dtype, dtype)
+        num_blocks = num_kv_blocks(arch, config.cache, kv_spec, device)
         self.max_model_len = self._max_model_len(num_blocks * block_size)
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.runner = ModelRunner(config.model, arch, tensors, self.max_model_len, block_size, num_blocks)
+        self.runner = ModelRunner(config.model, arch, tensors, self.max_model_len, block_size, num_blocks, kv_spec)
+        log.info("KV cache: %s, %d tokens in %d blocks of %d, %.1f MiB (%d bytes per token over %d layers)",
+                 kv_spec.describe(), num_blocks * block_size, num_blocks, block_size,
+                 self.runner.kv_cache_bytes / 2**20, kv_spec.bytes_per_token(arch.num_kv_heads, arch.head_dim)
+                 * arch.num_layers, arch.num_layers)
         log.info("engine ready: %s, %d KV blocks of %d tokens, context %d, %s on %s",
                  arch.architecture, num_blocks, block_size, self.max_model_len, dtype, device)
 

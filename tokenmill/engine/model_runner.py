@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 
 from tokenmill.config import CacheConfig, ModelConfig
@@ -13,19 +12,16 @@ from tokenmill.engine.interfaces import RunnerOutput, SampledTokens, SchedulerOu
 from tokenmill.engine.model_input import ModelInput, build_model_input
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.engine.sampler import Sampler, token_logprobs
+from tokenmill.layers.kv_cache import KVCacheSpec, LayerKVCache, kv_cache_spec
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.registry import model_class
 
 log = logging.getLogger(__name__)
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Keys and values of every layer for `block_size` tokens."""
-    elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+def kv_bytes_per_block(arch: ArchConfig, block_size: int, spec: KVCacheSpec) -> int:
+    """Keys and values (and their scales, if quantized) of every layer for `block_size` tokens."""
+    return arch.num_layers * block_size * spec.bytes_per_token(arch.num_kv_heads, arch.head_dim)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -39,32 +35,37 @@ def available_memory_bytes(device: torch.device) -> int:
     return 4 << 30
 
 
-def num_kv_blocks(arch: ArchConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device) -> int:
+def num_kv_blocks(arch: ArchConfig, cache: CacheConfig, spec: KVCacheSpec, device: torch.device) -> int:
+    """An explicit block count wins; else as many blocks of `spec` as the byte budget holds."""
     if cache.num_blocks is not None:
         return cache.num_blocks
     budget = cache.kv_cache_bytes
     if budget is None:
         budget = int(available_memory_bytes(device) * cache.memory_fraction)
-    return max(1, budget // kv_bytes_per_block(arch, cache.block_size, dtype))
+    return max(1, budget // kv_bytes_per_block(arch, cache.block_size, spec))
 
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, arch: ArchConfig, tensors: Mapping[str, torch.Tensor],
-                 max_model_len: int, block_size: int, num_blocks: int) -> None:
+                 max_model_len: int, block_size: int, num_blocks: int, kv_spec: KVCacheSpec | None = None) -> None:
         self.device = model_config.torch_device()
         self.dtype = model_config.torch_dtype()
         self.arch = arch
         self.block_size = block_size
+        self.kv_spec = kv_spec or kv_cache_spec("auto", self.dtype)
         self.model: LlamaForCausalLM = model_class(arch.architecture)(
             arch, max_model_len, self.dtype, self.device, model_config.gemm_backend, model_config.attention_backend)
         self.model.load_weights(tensors)
         self.kv_caches = self._allocate_kv(num_blocks)
         self.sampler = Sampler(self.device, model_config.seed)
 
-    def _allocate_kv(self, num_blocks: int) -> KVCaches:
-        shape = (num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
-        return [(_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
-                for _ in range(self.arch.num_layers)]
+    def _allocate_kv(self, num_blocks: int) -> list[LayerKVCache]:
+        return [self.kv_spec.allocate(num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
+                                      self.device) for _ in range(self.arch.num_layers)]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(layer.nbytes for layer in self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -101,15 +102,3 @@ class ModelRunner:
         inp = build_model_input(out.scheduled, self.block_size, self.arch.sliding_window, self.device)
         return self.model.compute_logits(self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta))
 
-
-_SAME_SIZE_INT = {1: np.int8, 2: np.int16, 4: np.int32}
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed KV tensor. Zero matters: masked-out keys still meet `0 * V` in attention, and
-    stale memory could hold NaN. On CPU numpy's calloc hands out lazily zeroed pages, so the
-    cache counts towards resident memory only as blocks are first written."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    element_size = torch.empty(0, dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(shape, dtype=_SAME_SIZE_INT[element_size])).view(dtype)

@@ -1,6 +1,7 @@
 """Paged attention over the block KV cache, in plain PyTorch (SDPA), device-agnostic.
 
-KV cache layout, one tensor per layer for keys and one for values:
+KV cache layout, per layer a `LayerKVCache` (layers/kv_cache.py): keys and values, plus their
+scales when int8, all addressed by
 
     cache[num_blocks, block_size, num_kv_heads, head_dim]
     slot s = block_id * block_size + offset   (the flat view used for writes)
@@ -9,21 +10,22 @@ A step's tokens are flattened: first the decode tokens (one per sequence), then 
 chunks back to back. Attention runs once per group, never once per request:
   * decode group:  the native CPU kernel reads keys and values in place through the block table
                    (kernels/cpu_kernels.cpp); elsewhere q [D, H, 1, hd] against keys
-                   gathered through the block table [D, Lk]
+                   gathered (and dequantized) through the block table [D, Lk]
   * prefill group: q padded to [P, H, Lq_max, hd] against keys gathered the same way
 Masks are built once per step by the runner and shared by all layers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from tokenmill.errors import TokenmillError
 from tokenmill.kernels import ATTENTION_BACKENDS, cpu_kernels
+from tokenmill.layers.kv_cache import LayerKVCache, NativeDecodeKernels
 
 
 @dataclass(slots=True)
@@ -47,11 +49,7 @@ class AttentionMetadata:
     prefill: GroupMetadata | None
 
 
-DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int, float],
-                        torch.Tensor]
-
-
-def decode_kernel(backend: str, device: torch.device) -> DecodeKernel | None:
+def decode_kernel(backend: str, device: torch.device) -> NativeDecodeKernels | None:
     """The native decode kernel for `backend` on `device`, or None for the SDPA path.
 
     "auto": native on CPU where it builds (2.1-2.6x faster than gather + SDPA at 64 sequences,
@@ -66,8 +64,7 @@ def decode_kernel(backend: str, device: torch.device) -> DecodeKernel | None:
             raise TokenmillError("attention backend 'native' needs the CPU kernel, which cannot be built here "
                                  "(see the warning above); use --attention-backend sdpa")
         return None
-    kernel: DecodeKernel = module.paged_decode_attention
-    return kernel
+    return cast(NativeDecodeKernels, module)
 
 
 class PagedAttention:
@@ -75,7 +72,7 @@ class PagedAttention:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  logit_softcap: float | None, sliding_window: int | None = None,
-                 decode_kernel: DecodeKernel | None = None) -> None:
+                 decode_kernel: NativeDecodeKernels | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -84,31 +81,27 @@ class PagedAttention:
         self.sliding_window = sliding_window
         self.decode_kernel = decode_kernel
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata, is_sliding: bool) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+                 meta: AttentionMetadata, is_sliding: bool) -> torch.Tensor:
         """q: [T, H, hd]; k, v: [T, KVH, hd]. Returns [T, H * hd]."""
-        kv_dim = self.num_kv_heads * self.head_dim
-        k_cache.view(-1, kv_dim).index_copy_(0, meta.slot_mapping, k.reshape(-1, kv_dim))
-        v_cache.view(-1, kv_dim).index_copy_(0, meta.slot_mapping, v.reshape(-1, kv_dim))
+        cache.write(meta.slot_mapping, k, v)
         groups = [g for g in (meta.decode, meta.prefill) if g is not None]
         if len(groups) == 1:  # all decodes or all prefill: no scatter into a shared output
-            return self._group(q, k_cache, v_cache, groups[0], is_sliding).reshape(q.shape[0], -1)
+            return self._group(q, cache, groups[0], is_sliding).reshape(q.shape[0], -1)
         out = torch.empty_like(q)
         for group in groups:
             sl = slice(group.token_start, group.token_start + group.num_tokens)
-            out[sl] = self._group(q[sl], k_cache, v_cache, group, is_sliding)
+            out[sl] = self._group(q[sl], cache, group, is_sliding)
         return out.view(q.shape[0], -1)
 
-    def _group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               group: GroupMetadata, is_sliding: bool) -> torch.Tensor:
+    def _group(self, q: torch.Tensor, cache: LayerKVCache, group: GroupMetadata, is_sliding: bool) -> torch.Tensor:
         if self.decode_kernel is not None and group.max_query_len == 1:
             window = self.sliding_window if is_sliding and self.sliding_window is not None else 0
-            return self.decode_kernel(q, k_cache, v_cache, group.block_table, group.seq_lens, self.scale, window,
-                                      self.logit_softcap or 0.0)
+            return cache.native_decode(self.decode_kernel, q, group.block_table, group.seq_lens, self.scale, window,
+                                       self.logit_softcap or 0.0)
         num_seqs = group.block_table.shape[0]
         q_pad = _pad_queries(q, group, num_seqs).transpose(1, 2)  # [S, H, Lq, hd]
-        keys = _gather(k_cache, group.block_table)  # [S, KVH, Lk, hd]
-        values = _gather(v_cache, group.block_table)
+        keys, values = cache.gather(group.block_table, q.dtype)  # [S, KVH, Lk, hd]
         mask = group.sliding_mask if is_sliding and group.sliding_mask is not None else group.mask
         if self.logit_softcap is None:
             out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=self.scale,
@@ -137,9 +130,3 @@ def _pad_queries(q: torch.Tensor, group: GroupMetadata, num_seqs: int) -> torch.
     padded[group.pad_index] = q
     return padded.view(num_seqs, group.max_query_len, q.shape[1], q.shape[2])
 
-
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, bs, KVH, hd] gathered by [S, nb] → [S, KVH, nb * bs, hd]."""
-    num_seqs, num_blocks = block_table.shape
-    blocks = cache.index_select(0, block_table.view(-1))  # [S * nb, bs, KVH, hd]; faster than cache[table]
-    return blocks.view(num_seqs, num_blocks * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)

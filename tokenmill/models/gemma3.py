@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention
+from tokenmill.layers.kv_cache import LayerKVCache
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RopeTables
 from tokenmill.models.arch import ArchConfig
@@ -36,7 +37,7 @@ class Gemma3DecoderLayer(DecoderLayer):
         return self.q_norm(q), self.k_norm(k)
 
     def forward(self, x: torch.Tensor, rope: RopeTables, attn: PagedAttention,
-                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
         a = self.attention(self.input_layernorm(x), rope, attn, kv, meta)
         h = x + self.post_attention_layernorm(a)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))

@@ -15,6 +15,7 @@ from torch import nn
 
 from tokenmill.errors import ModelFormatError
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention, decode_kernel
+from tokenmill.layers.kv_cache import LayerKVCache
 from tokenmill.layers.linear import LinearFn, linear_kernel
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
@@ -88,13 +89,13 @@ class DecoderLayer(nn.Module):
         return self._down_mm(self.act(gate) * up, self.down_weight, None)
 
     def attention(self, x: torch.Tensor, rope: RopeTables, attn: PagedAttention,
-                  kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                  kv: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv(x, rope)
-        out = attn(q, k, v, kv[0], kv[1], meta, self.is_sliding)
+        out = attn(q, k, v, kv, meta, self.is_sliding)
         return self._o_mm(out, self.o_weight, None)
 
     def forward(self, x: torch.Tensor, rope: RopeTables, attn: PagedAttention,
-                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
         h = x + self.attention(self.input_layernorm(x), rope, attn, kv, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -144,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         return F.embedding(input_ids, self.embed_weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[LayerKVCache], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final hidden states [T, hidden]."""
         x = self.embed(input_ids)
         rope_global = self.rope_global.tables(positions)  # gathered once per step, shared by layers

@@ -11,16 +11,19 @@ from tokenmill.server.state import TokenTexts
 
 
 def completion_logprobs(texts: TokenTexts, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None],
-                        first_offset: int) -> CompletionLogprobs:
+                        first_offset: int, as_token_ids: bool = False) -> CompletionLogprobs:
     """Parallel lists, one entry per token; `text_offset` indexes into the choice's text.
 
     A None logprob (the first prompt token, which has no context) gives null entries, as in
     the OpenAI API's echo. The top dict holds the top-n and the chosen token, as vLLM's does.
+    `as_token_ids` names tokens "token_id:N" (vLLM's `return_tokens_as_token_ids`): distinct tokens
+    with the same text (partial UTF-8 bytes) then stay distinct, and clients get exact ids back.
     """
     result = CompletionLogprobs()
+    name = _token_id_name if as_token_ids else texts.text
     offset = first_offset
     for token_id, lp in zip(token_ids, logprobs, strict=True):
-        token = texts.text(token_id)
+        token = name(token_id)
         result.tokens.append(token)
         result.text_offset.append(offset)
         offset += len(token)
@@ -29,10 +32,14 @@ def completion_logprobs(texts: TokenTexts, token_ids: Sequence[int], logprobs: S
             result.top_logprobs.append(None)
             continue
         result.token_logprobs.append(finite_logprob(lp.logprob))
-        top = {texts.text(t): finite_logprob(v) for t, v in lp.top}
+        top = {name(t): finite_logprob(v) for t, v in lp.top}
         top.setdefault(token, finite_logprob(lp.logprob))
         result.top_logprobs.append(top)
     return result
+
+
+def _token_id_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def chat_logprobs(texts: TokenTexts, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None],

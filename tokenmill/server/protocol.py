@@ -75,6 +75,7 @@ class CompletionRequest(GenerationRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's extension: logprob tokens as "token_id:N"
 
 
 class ContentPart(_Body):

@@ -1,0 +1,1 @@
+"""Eval tasks, one module each; `base.register` puts them in the registry `base.get_task` reads."""
