@@ -22,4 +22,9 @@ class IntegrityError(TokenmillError):
 
 
 class RequestValidationError(TokenmillError):
-    """A request the engine cannot run (e.g. prompt longer than the context)."""
+    """A request the engine cannot run (e.g. prompt longer than the context); `param` names the
+    request field at fault, for API error bodies."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

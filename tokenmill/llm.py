@@ -10,8 +10,9 @@ from typing import Any
 from tqdm import tqdm
 
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tokenmill.engine.loader import eos_ids, load_engine
-from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.inputs import fan_out
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.engine.request import SamplingParams, TokenLogprob
 from tokenmill.models.catalog import DEFAULT_MODEL
@@ -34,22 +35,22 @@ class LLM:
             SchedulerConfig(max_num_batched_tokens, max_num_seqs, policy, enable_chunked_prefill),
             num_threads,
         )
-        self.loaded = load_engine(self.config)
-        self.core = self.loaded.core
-        self.tokenizer = self.loaded.tokenizer
-        self._eos = eos_ids(self.loaded)
+        self.engine = LLMEngine.from_config(self.config)
+        self.loaded = self.engine.loaded
+        self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    @property
+    def core(self) -> EngineCore:
+        return self.engine.core
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None,
                  *, priority: Sequence[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion in one continuous batch; outputs in prompt order."""
         batch = _as_prompt_list(prompts)
         params = sampling_params or SamplingParams()
-        processor = OutputProcessor(self.tokenizer)
-        order: list[str] = []
-        for i, prompt in enumerate(batch):
-            order.append(self._add(processor, prompt, params, priority[i] if priority else 0))
-        return self._run(processor, order, params.n, use_tqdm)
+        order = [self._add(prompt, params, priority[i] if priority else 0) for i, prompt in enumerate(batch)]
+        return self._run(order, params.n, use_tqdm)
 
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
              *, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -62,42 +63,31 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[CompletionOutput]:
         """Generate for one prompt, yielding each step's output (`text_delta` holds the new text)."""
         params = replace(sampling_params or SamplingParams(), n=1)
-        processor = OutputProcessor(self.tokenizer)
-        request_id = self._add(processor, prompt, params, 0) + "-0"
+        request_id = self._add(prompt, params, 0) + "-0"
         try:
-            for output in self._outputs(processor):
+            for output in self._outputs():
                 if output.request_id == request_id:
                     yield output.outputs[0]
         finally:
-            self.core.abort(request_id)
+            self.engine.abort(request_id)
 
-    def _outputs(self, processor: OutputProcessor) -> Iterator[RequestOutput]:
-        """Step until idle; a stop string ends its request in the core as soon as it is seen."""
-        while self.core.has_unfinished:
-            for out in self.core.step().outputs:
-                processed = processor.process(out)
-                if processed is None:
-                    continue
-                if processed.stopped_by_string:
-                    self.core.abort(out.request_id)
-                yield processed.output
+    def _outputs(self) -> Iterator[RequestOutput]:
+        while self.engine.has_unfinished:
+            yield from self.engine.step().outputs
 
-    def _add(self, processor: OutputProcessor, prompt: Prompt, params: SamplingParams, priority: int) -> str:
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def _add(self, prompt: Prompt, params: SamplingParams, priority: int) -> str:
+        encoded = self.engine.encode(prompt)
         request_id = str(next(self._ids))
-        for index in range(params.n):
-            child = _child_params(params, index)
-            child_id = f"{request_id}-{index}"
-            self.core.add_request(child_id, token_ids, child, self._eos, priority)
-            processor.add(child_id, text, token_ids, child, index)
+        for child in fan_out(0, encoded, params):
+            self.engine.add_request(f"{request_id}-{child.index}", encoded, child.params, index=child.index,
+                                    priority=priority)
         return request_id
 
-    def _run(self, processor: OutputProcessor, order: list[str], n: int, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, order: list[str], n: int, use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         bar = tqdm(total=len(order) * n, desc="generate", unit="req", disable=not use_tqdm)
-        for output in self._outputs(processor):
+        for output in self._outputs():
             if output.prompt_logprobs is not None:
                 prompt_logprobs[output.request_id] = output.prompt_logprobs
             if output.finished:
@@ -106,14 +96,6 @@ class LLM:
                 bar.update(1)
         bar.close()
         return [_merge([finished[f"{rid}-{i}"] for i in range(n)], rid) for rid in order]
-
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Parallel samples of one prompt: distinct seeds so seeded n > 1 still gives n samples."""
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else params.seed + index
-    return replace(params, n=1, seed=seed)
 
 
 def _merge(children: list[RequestOutput], request_id: str) -> RequestOutput:

@@ -59,7 +59,7 @@ def test_unsupported_architecture(tmp_path: Path, tiny_hf_dir: Callable[[str], P
 def test_prompt_longer_than_context(tiny_hf_dir: Callable[[str], Path], capsys: pytest.CaptureFixture[str]) -> None:
     line = _run(["generate", str(tiny_hf_dir("llama")), "x " * 400, "--max-model-len", "64",
                  "--quiet-stats"], capsys)
-    assert "context is 64" in line and "shorten it by" in line
+    assert "context is 64" in line and "shorten the prompt by 737 tokens" in line
 
 
 def test_bad_sampling_value(tiny_hf_dir: Callable[[str], Path], capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.engine.output_processor import OutputProcessor, ProcessedOutput
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import EngineOutput, FinishReason, SamplingParams, TokenLogprob
 
 EOS = 0
@@ -24,6 +25,20 @@ class FakeStream:
         if token_id in SPECIAL:
             return "" if self.skip_special_tokens else SPECIAL[token_id]
         return self.vocab[token_id]
+
+
+@dataclass
+class ProcessedOutput:
+    output: RequestOutput
+    stopped_by_string: bool  # came back in reqs_to_abort: the engine must still abort it
+
+
+def process(processor: OutputProcessor, out: EngineOutput) -> ProcessedOutput | None:
+    result = processor.process_outputs([out])
+    if not result.outputs:
+        return None
+    assert len(result.outputs) == 1 and set(result.reqs_to_abort) <= {out.request_id}
+    return ProcessedOutput(result.outputs[0], out.request_id in result.reqs_to_abort)
 
 
 class FakeTokenizer:
@@ -47,7 +62,7 @@ def _run(pieces: list[str], params: SamplingParams, finish: FinishReason = Finis
         engine_out = EngineOutput(request_id="r", new_token_ids=[token_id], new_logprobs=[],
                                   finish_reason=finish if is_last else None, num_prompt_tokens=2,
                                   num_cached_tokens=0)
-        processed = processor.process(engine_out)
+        processed = process(processor, engine_out)
         if processed is None:
             break
         outputs.append(processed)
@@ -118,7 +133,7 @@ def test_earliest_stop_string_wins_across_steps() -> None:
 def test_stop_string_beats_a_length_finish_on_the_same_token() -> None:
     outputs, _ = _run(["foo", "END"], SamplingParams(stop=["END"]), finish=FinishReason.LENGTH)
     assert _final(outputs) == ("foo", FinishReason.STOP, "END")
-    assert outputs[-1].stopped_by_string
+    assert not outputs[-1].stopped_by_string  # the engine already ended it: nothing to abort
 
 
 def test_eos_text_is_not_emitted_even_when_special_tokens_are_decoded() -> None:
@@ -162,8 +177,8 @@ def test_nothing_is_processed_after_the_finish_and_abort_drops_state() -> None:
     processor.add("r", None, [5], SamplingParams())
     done = EngineOutput(request_id="r", new_token_ids=[1], new_logprobs=[], finish_reason=FinishReason.LENGTH,
                         num_prompt_tokens=1, num_cached_tokens=0)
-    assert processor.process(done) is not None
-    assert processor.process(done) is None
+    assert process(processor, done) is not None
+    assert process(processor, done) is None
     processor.add("s", None, [5], SamplingParams())
     processor.abort("s")
     assert processor.states == {}
@@ -181,7 +196,7 @@ def test_logprobs_accumulate_only_when_asked() -> None:
             out = EngineOutput(request_id=rid, new_token_ids=[i + 1], new_logprobs=[lp] if rid == "with" else [],
                                finish_reason=FinishReason.LENGTH if i == 1 else None, num_prompt_tokens=1,
                                num_cached_tokens=0)
-            processed = processor.process(out)
+            processed = process(processor, out)
             assert processed is not None
             if rid == "with":
                 last = processed

@@ -33,8 +33,7 @@ from tokenmill.batch.requests import (
     read_envelope,
     success_line,
 )
-from tokenmill.engine.loader import eos_ids
-from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.engine.request import SamplingParams
 from tokenmill.llm import LLM
@@ -136,14 +135,12 @@ class BatchJob:
 
     def __init__(self, llm: LLM, output: IO[str], model_name: str, max_in_flight: int, bar: tqdm[Any]) -> None:
         self.llm = llm
-        self.core = llm.core
+        self.engine = llm.engine
         self.output = output
         self.model_name = model_name
         self.max_in_flight = max_in_flight
         self.bar = bar
-        self.eos = eos_ids(llm.loaded)
-        self.limits = ModelLimits(self.core.max_model_len, self.core.arch.vocab_size)
-        self.processor = OutputProcessor(llm.tokenizer)
+        self.limits = ModelLimits(self.engine.limits.max_model_len, self.engine.limits.vocab_size)
         self.in_flight: dict[str, _InFlight] = {}
         self.num_engine_requests = 0
         self.summary = BatchSummary()
@@ -153,7 +150,7 @@ class BatchJob:
     def run(self, lines: Iterator[tuple[int, str]], done: set[str]) -> BatchSummary:
         for line_no, line in lines:
             self._take(line_no, line, done)
-        while self.core.has_unfinished:
+        while self.engine.has_unfinished:
             self._step()
         self.summary.elapsed_s = time.monotonic() - self._started
         return self.summary
@@ -190,21 +187,14 @@ class BatchJob:
                 index = prompt_index * n + sample  # OpenAI's choice order: prompt-major
                 params = _sample_params(request, sample)
                 engine_id = f"{key}/{index}"
-                self.core.add_request(engine_id, ids, params, self.eos)
-                self.processor.add(engine_id, text, ids, params, index)
+                self.engine.add_request(engine_id, EncodedPrompt(text, ids), params, index=index)
         self.num_engine_requests += request.num_choices
 
     def _step(self) -> None:
-        result = self.core.step()
-        self.summary.num_generated_tokens += result.stats.num_generation_tokens
-        for out in result.outputs:
-            processed = self.processor.process(out)
-            if processed is None:
-                continue
-            if processed.stopped_by_string:
-                self.core.abort(out.request_id)  # its text already ended; free the blocks now
-            if processed.output.finished:
-                self._finish_choice(out.request_id, processed.output)
+        step = self.engine.step()
+        self.summary.num_generated_tokens += step.stats.num_generation_tokens
+        for output in step.finished:
+            self._finish_choice(output.request_id, output)
         self._show_rate()
 
     def _finish_choice(self, engine_id: str, output: RequestOutput) -> None:

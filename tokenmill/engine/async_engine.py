@@ -1,13 +1,13 @@
-"""The engine behind the server: EngineCore on its own thread, asyncio streams in front.
+"""The engine behind the server: LLMEngine on its own thread, asyncio streams in front.
 
     asyncio side                         engine thread
-    generate() ──commands (SimpleQueue)──▶ add / abort between steps
+    generate() ──commands (SimpleQueue)──▶ AddRequest / AbortRequest / Shutdown between steps
                ◀──call_soon_threadsafe──── RequestOutput deltas into the request's asyncio.Queue
 
-Only the engine thread touches EngineCore, so the core needs no locks. A generator that is
-closed early (client disconnect) aborts its request, freeing its blocks within one step. An
-exception in a step fails every in-flight request with that error (nobody hangs), resets the
-core's request state, counts a restart and carries on.
+Only the engine thread touches the LLMEngine, so it needs no locks; other threads read only
+its fixed limits. A generator that is closed early (client disconnect) aborts its request,
+freeing its blocks within one step. An exception in a step fails every in-flight request with
+that error (nobody hangs), resets the engine's request state, counts a restart and carries on.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.loader import LoadedEngine, eos_ids, load_engine
-from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.inputs import EncodedPrompt, RequestLimits
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.loader import LoadedEngine, load_engine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import SamplingParams
 from tokenmill.engine.stats import StepStats
@@ -34,13 +36,25 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed while this request was in flight."""
 
 
-@dataclass(slots=True)
-class _AddCommand:
+@dataclass(frozen=True, slots=True)
+class AddRequest:
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+    prompt: EncodedPrompt
     params: SamplingParams
     priority: int
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+Command = AddRequest | AbortRequest | Shutdown
 
 
 @dataclass(slots=True)
@@ -52,20 +66,20 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+# Called from the engine thread after every step, and after aborts even when no step follows (so
+# gauges fall to zero when the engine idles); `finished` holds every request that ended, aborts too.
 StatsListener = Callable[[StepStats, list[RequestOutput]], None]
 
 
 class AsyncEngine:
     def __init__(self, loaded: LoadedEngine) -> None:
         self.loaded = loaded
-        self.core = loaded.core
+        self.engine = LLMEngine(loaded)
         self.tokenizer = loaded.tokenizer
-        self.processor = OutputProcessor(self.tokenizer)
-        self.eos_token_ids = eos_ids(loaded)
         self.num_restarts = 0
         self.fault_injector: Callable[[], None] | None = None  # tests raise from here
         self._listeners: list[StatsListener] = []
-        self._commands: queue.SimpleQueue[_AddCommand | str | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stopped = False
@@ -80,24 +94,41 @@ class AsyncEngine:
     def add_stats_listener(self, listener: StatsListener) -> None:
         self._listeners.append(listener)
 
+    # Fixed when the engine is built, so any thread may read them.
+    @property
+    def limits(self) -> RequestLimits:
+        return self.engine.limits
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
+
+    @property
+    def core(self) -> EngineCore:
+        """For tests and diagnostics; only the engine thread may change it."""
+        return self.engine.core
+
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int] | EncodedPrompt, params: SamplingParams,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (each carries the cumulative text and the new delta).
 
         Validation errors raise before the first item; the request is aborted if the consumer
         stops early.
         """
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.core.validate(len(token_ids))
+        encoded = prompt if isinstance(prompt, EncodedPrompt) else self.engine.encode(prompt)
+        self.limits.check_request(encoded.token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._send(_AddCommand(request_id, text, token_ids, params, priority))
+        self._send(AddRequest(request_id, encoded, params, priority))
         finished = False
         try:
             while not finished:
@@ -112,14 +143,14 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._send(request_id)
+        self._send(AbortRequest(request_id))
 
     def shutdown(self) -> None:
         self._stopped = True
-        self._send(None)
+        self._send(Shutdown())
         self._thread.join(timeout=10)
 
-    def _send(self, command: _AddCommand | str | None) -> None:
+    def _send(self, command: Command) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -130,8 +161,10 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopped:
             try:
-                self._drain_commands()
-                if not self.core.has_unfinished:
+                aborted = self._drain_commands()
+                if aborted:
+                    self._publish(self.engine.stats(), aborted)
+                if not self.engine.has_unfinished:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
@@ -139,47 +172,50 @@ class AsyncEngine:
             except Exception as exc:  # any failure must reach every waiting client
                 self._recover(exc)
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self) -> list[RequestOutput]:
+        """Apply every queued command; the final outputs of the requests it aborted."""
+        aborted: list[RequestOutput] = []
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
-            if isinstance(command, _AddCommand):
-                self._add(command)
-            elif isinstance(command, str):
-                self.core.abort(command)
-                self.processor.abort(command)
+                return aborted
+            match command:
+                case AddRequest():
+                    self._add(command)
+                case AbortRequest(request_id):
+                    output = self.engine.abort(request_id)
+                    if output is not None:
+                        aborted.append(output)
+                        self._deliver(output)
+                case Shutdown():
+                    return aborted
 
-    def _add(self, c: _AddCommand) -> None:
+    def _add(self, c: AddRequest) -> None:
         if c.request_id not in self._streams:
             return  # aborted before it reached the engine
         try:
-            self.core.add_request(c.request_id, c.prompt_token_ids, c.params, self.eos_token_ids, c.priority)
+            self.engine.add_request(c.request_id, c.prompt, c.params, priority=c.priority)
         except Exception as exc:  # report to the one client, keep the engine alive
             self._streams[c.request_id].put(exc)
-            return
-        self.processor.add(c.request_id, c.prompt, c.prompt_token_ids, c.params)
 
     def _step(self) -> None:
         if self.fault_injector is not None:
             self.fault_injector()
-        result = self.core.step()
-        finished: list[RequestOutput] = []
-        for out in result.outputs:
-            processed = self.processor.process(out)
-            if processed is None:
-                continue
-            if processed.stopped_by_string:
-                self.core.abort(out.request_id)
-            if processed.output.finished:
-                finished.append(processed.output)
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put(processed.output)
+        step = self.engine.step()
+        for output in step.outputs:
+            self._deliver(output)
+        self._publish(step.stats, step.finished)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is not None:  # gone when its consumer left (that is what aborted it)
+            stream.put(output)
+
+    def _publish(self, stats: StepStats, finished: list[RequestOutput]) -> None:
         for listener in self._listeners:
             try:
-                listener(result.stats, finished)
+                listener(stats, finished)
             except Exception:  # observability must never fail requests
                 log.exception("stats listener failed")
 
@@ -189,7 +225,6 @@ class AsyncEngine:
         error = EngineDeadError(f"the engine failed while running this request: {exc}")
         # Rebuild the scheduler and block tables from scratch: after a failure mid-step their
         # state may be inconsistent, and a clean slate is cheap (weights and KV tensors stay).
-        self.core.reset()
-        self.processor = OutputProcessor(self.tokenizer)
+        self.engine.reset()
         for stream in list(self._streams.values()):
             stream.put(error)

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.inputs import RequestLimits
 from tokenmill.engine.interfaces import RunnerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner, num_kv_blocks
 from tokenmill.engine.request import EngineOutput, FinishReason, Request, SamplingParams
 from tokenmill.engine.sampler import Sampler
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.scheduler import Scheduler, StepTokenStats
 from tokenmill.engine.stats import StepStats
 from tokenmill.errors import RequestValidationError
 from tokenmill.layers.kv_cache import kv_cache_spec
@@ -43,6 +44,7 @@ class EngineCore:
         kv_spec = kv_cache_spec(config.cache.kv_cache_dtype, dtype)
         num_blocks = num_kv_blocks(arch, config.cache, kv_spec, device)
         self.max_model_len = self._max_model_len(num_blocks * block_size)
+        self.limits = RequestLimits(self.max_model_len, arch.vocab_size)
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = ModelRunner(config.model, arch, tensors, self.max_model_len, block_size, num_blocks, kv_spec)
@@ -68,32 +70,13 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_ids: tuple[int, ...], priority: int = 0, arrival_time: float | None = None) -> Request:
-        self.validate(len(prompt_token_ids))
-        self._validate_ids(request_id, prompt_token_ids, params)
+        self.limits.check_request(prompt_token_ids, params)
+        if request_id in self.scheduler.requests:
+            raise RequestValidationError(f"request id '{request_id}' is already in flight: use a unique id")
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids, priority,
                           arrival_time if arrival_time is not None else time.monotonic())
         self.scheduler.add(request)
         return request
-
-    def validate(self, num_prompt_tokens: int) -> None:
-        if num_prompt_tokens == 0:
-            raise RequestValidationError("the prompt is empty: send at least one token")
-        if num_prompt_tokens >= self.max_model_len:
-            over = num_prompt_tokens - self.max_model_len + 1
-            raise RequestValidationError(
-                f"the prompt has {num_prompt_tokens} tokens but the context is {self.max_model_len} "
-                f"(and at least one token must be generated): shorten it by {over} tokens or raise max_model_len")
-
-    def _validate_ids(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        vocab = self.arch.vocab_size
-        if request_id in self.scheduler.requests:
-            raise RequestValidationError(f"request id '{request_id}' is already in flight: use a unique id")
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestValidationError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestValidationError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
     def abort(self, request_id: str) -> EngineOutput | None:
         request = self.scheduler.abort(request_id)
@@ -122,10 +105,15 @@ class EngineCore:
         for o in outputs:
             if o.finished:
                 self.runner.sampler.forget(o.request_id)
-        return StepResult(outputs, self._stats(scheduled.num_tokens, scheduled.num_preempted, started))
+        return StepResult(outputs, self._stats(scheduled.num_tokens, scheduled.num_preempted, started,
+                                                self.scheduler.step_stats))
 
-    def _stats(self, num_tokens: int, num_preempted: int, started: float) -> StepStats:
-        pool, tokens = self.kv.pool, self.scheduler.step_stats
+    def stats(self) -> StepStats:
+        """The gauges as they stand, outside any step (after aborts, or while idle)."""
+        return self._stats(0, 0, time.monotonic(), StepTokenStats())
+
+    def _stats(self, num_tokens: int, num_preempted: int, started: float, tokens: StepTokenStats) -> StepStats:
+        pool = self.kv.pool
         return StepStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_scheduled_tokens=num_tokens, num_preempted=num_preempted, kv_usage=self.kv.usage,

@@ -3,11 +3,12 @@
 Stop strings are matched on text, possibly across token boundaries. While a request runs we
 hold back the last (longest stop string - 1) characters, since they could be the start of a
 stop string; a match truncates the text (the stop string itself is not emitted unless asked)
-and the caller aborts the request in the engine.
+and the request's id comes back in `reqs_to_abort`: the engine core still runs it until aborted.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -35,7 +36,6 @@ class _RequestState:
     num_emitted_chars: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    finished: bool = False
 
     @property
     def holdback(self) -> int:
@@ -43,9 +43,9 @@ class _RequestState:
 
 
 @dataclass(slots=True)
-class ProcessedOutput:
-    output: RequestOutput
-    stopped_by_string: bool  # the engine must abort the request: its text already ended
+class ProcessedOutputs:
+    outputs: list[RequestOutput]  # one per engine output of a request still tracked, in engine order
+    reqs_to_abort: list[str]  # ended by a stop string here: abort them in the engine core
 
 
 class OutputProcessor:
@@ -58,10 +58,20 @@ class OutputProcessor:
         stream = self.tokenizer.new_decode_stream(skip_special_tokens=params.skip_special_tokens)
         self.states[request_id] = _RequestState(request_id, prompt, prompt_token_ids, params, index, stream)
 
-    def process(self, out: EngineOutput) -> ProcessedOutput | None:
-        state = self.states.get(out.request_id)
-        if state is None or state.finished:
-            return None
+    def process_outputs(self, engine_outputs: Iterable[EngineOutput]) -> ProcessedOutputs:
+        """Text for every engine output; outputs of requests already finished here are dropped."""
+        result = ProcessedOutputs([], [])
+        for out in engine_outputs:
+            state = self.states.get(out.request_id)
+            if state is None:
+                continue
+            output, stopped_by_string = self._process(state, out)
+            result.outputs.append(output)
+            if stopped_by_string:
+                result.reqs_to_abort.append(out.request_id)
+        return result
+
+    def _process(self, state: _RequestState, out: EngineOutput) -> tuple[RequestOutput, bool]:
         finish = out.finish_reason
         stop_reason: str | int | None = None
         if finish is FinishReason.STOP and out.new_token_ids and out.new_token_ids[-1] in state.params.stop_token_ids:
@@ -69,19 +79,19 @@ class OutputProcessor:
         finish_by_text, stop_str = self._append(state, out)
         if finish_by_text:
             finish, stop_reason = FinishReason.STOP, stop_str
-        state.finished = finish is not None
-        if state.finished:
+        finished = finish is not None
+        if finished:
             del self.states[out.request_id]
-        delta = self._emit(state)
+        delta = self._emit(state, finished)
         metrics = None if out.times is None else RequestMetrics.from_times(out.times, out.num_cached_tokens)
         completion = CompletionOutput(state.index, state.text[:state.num_emitted_chars], list(state.token_ids),
                                       state.logprobs if state.params.logprobs is not None else None,
                                       finish, stop_reason, delta, len(out.new_token_ids))
-        result = RequestOutput(out.request_id, state.prompt, state.prompt_token_ids, [completion], state.finished,
+        result = RequestOutput(out.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
                                metrics, out.num_cached_tokens)
         if out.prompt_logprobs is not None:
             result.prompt_logprobs = [None, *out.prompt_logprobs]
-        return ProcessedOutput(result, finish_by_text)
+        return result, finish_by_text and out.finish_reason is None
 
     def _append(self, state: _RequestState, out: EngineOutput) -> tuple[bool, str | None]:
         state.token_ids.extend(out.new_token_ids)
@@ -113,9 +123,9 @@ class OutputProcessor:
         state.text = state.text[:end]
         return True, stop
 
-    def _emit(self, state: _RequestState) -> str:
+    def _emit(self, state: _RequestState, finished: bool) -> str:
         """Advance the emitted prefix; keep back a possible stop-string start unless finished."""
-        limit = len(state.text) if state.finished or not state.params.stop else \
+        limit = len(state.text) if finished or not state.params.stop else \
             max(state.num_emitted_chars, len(state.text) - state.holdback)
         delta = state.text[state.num_emitted_chars:limit]
         state.num_emitted_chars = limit

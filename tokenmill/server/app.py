@@ -65,7 +65,7 @@ async def list_models(request: Request) -> ModelList:
     engine = state.engine
     card = ModelCard(id=state.config.served_model_name, created=int(request.app.state.started_at),
                      root=str(engine.loaded.source.path) if engine is not None else None,
-                     max_model_len=engine.core.max_model_len if engine is not None else None)
+                     max_model_len=engine.max_model_len if engine is not None else None)
     return ModelList(data=[card])
 
 

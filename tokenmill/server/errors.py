@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError as BodyValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from tokenmill.errors import TokenmillError
+from tokenmill.errors import RequestValidationError, TokenmillError
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ async def _on_body_invalid(request: Request, exc: Exception) -> JSONResponse:
 
 async def _on_tokenmill_error(request: Request, exc: Exception) -> JSONResponse:
     # Engine and tokenizer validation raise TokenmillError: the request is at fault.
-    return error_response(bad_request(str(exc)))
+    return error_response(bad_request(str(exc), exc.param if isinstance(exc, RequestValidationError) else None))
 
 
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:

@@ -1,4 +1,5 @@
-"""One API request as several engine requests (prompts × n), their outputs merged into one stream.
+"""One API request as several engine requests (prompts × n, from `engine.inputs.fan_out`), their
+outputs merged into one stream.
 
     GenerationRun ──pump task per child──▶ AsyncEngine.generate(child)
          ▲                                        │
@@ -13,31 +14,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from tokenmill.engine.inputs import ChildRequest
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
-from tokenmill.engine.request import FinishReason, SamplingParams, TokenLogprob
+from tokenmill.engine.request import FinishReason, TokenLogprob
 from tokenmill.server.admission import Ticket
 from tokenmill.server.state import ServerState
 
 
 @dataclass(slots=True)
-class EncodedPrompt:
-    text: str | None  # as the client sent it; None when it sent token ids
-    token_ids: list[int]
-
-
-@dataclass(slots=True)
-class Child:
-    index: int  # the choice index in the response
-    prompt_index: int
-    prompt: EncodedPrompt
-    params: SamplingParams
-
-
-@dataclass(slots=True)
 class ChoiceUpdate:
-    child: Child
+    child: ChildRequest
     output: CompletionOutput  # cumulative text and tokens, plus this update's text delta
     is_first: bool
     prompt_logprobs: list[TokenLogprob | None] | None  # [None, lp(token 1), ...] when asked for
@@ -54,22 +42,12 @@ class ChoiceUpdate:
 
 @dataclass(slots=True)
 class _Failure:
-    child: Child
+    child: ChildRequest
     error: Exception
 
 
-def children_for(prompt_index: int, prompt: EncodedPrompt, params: SamplingParams, n: int,
-                 first_index: int) -> list[Child]:
-    """`n` samples of one prompt; seeded samples get seed + i so that they differ yet reproduce."""
-    children = []
-    for i in range(n):
-        seed = None if params.seed is None else params.seed + i
-        children.append(Child(first_index + i, prompt_index, prompt, replace(params, n=1, seed=seed)))
-    return children
-
-
 class GenerationRun:
-    def __init__(self, state: ServerState, children: list[Child], engine_id: str, request_id: str,
+    def __init__(self, state: ServerState, children: list[ChildRequest], engine_id: str, request_id: str,
                  priority: int, ticket: Ticket, received_s: float | None = None) -> None:
         self.state = state
         self.children = children
@@ -78,7 +56,7 @@ class GenerationRun:
         self.priority = priority
         self.ticket = ticket
         self.received_s = received_s  # when the HTTP request arrived, for the request log
-        self._queue: asyncio.Queue[tuple[Child, RequestOutput] | _Failure] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[ChildRequest, RequestOutput] | _Failure] = asyncio.Queue()
         self._pumps: list[asyncio.Task[None]] = []
         self._prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
         self._seen: set[int] = set()
@@ -104,7 +82,7 @@ class GenerationRun:
         if not self._pumps and not self._is_closed:
             self._pumps = [asyncio.create_task(self._pump(child)) for child in self.children]
 
-    async def _pump(self, child: Child) -> None:
+    async def _pump(self, child: ChildRequest) -> None:
         engine = self.state.require_engine()
         try:
             async for output in engine.generate(child.prompt.token_ids, child.params,
@@ -113,7 +91,7 @@ class GenerationRun:
         except Exception as exc:  # handed to the consumer, which owns the HTTP answer
             self._queue.put_nowait(_Failure(child, exc))
 
-    def _update(self, child: Child, output: RequestOutput) -> ChoiceUpdate:
+    def _update(self, child: ChildRequest, output: RequestOutput) -> ChoiceUpdate:
         self.state.admission.mark_started(self.ticket)
         if output.prompt_logprobs is not None:
             self._prompt_logprobs[child.index] = output.prompt_logprobs

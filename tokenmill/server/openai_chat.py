@@ -13,27 +13,17 @@ from dataclasses import dataclass, field
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.request import TokenLogprob
-from tokenmill.errors import TokenmillError
-from tokenmill.server.errors import bad_request
-from tokenmill.server.fanout import ChoiceUpdate, EncodedPrompt, children_for
+from tokenmill.server.fanout import ChoiceUpdate
 from tokenmill.server.logprob_format import chat_logprobs
-from tokenmill.server.pipeline import (
-    collect,
-    encode_text,
-    get_state,
-    now_s,
-    resolve_max_tokens,
-    sampling_params,
-    start_run,
-)
+from tokenmill.server.openai_inputs import chat_children, chat_prompt, refuse_unsupported_chat
+from tokenmill.server.pipeline import collect, get_state, now_s, start_run
 from tokenmill.server.protocol import (
     ChatChoice,
     ChatChunk,
     ChatDelta,
     ChatLogprobs,
-    ChatMessage,
     ChatMessageOut,
     ChatRequest,
     ChatResponse,
@@ -51,12 +41,9 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     state = get_state(request)
     state.check_model(body.model)
     engine = state.require_engine()
-    _refuse_unsupported(body)
-    prompt = render_chat_prompt(engine, body.messages, body.add_generation_prompt)
-    max_tokens = resolve_max_tokens(len(prompt.token_ids), body.max_output_tokens, engine.core.max_model_len)
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(engine, body, max_tokens, logprobs, None)
-    children = children_for(0, prompt, params, body.n, first_index=0)
+    refuse_unsupported_chat(body)
+    prompt = chat_prompt(engine.tokenizer, body.messages, body.add_generation_prompt)
+    children = chat_children(body, prompt, engine.limits)
     texts = state.require_texts()
     run, response_id = start_run(state, request, children, "chatcmpl", body.priority)  # nothing may fail after this
     ctx = _Context(body, prompt, texts, response_id, state.config.served_model_name, now_s())
@@ -67,30 +54,6 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     usage = Usage.of(len(prompt.token_ids), sum(len(u.output.token_ids) for u in last.values()))
     response = ChatResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage)
     return JSONResponse(response.model_dump(mode="json"))
-
-
-def _refuse_unsupported(body: ChatRequest) -> None:
-    if body.response_format is not None and body.response_format.type != "text":
-        raise bad_request(f"response_format {body.response_format.type!r} is not supported yet: leave "
-                          "response_format out (or send type 'text') and ask for JSON in the prompt",
-                          "response_format")
-    if body.tools:
-        raise bad_request("tool calling is not supported yet: send the request without tools", "tools")
-    if body.top_logprobs and not body.logprobs:
-        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-
-
-def render_chat_prompt(engine: AsyncEngine, messages: list[ChatMessage], add_generation_prompt: bool) -> EncodedPrompt:
-    plain = [message.as_template_input() for message in messages]
-    try:
-        text = engine.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
-    except TokenmillError:
-        raise
-    except Exception as exc:  # templates are code from the model: any error there is about these messages
-        raise bad_request(f"the chat template failed on these messages: {type(exc).__name__}: {exc}",
-                          "messages") from exc
-    # The template writes BOS itself where the model wants it.
-    return EncodedPrompt(text, encode_text(engine, text, "messages", add_special_tokens=False))
 
 
 @dataclass(slots=True)

@@ -9,26 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.request import TokenLogprob
-from tokenmill.server.errors import bad_request
-from tokenmill.server.fanout import Child, ChoiceUpdate, EncodedPrompt, children_for
+from tokenmill.server.fanout import ChoiceUpdate
 from tokenmill.server.logprob_format import completion_logprobs
-from tokenmill.server.pipeline import (
-    check_token_ids,
-    collect,
-    encode_text,
-    get_state,
-    now_s,
-    resolve_max_tokens,
-    sampling_params,
-    start_run,
-)
+from tokenmill.server.openai_inputs import completion_children, completion_prompts, refuse_unsupported_completion
+from tokenmill.server.pipeline import collect, get_state, now_s, start_run
 from tokenmill.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from tokenmill.server.sse import sse_response
 from tokenmill.server.state import TokenTexts
@@ -41,10 +31,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = get_state(request)
     state.check_model(body.model)
     engine = state.require_engine()
-    if body.suffix:
-        raise bad_request("suffix is not supported: put the whole text in the prompt", "suffix")
-    prompts = _encode_prompts(engine, body.prompt)
-    children = _children(engine, body, prompts)
+    refuse_unsupported_completion(body)
+    prompts = completion_prompts(engine.tokenizer, engine.limits, body.prompt)
+    children = completion_children(body, prompts, engine.limits)
     texts = state.require_texts()
     run, response_id = start_run(state, request, children, "cmpl", body.priority)  # nothing may fail after this
     ctx = _Context(body, prompts, texts, response_id, state.config.served_model_name, now_s())
@@ -56,33 +45,6 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     usage = Usage.of(ctx.num_prompt_tokens, sum(len(u.output.token_ids) for u in last.values()))
     response = CompletionResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage)
     return JSONResponse(response.model_dump(mode="json"))
-
-
-def _encode_prompts(engine: AsyncEngine, prompt: str | list[Any]) -> list[EncodedPrompt]:
-    if isinstance(prompt, str):
-        return [EncodedPrompt(prompt, encode_text(engine, prompt, "prompt"))]
-    if not prompt:
-        raise bad_request("prompt must not be an empty list", "prompt")
-    # A flat list of ids is one prompt; otherwise every item is a prompt of its own.
-    batch: list[Any] = [prompt] if isinstance(prompt[0], int) else prompt
-    encoded = []
-    for i, item in enumerate(batch):
-        if isinstance(item, str):
-            encoded.append(EncodedPrompt(item, encode_text(engine, item, f"prompt.{i}")))
-        else:
-            check_token_ids(engine, item, "prompt")
-            encoded.append(EncodedPrompt(None, list(item)))
-    return encoded
-
-
-def _children(engine: AsyncEngine, body: CompletionRequest, prompts: list[EncodedPrompt]) -> list[Child]:
-    children: list[Child] = []
-    prompt_logprobs = body.logprobs if body.echo else None
-    for i, prompt in enumerate(prompts):
-        max_tokens = resolve_max_tokens(len(prompt.token_ids), body.max_tokens, engine.core.max_model_len)
-        params = sampling_params(engine, body, max_tokens, body.logprobs, prompt_logprobs)
-        children.extend(children_for(i, prompt, params, body.n, first_index=i * body.n))
-    return children
 
 
 @dataclass(slots=True)

@@ -55,7 +55,7 @@ class ServerState:
             self.attach_engine(engine)
 
     def attach_engine(self, engine: AsyncEngine) -> None:
-        self.metrics = ServerMetrics(self.config.served_model_name, max_model_len=engine.core.max_model_len)
+        self.metrics = ServerMetrics(self.config.served_model_name, max_model_len=engine.max_model_len)
         engine.add_stats_listener(self.metrics.on_step)
         self.texts = TokenTexts(engine.tokenizer)
         self._seen_restarts = engine.num_restarts

@@ -7,8 +7,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from tokenmill.server.openai_chat import render_chat_prompt
-from tokenmill.server.pipeline import check_token_ids, encode_text, get_state
+from tokenmill.server.openai_inputs import chat_prompt, encode_text
+from tokenmill.server.pipeline import get_state
 from tokenmill.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -26,11 +26,11 @@ async def tokenize(body: TokenizeTextRequest | TokenizeChatRequest, request: Req
     state.check_model(body.model)
     engine = state.require_engine()
     if isinstance(body, TokenizeTextRequest):
-        token_ids = encode_text(engine, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
+        token_ids = encode_text(engine.tokenizer, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
     else:
-        token_ids = render_chat_prompt(engine, body.messages, body.add_generation_prompt).token_ids
+        token_ids = chat_prompt(engine.tokenizer, body.messages, body.add_generation_prompt).token_ids
     strs = [engine.tokenizer.id_to_token(t) or "" for t in token_ids] if body.return_token_strs else None
-    return TokenizeResponse(count=len(token_ids), max_model_len=engine.core.max_model_len, tokens=token_ids,
+    return TokenizeResponse(count=len(token_ids), max_model_len=engine.max_model_len, tokens=token_ids,
                             token_strs=strs)
 
 
@@ -39,7 +39,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     state = get_state(request)
     state.check_model(body.model)
     engine = state.require_engine()
-    check_token_ids(engine, body.tokens, "tokens")
+    engine.limits.check_token_ids(body.tokens, "tokens")
     return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
 
 
@@ -51,7 +51,7 @@ async def tokenizer_info(request: Request) -> dict[str, Any]:
     pad = tok.id_to_token(tok.pad_token_id) if tok.pad_token_id is not None else None
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": engine.core.max_model_len,
+        "model_max_length": engine.max_model_len,
         "vocab_size": tok.vocab_size,
         "bos_token": tok.bos_token,
         "eos_token": tok.eos_token,

@@ -1,0 +1,113 @@
+"""OpenAI request bodies (already parsed by `protocol.py`) → engine inputs: encoded prompts, and
+one child request per choice with its SamplingParams. FastAPI-free: the server's endpoints and
+`tokenmill batch` both build their engine requests here, so a body means the same in both.
+
+Every way a body can still be wrong after pydantic (token ids outside the vocabulary, a prompt
+that leaves no room to generate, text the tokenizer cannot take, unsupported options) raises
+`RequestValidationError` with the field at fault; the server answers it with a 400, the batch
+job with an error line. Nothing that could fail inside the engine loop gets past here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.engine.inputs import ChildRequest, EncodedPrompt, RequestLimits, fan_out
+from tokenmill.engine.request import SamplingParams
+from tokenmill.errors import RequestValidationError, TokenmillError
+from tokenmill.models.loading.tokenizer import Tokenizer
+from tokenmill.server.protocol import ChatMessage, ChatRequest, CompletionRequest, GenerationRequest
+
+_GREEDY_BELOW = 1e-5  # vLLM's threshold: smaller temperatures overflow the logits, so run greedy
+
+
+def encode_text(tokenizer: Tokenizer, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # lone surrogates: the tokenizer cannot take them
+        raise RequestValidationError(f"{param} is not valid UTF-8 text: {exc.reason} at position {exc.start}",
+                                     param) from exc
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def completion_prompts(tokenizer: Tokenizer, limits: RequestLimits, prompt: str | list[Any]) -> list[EncodedPrompt]:
+    """A string, a batch of strings, one prompt of token ids, or a batch of token-id prompts."""
+    if isinstance(prompt, str):
+        return [EncodedPrompt(prompt, encode_text(tokenizer, prompt, "prompt"))]
+    if not prompt:
+        raise RequestValidationError("prompt must not be an empty list", "prompt")
+    # A flat list of ids is one prompt; otherwise every item is a prompt of its own.
+    batch: list[Any] = [prompt] if isinstance(prompt[0], int) else prompt
+    encoded = []
+    for i, item in enumerate(batch):
+        if isinstance(item, str):
+            encoded.append(EncodedPrompt(item, encode_text(tokenizer, item, f"prompt.{i}")))
+        else:
+            limits.check_token_ids(item, "prompt")
+            encoded.append(EncodedPrompt(None, list(item)))
+    return encoded
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> EncodedPrompt:
+    plain = [message.as_template_input() for message in messages]
+    try:
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+    except TokenmillError:
+        raise
+    except Exception as exc:  # templates are code from the model: any error there is about these messages
+        raise RequestValidationError(f"the chat template failed on these messages: {type(exc).__name__}: {exc}",
+                                     "messages") from exc
+    # The template writes BOS itself where the model wants it.
+    return EncodedPrompt(text, encode_text(tokenizer, text, "messages", add_special_tokens=False))
+
+
+def refuse_unsupported_completion(body: CompletionRequest) -> None:
+    if body.suffix:
+        raise RequestValidationError("suffix is not supported: put the whole text in the prompt", "suffix")
+
+
+def refuse_unsupported_chat(body: ChatRequest) -> None:
+    if body.response_format is not None and body.response_format.type != "text":
+        raise RequestValidationError(
+            f"response_format {body.response_format.type!r} is not supported yet: leave response_format out (or "
+            "send type 'text') and ask for JSON in the prompt", "response_format")
+    if body.tools:
+        raise RequestValidationError("tool calling is not supported yet: send the request without tools", "tools")
+    if body.top_logprobs and not body.logprobs:
+        raise RequestValidationError("top_logprobs needs logprobs: true", "top_logprobs")
+
+
+def completion_children(body: CompletionRequest, prompts: list[EncodedPrompt],
+                        limits: RequestLimits) -> list[ChildRequest]:
+    """n children per prompt, prompt-major (choice index = prompt_index × n + sample)."""
+    children: list[ChildRequest] = []
+    prompt_logprobs = body.logprobs if body.echo else None
+    for i, prompt in enumerate(prompts):
+        max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_tokens)
+        params = sampling_params(body, limits, max_tokens, body.logprobs, prompt_logprobs)
+        children.extend(fan_out(i, prompt, params))
+    return children
+
+
+def chat_children(body: ChatRequest, prompt: EncodedPrompt, limits: RequestLimits) -> list[ChildRequest]:
+    max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_output_tokens)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return fan_out(0, prompt, sampling_params(body, limits, max_tokens, logprobs, None))
+
+
+def sampling_params(body: GenerationRequest, limits: RequestLimits, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None) -> SamplingParams:
+    if body.logit_bias:
+        raise RequestValidationError("logit_bias is not supported yet: drop it from the request", "logit_bias")
+    stop_token_ids = body.stop_token_ids or []
+    limits.check_token_ids(stop_token_ids, "stop_token_ids")
+    if any(not s for s in body.stop_strings):
+        raise RequestValidationError("stop strings must be non-empty", "stop")
+    temperature = 0.0 if body.temperature < _GREEDY_BELOW else body.temperature
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, seed=body.seed, n=body.n, stop=body.stop_strings,
+        stop_token_ids=list(stop_token_ids), include_stop_str_in_output=body.include_stop_str_in_output,
+        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens)
