@@ -10,33 +10,30 @@
 //   s_t = q·k_t * scale  (optionally cap * tanh(s_t / cap)),  p_t = exp(s_t - max) / Σ exp,
 //   out = Σ_t p_t v_t.
 // Visible keys of a sequence of length L: [max(0, L - window), L) when window > 0, else [0, L).
+//
+// Cache element types (layers/kv_cache.py): fp32, bf16 or fp16 (any of them under a query of any
+// of them), or int8 with an fp16 scale per (slot, kv head): k_t = kq_t * ks_t, v_t = vq_t * vs_t.
+// The int8 path never materialises k_t or v_t: the scale multiplies the finished dot product,
+//   q·k_t = ks_t * Σ_d q_d kq_t[d],   and folds into the softmax weight, Σ_t (p_t vs_t) vq_t,
+// so a row costs one int8 → fp32 widening per element and a quarter of fp32's memory traffic.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#define TM_AVX2 1
 #endif
 
 namespace {
 
-// Scores of `rep` query heads (rows of qf, pre-scaled) against one key row.
-template <typename T>
-inline void score_row(const float* qf, const T* k, int64_t rep, int64_t head_dim, float* out, int64_t stride) {
-  for (int64_t r = 0; r < rep; ++r) {
-    const float* qr = qf + r * head_dim;
-    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t d = 0; d < head_dim; ++d) acc += qr[d] * static_cast<float>(k[d]);
-    out[r * stride] = acc;
-  }
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(TM_AVX2)
 inline float hsum(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -44,42 +41,100 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
-// fp32 with head_dim % 8 == 0: the key row is loaded once per 8 lanes and shared by up to 8 heads.
-template <>
-inline void score_row<float>(const float* qf, const float* k, int64_t rep, int64_t head_dim, float* out,
-                             int64_t stride) {
-  if (head_dim % 8 != 0) {
-    for (int64_t r = 0; r < rep; ++r) {
-      float acc = 0.f;
-      for (int64_t d = 0; d < head_dim; ++d) acc += qf[r * head_dim + d] * k[d];
-      out[r * stride] = acc;
-    }
-    return;
-  }
-  for (int64_t r0 = 0; r0 < rep; r0 += 8) {
-    const int64_t nr = std::min<int64_t>(8, rep - r0);
-    __m256 acc[8];
-    for (int64_t r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < head_dim; d += 8) {
-      const __m256 kv = _mm256_loadu_ps(k + d);
-      for (int64_t r = 0; r < nr; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (r0 + r) * head_dim + d), kv, acc[r]);
-    }
-    for (int64_t r = 0; r < nr; ++r) out[(r0 + r) * stride] = hsum(acc[r]);
-  }
+// Eight cache elements widened to fp32 lanes.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the upper half of an fp32
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+#if defined(__F16C__)
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
 #endif
 
+// Whether load8 exists for T on this build (else the scalar loops below, which the compiler vectorises
+// where it can).
 template <typename T>
-inline void axpy(float w, const T* v, float* out, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) out[d] += w * static_cast<float>(v[d]);
+constexpr bool kVector =
+#if defined(TM_AVX2)
+    std::is_same_v<T, float> || std::is_same_v<T, int8_t> || std::is_same_v<T, c10::BFloat16>
+#if defined(__F16C__)
+    || std::is_same_v<T, c10::Half>
+#endif
+#else
+    false
+#endif
+    ;
+
+// Scores of `rep` query heads (rows of qf, pre-scaled) against one key row, times `mul` (the
+// row's int8 scale, 1 for dense caches). With head_dim % 8 == 0 each 8 lanes of the row are
+// loaded and widened once and shared by up to 8 heads.
+template <typename T>
+inline void score_row(const float* qf, const T* k, int64_t rep, int64_t head_dim, float mul, float* out,
+                      int64_t stride) {
+#if defined(TM_AVX2)
+  if constexpr (kVector<T>) {
+    if (head_dim % 8 == 0) {
+      for (int64_t r0 = 0; r0 < rep; r0 += 8) {
+        const int64_t nr = std::min<int64_t>(8, rep - r0);
+        __m256 acc[8];
+        for (int64_t r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 8) {
+          const __m256 kv = load8(k + d);
+          for (int64_t r = 0; r < nr; ++r)
+            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (r0 + r) * head_dim + d), kv, acc[r]);
+        }
+        for (int64_t r = 0; r < nr; ++r) out[(r0 + r) * stride] = hsum(acc[r]) * mul;
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t r = 0; r < rep; ++r) {
+    const float* qr = qf + r * head_dim;
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t d = 0; d < head_dim; ++d) acc += qr[d] * static_cast<float>(k[d]);
+    out[r * stride] = acc * mul;
+  }
 }
 
-// The cache row [KVH, hd] of position `pos` of a sequence, through its block table.
+// out[r] += w[r * w_stride] * v  for the `rep` heads sharing the value row v (widened once per 8 lanes).
 template <typename T>
-inline const T* slot_row(const T* cache, const int64_t* table, int64_t pos, int64_t block_size, int64_t stride) {
-  return cache + (table[pos / block_size] * block_size + pos % block_size) * stride;
+inline void axpy_rows(const float* w, int64_t w_stride, const T* v, float* out, int64_t rep, int64_t n) {
+#if defined(TM_AVX2)
+  if constexpr (kVector<T>) {
+    if (n % 8 == 0) {
+      for (int64_t r0 = 0; r0 < rep; r0 += 8) {
+        const int64_t nr = std::min<int64_t>(8, rep - r0);
+        __m256 wv[8];
+        for (int64_t r = 0; r < nr; ++r) wv[r] = _mm256_set1_ps(w[(r0 + r) * w_stride]);
+        for (int64_t d = 0; d < n; d += 8) {
+          const __m256 vv = load8(v + d);
+          for (int64_t r = 0; r < nr; ++r) {
+            float* o = out + (r0 + r) * n + d;
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(wv[r], vv, _mm256_loadu_ps(o)));
+          }
+        }
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t r = 0; r < rep; ++r) {
+    const float wr = w[r * w_stride];
+    float* o = out + r * n;
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) o[d] += wr * static_cast<float>(v[d]);
+  }
+}
+
+// The cache slot of position `pos` of a sequence, through its block table.
+inline int64_t slot_of(const int64_t* table, int64_t pos, int64_t block_size) {
+  return table[pos / block_size] * block_size + pos % block_size;
 }
 
 // The K and V passes prefetch the row two positions ahead: it may sit in another block, where the
@@ -89,11 +144,14 @@ inline void prefetch_rows(const void* start, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
 }
 
-template <typename T>
-void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_table,
-                   const int64_t* seq_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                   int64_t head_dim, int64_t block_size, int64_t table_width, double scale, int64_t window,
-                   double softcap) {
+// TQ: query and output type; TC: cache element type. k_scale/v_scale [slots, KVH] are read only
+// when TC is int8 (null otherwise).
+template <typename TQ, typename TC>
+void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::Half* k_scale,
+                   const at::Half* v_scale, const int64_t* block_table, const int64_t* seq_lens, TQ* out,
+                   int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                   int64_t table_width, double scale, int64_t window, double softcap) {
+  constexpr bool kQuant = std::is_same_v<TC, int8_t>;
   const int64_t rep = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // elements between consecutive slots
   // A work item is one sequence and a run of its kv heads. Walking all heads of a slot together
@@ -112,18 +170,25 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - lo;
       const int64_t* table = block_table + s * table_width;
-      const T* qs = q + (s * num_heads + g0 * rep) * head_dim;
+      const TQ* qs = q + (s * num_heads + g0 * rep) * head_dim;
       qf.resize(nh * head_dim);
       for (int64_t i = 0; i < nh * head_dim; ++i) qf[i] = static_cast<float>(qs[i]) * qscale;
-      const int64_t item_bytes = heads_per_item * head_dim * static_cast<int64_t>(sizeof(T));
+      const int64_t item_bytes = heads_per_item * head_dim * static_cast<int64_t>(sizeof(TC));
       scores.resize(nh * n);
       for (int64_t t = 0; t < n; ++t) {
-        const T* row = slot_row(k_cache, table, lo + t, block_size, token_stride);
-        if (t + 2 < n) prefetch_rows(slot_row(k_cache, table, lo + t + 2, block_size, token_stride) + g0 * head_dim,
-                                     item_bytes);
-        for (int64_t g = 0; g < heads_per_item; ++g)
-          score_row(qf.data() + g * rep * head_dim, row + (g0 + g) * head_dim, rep, head_dim,
+        const int64_t slot = slot_of(table, lo + t, block_size);
+        const TC* row = k_cache + slot * token_stride;
+        if (t + 2 < n) {
+          const int64_t ahead = slot_of(table, lo + t + 2, block_size);
+          prefetch_rows(k_cache + ahead * token_stride + g0 * head_dim, item_bytes);
+          if constexpr (kQuant) __builtin_prefetch(k_scale + ahead * num_kv_heads + g0);
+        }
+        for (int64_t g = 0; g < heads_per_item; ++g) {
+          float mul = 1.f;
+          if constexpr (kQuant) mul = static_cast<float>(k_scale[slot * num_kv_heads + g0 + g]);
+          score_row(qf.data() + g * rep * head_dim, row + (g0 + g) * head_dim, rep, head_dim, mul,
                     scores.data() + g * rep * n + t, n);
+        }
       }
       inv_sum.resize(nh);
       for (int64_t h = 0; h < nh; ++h) {
@@ -143,53 +208,111 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       }
       acc.assign(nh * head_dim, 0.f);
       for (int64_t t = 0; t < n; ++t) {
-        const T* row = slot_row(v_cache, table, lo + t, block_size, token_stride);
-        if (t + 2 < n) prefetch_rows(slot_row(v_cache, table, lo + t + 2, block_size, token_stride) + g0 * head_dim,
-                                     item_bytes);
-        for (int64_t h = 0; h < nh; ++h)
-          axpy(scores[h * n + t], row + (g0 + h / rep) * head_dim, acc.data() + h * head_dim, head_dim);
+        const int64_t slot = slot_of(table, lo + t, block_size);
+        const TC* row = v_cache + slot * token_stride;
+        if (t + 2 < n) {
+          const int64_t ahead = slot_of(table, lo + t + 2, block_size);
+          prefetch_rows(v_cache + ahead * token_stride + g0 * head_dim, item_bytes);
+          if constexpr (kQuant) __builtin_prefetch(v_scale + ahead * num_kv_heads + g0);
+        }
+        for (int64_t g = 0; g < heads_per_item; ++g) {
+          float* w = scores.data() + g * rep * n + t;  // p_t of the group's heads, stride n
+          if constexpr (kQuant) {
+            const float vs = static_cast<float>(v_scale[slot * num_kv_heads + g0 + g]);
+            for (int64_t r = 0; r < rep; ++r) w[r * n] *= vs;  // p_t is read once more, here
+          }
+          axpy_rows(w, n, row + (g0 + g) * head_dim, acc.data() + g * rep * head_dim, rep, head_dim);
+        }
       }
-      T* os = out + (s * num_heads + g0 * rep) * head_dim;
+      TQ* os = out + (s * num_heads + g0 * rep) * head_dim;
       for (int64_t h = 0; h < nh; ++h)
         for (int64_t d = 0; d < head_dim; ++d)
-          os[h * head_dim + d] = static_cast<T>(acc[h * head_dim + d] * inv_sum[h]);
+          os[h * head_dim + d] = static_cast<TQ>(acc[h * head_dim + d] * inv_sum[h]);
     }
   });
 }
 
-}  // namespace
+// f(T{}) for the floating type t names; anything else is an error naming `what`.
+template <typename F>
+void with_float_type(at::ScalarType t, const char* what, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, what, " must be fp32, bf16 or fp16, not ", t);
+  }
+}
 
-// q [S, H, hd]; k_cache, v_cache [num_blocks, block_size, KVH, hd]; block_table [S, W] int64;
-// seq_lens [S] int64 (keys per sequence, the new token included). Returns [S, H, hd].
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_table, torch::Tensor seq_lens, double scale,
-                                     int64_t window, double softcap) {
+// Shapes and every index the kernel will follow (S x W integers, microseconds): a bad table is an
+// error, never a wild read.
+void check_decode_args(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& block_table, const torch::Tensor& seq_lens) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the key and value caches must share a dtype");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 indices");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "head layout mismatch");
-  q = q.contiguous();
-  block_table = block_table.contiguous();
-  seq_lens = seq_lens.contiguous();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) && seq_lens.numel() == q.size(0),
               "one block-table row and one length per sequence");
-  // The kernel reads raw pointers: check every index it will follow (S x W integers, microseconds).
-  const int64_t* lens_p = seq_lens.data_ptr<int64_t>();
-  const int64_t* table_p = block_table.data_ptr<int64_t>();
-  const int64_t width = block_table.size(1), bs = k_cache.size(1), num_blocks = k_cache.size(0);
+  const torch::Tensor table = block_table.contiguous(), lens = seq_lens.contiguous();
+  const int64_t* lens_p = lens.data_ptr<int64_t>();
+  const int64_t* table_p = table.data_ptr<int64_t>();
+  const int64_t width = table.size(1), bs = k_cache.size(1), num_blocks = k_cache.size(0);
   for (int64_t s = 0; s < q.size(0); ++s) {
     TORCH_CHECK(lens_p[s] >= 1 && lens_p[s] <= width * bs, "sequence length outside its block table");
     for (int64_t j = 0; j < (lens_p[s] + bs - 1) / bs; ++j)
       TORCH_CHECK(table_p[s * width + j] >= 0 && table_p[s * width + j] < num_blocks, "block id out of range");
   }
+}
+
+}  // namespace
+
+// q [S, H, hd]; k_cache, v_cache [num_blocks, block_size, KVH, hd] (fp32, bf16 or fp16, any under any
+// q); block_table [S, W] int64; seq_lens [S] int64 (keys per sequence, the new token included).
+// Returns [S, H, hd] in q's dtype.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_table, torch::Tensor seq_lens, double scale,
+                                     int64_t window, double softcap) {
+  check_decode_args(q, k_cache, v_cache, block_table, seq_lens);
+  q = q.contiguous();
+  block_table = block_table.contiguous();
+  seq_lens = seq_lens.contiguous();
   auto out = torch::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                            block_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+  with_float_type(q.scalar_type(), "q", [&](auto tq) {
+    using TQ = decltype(tq);
+    with_float_type(k_cache.scalar_type(), "the caches", [&](auto tc) {
+      using TC = decltype(tc);
+      decode_kernel<TQ, TC>(q.data_ptr<TQ>(), k_cache.data_ptr<TC>(), v_cache.data_ptr<TC>(), nullptr, nullptr,
+                            block_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<TQ>(),
                             q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_table.size(1),
                             scale, window, softcap);
+    });
+  });
+  return out;
+}
+
+// The int8 cache: k_cache, v_cache int8 as above; k_scale, v_scale [num_blocks, block_size, KVH] fp16.
+torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                          torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_table,
+                                          torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
+  check_decode_args(q, k_cache, v_cache, block_table, seq_lens);
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar, "int8 caches expected");
+  TORCH_CHECK(k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf, "fp16 scales expected");
+  TORCH_CHECK(k_scale.dim() == 3 && k_scale.sizes() == k_cache.sizes().slice(0, 3) &&
+                  v_scale.sizes() == k_scale.sizes(),
+              "scales [num_blocks, block_size, KVH] expected");
+  TORCH_CHECK(k_scale.is_contiguous() && v_scale.is_contiguous(), "scales must be contiguous");
+  q = q.contiguous();
+  block_table = block_table.contiguous();
+  seq_lens = seq_lens.contiguous();
+  auto out = torch::empty_like(q);
+  with_float_type(q.scalar_type(), "q", [&](auto tq) {
+    using TQ = decltype(tq);
+    decode_kernel<TQ, int8_t>(q.data_ptr<TQ>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+                              k_scale.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(),
+                              block_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<TQ>(),
+                              q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_table.size(1),
+                              scale, window, softcap);
   });
   return out;
 }
@@ -262,5 +385,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("paged_decode_attention_int8", &paged_decode_attention_int8,
+        "paged decode attention over an int8 KV cache with fp16 scales per (slot, kv head) (CPU)");
   m.def("skinny_linear", &skinny_linear, "y = x W^T + b for 1-4 rows of x, fp32, threads over W's rows (CPU)");
 }

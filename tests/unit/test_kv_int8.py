@@ -1,0 +1,232 @@
+"""The int8 KV cache: quantization, the native decode kernel reading it in place, the SDPA path
+over gathered (dequantized) blocks, and the byte sizing that turns it into more blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.config import CacheConfig
+from tokenmill.errors import TokenmillError
+from tokenmill.kernels import cpu_kernels
+from tokenmill.layers.attention import AttentionMetadata, GroupMetadata, PagedAttention
+from tokenmill.layers.kv_cache import (
+    DenseKVCache,
+    Int8KVCache,
+    KVCacheSpec,
+    dequantize_int8,
+    kv_cache_spec,
+    quantize_int8,
+)
+
+kernels = cpu_kernels()
+needs_kernel = pytest.mark.skipif(kernels is None, reason="the native CPU kernel cannot be built here")
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+               scale: float, window: int, softcap: float) -> torch.Tensor:
+    """Plain attention math in fp64 over dense caches k, v [num_blocks, bs, KVH, hd]."""
+    num_heads, block_size = q.shape[1], k.shape[1]
+    rep = num_heads // k.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for s in range(q.shape[0]):
+        n = int(lens[s])
+        pos = torch.arange(max(0, n - window) if window else 0, n)
+        slots = table[s, pos // block_size] * block_size + pos % block_size
+        ks = k.reshape(-1, *k.shape[2:])[slots].double().repeat_interleave(rep, dim=1)  # [n, H, hd]
+        vs = v.reshape(-1, *v.shape[2:])[slots].double().repeat_interleave(rep, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[s].double(), ks) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        out[s] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), vs)
+    return out
+
+
+def _int8_cache(num_blocks: int, block_size: int, kvh: int, hd: int, g: torch.Generator) -> Int8KVCache:
+    """A full int8 pool written through the cache's own write path, with per-row magnitudes spread
+    over 3 decades so a scale read from the wrong (slot, head) cannot pass."""
+    spec = kv_cache_spec("int8", torch.float32)
+    cache = spec.allocate(num_blocks, block_size, kvh, hd, torch.device("cpu"))
+    assert isinstance(cache, Int8KVCache)
+    slots = torch.arange(num_blocks * block_size)
+    magnitude = 10 ** torch.empty(len(slots), kvh, 1).uniform_(-1.5, 1.5, generator=g)
+    k = torch.randn(len(slots), kvh, hd, generator=g) * magnitude
+    v = torch.randn(len(slots), kvh, hd, generator=g) * magnitude.flip(0)
+    cache.write(slots, k, v)
+    return cache
+
+
+def _dequantized(cache: Int8KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    return (dequantize_int8(cache.k, cache.k_scale, torch.float32),
+            dequantize_int8(cache.v, cache.v_scale, torch.float32))
+
+
+# -- quantization -------------------------------------------------------------------------------
+
+def test_quantize_is_symmetric_per_row_within_half_a_step() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 64, generator=g) * 10 ** torch.empty(50, 3, 1).uniform_(-3, 3, generator=g)
+    q, scale = quantize_int8(x)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float16 and scale.shape == (50, 3)
+    amax = x.abs().amax(-1)
+    # fp16 rounding only: half an ulp relative, or half the subnormal step (2^-25) for rows under 0.008.
+    torch.testing.assert_close(scale.float(), amax / 127, rtol=2**-11, atol=2**-25)
+    assert int(q.abs().amax()) == 127  # every row uses the full range
+    err = (dequantize_int8(q, scale, torch.float32) - x).abs()
+    # Half a step, plus the clip of the largest element when the fp16 scale rounded down.
+    assert bool((err <= scale.float().unsqueeze(-1) * 0.5 + amax.unsqueeze(-1) * 1e-3).all())
+
+
+def test_zero_rows_quantize_to_zero() -> None:
+    q, scale = quantize_int8(torch.zeros(4, 2, 8))
+    assert not q.any() and not scale.any()
+    assert not dequantize_int8(q, scale, torch.float32).isnan().any()
+
+
+# -- the native decode kernel over an int8 cache ------------------------------------------------
+
+@needs_kernel
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 32), (6, 6, 20), (16, 2, 8)])
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (5, 0.0), (0, 30.0)])
+@pytest.mark.parametrize("num_seqs", [1, 3, 12])
+def test_int8_kernel_matches_attention_on_dequantized_values(num_heads: int, num_kv_heads: int, head_dim: int,
+                                                             window: int, softcap: float, num_seqs: int) -> None:
+    g = torch.Generator().manual_seed(num_heads * 100 + num_seqs)
+    block_size, num_blocks, width = 4, 80, 6
+    cache = _int8_cache(num_blocks, block_size, num_kv_heads, head_dim, g)
+    table = torch.randperm(num_blocks, generator=g)[:num_seqs * width].view(num_seqs, width)  # shuffled blocks
+    lens = torch.randint(1, width * block_size + 1, (num_seqs,), generator=g)
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=g)
+    scale = head_dim**-0.5
+    assert kernels is not None
+    out = kernels.paged_decode_attention_int8(q, cache.k, cache.v, cache.k_scale, cache.v_scale, table, lens,
+                                              scale, window, softcap)
+    ref = _reference(q, *_dequantized(cache), table, lens, scale, window, softcap)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+def test_int8_kernel_under_half_precision_queries(q_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    cache = _int8_cache(16, 4, 2, 16, g)
+    table = torch.arange(16).view(2, 8)
+    lens = torch.tensor([30, 7])
+    q = torch.randn(2, 4, 16, generator=g).to(q_dtype)
+    assert kernels is not None
+    out = kernels.paged_decode_attention_int8(q, cache.k, cache.v, cache.k_scale, cache.v_scale, table, lens,
+                                              0.25, 0, 0.0)
+    assert out.dtype == q_dtype
+    ref = _reference(q, *_dequantized(cache), table, lens, 0.25, 0, 0.0)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_dense_half_caches_under_fp32_queries(cache_dtype: torch.dtype) -> None:
+    """--kv-cache-dtype bf16 on an fp32 model: the query stays fp32, the cache is read as stored."""
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(20, 4, 3, 64, generator=g).to(cache_dtype)
+    v = torch.randn(20, 4, 3, 64, generator=g).to(cache_dtype)
+    table = torch.randperm(20, generator=g)[:18].view(3, 6)
+    lens = torch.tensor([24, 9, 1])
+    q = torch.randn(3, 9, 64, generator=g)
+    assert kernels is not None
+    out = kernels.paged_decode_attention(q, k, v, table, lens, 0.125, 0, 0.0)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _reference(q, k, v, table, lens, 0.125, 0, 0.0), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_int8_kernel_checks_its_scales() -> None:
+    assert kernels is not None
+    k = torch.zeros(4, 4, 2, 8, dtype=torch.int8)
+    scales = torch.zeros(4, 4, 2, dtype=torch.float16)
+    q, table, lens = torch.zeros(1, 4, 8), torch.zeros(1, 1, dtype=torch.int64), torch.tensor([2])
+    with pytest.raises(RuntimeError, match="fp16 scales"):
+        kernels.paged_decode_attention_int8(q, k, k, scales.float(), scales.float(), table, lens, 1.0, 0, 0.0)
+    with pytest.raises(RuntimeError, match="scales \\[num_blocks"):
+        kernels.paged_decode_attention_int8(q, k, k, scales[:2], scales[:2], table, lens, 1.0, 0, 0.0)
+    with pytest.raises(RuntimeError, match="int8 caches"):
+        kernels.paged_decode_attention_int8(q, k.float(), k.float(), scales, scales, table, lens, 1.0, 0, 0.0)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernels.paged_decode_attention_int8(q, k, k, scales, scales, table + 4, lens, 1.0, 0, 0.0)
+
+
+# -- PagedAttention: write, then the SDPA path (gather + dequantize) and the native path -------------
+
+def _step_meta(prompt_lens: list[int], block_size: int, tables: torch.Tensor) -> tuple[AttentionMetadata, int]:
+    """One prefill step of several sequences (padded queries), as model_input.py builds it."""
+    lq = max(prompt_lens)
+    lk = tables.shape[1] * block_size
+    slots, pad_index = [], []
+    for s, n in enumerate(prompt_lens):
+        pos = torch.arange(n)
+        slots.append(tables[s, pos // block_size] * block_size + pos % block_size)
+        pad_index.append(s * lq + pos)
+    lens = torch.tensor(prompt_lens)
+    key, query = torch.arange(lk)[None, None, :], torch.arange(lq)[None, :, None]
+    mask = (key <= query) & (key < lens[:, None, None])  # causal from position 0, padding keys masked
+    group = GroupMetadata(tables, lens, mask.unsqueeze(1), None, 0, sum(prompt_lens), lq, torch.cat(pad_index))
+    return AttentionMetadata(torch.cat(slots), None, group), sum(prompt_lens)
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_sdpa_path_reads_int8_blocks_dequantized(softcap: float | None) -> None:
+    """Prefill (the SDPA path) over an int8 cache equals the same attention over a dense cache that
+    holds the dequantized values, and stays close to attention over the unquantized ones."""
+    g = torch.Generator().manual_seed(3)
+    h, kvh, hd, bs = 8, 2, 32, 4
+    tables = torch.randperm(12, generator=g)[:9].view(3, 3)
+    meta, t = _step_meta([11, 5, 8], bs, tables)
+    q, k, v = torch.randn(t, h, hd, generator=g), torch.randn(t, kvh, hd, generator=g), torch.randn(t, kvh, hd,
+                                                                                                   generator=g)
+    attn = PagedAttention(h, kvh, hd, hd**-0.5, softcap)
+    int8 = kv_cache_spec("int8", torch.float32).allocate(12, bs, kvh, hd, torch.device("cpu"))
+    out = attn(q, k, v, int8, meta, False)  # writes (quantizes) the step's keys, then reads them back
+    assert isinstance(int8, Int8KVCache) and meta.prefill is not None
+    dense = DenseKVCache(*_dequantized(int8))  # holds exactly the values the int8 cache stands for
+    torch.testing.assert_close(out, attn._group(q, dense, meta.prefill, False).reshape(t, -1))
+    exact = kv_cache_spec("fp32", torch.float32).allocate(12, bs, kvh, hd, torch.device("cpu"))
+    full = attn(q, k, v, exact, meta, False)
+    assert 0 < float((out - full).abs().max()) < 0.03  # int8 rounding of unit-variance keys and values
+
+
+@needs_kernel
+def test_native_and_sdpa_decode_agree_on_an_int8_cache() -> None:
+    g = torch.Generator().manual_seed(4)
+    h, kvh, hd, bs, num_seqs = 9, 3, 64, 16, 5
+    cache = _int8_cache(40, bs, kvh, hd, g)
+    tables = torch.randperm(40, generator=g)[:num_seqs * 4].view(num_seqs, 4)
+    lens = torch.tensor([64, 1, 17, 33, 50])
+    mask = (torch.arange(4 * bs)[None, :] < lens[:, None]).view(num_seqs, 1, 1, 4 * bs)
+    group = GroupMetadata(tables, lens, mask, None, 0, num_seqs, 1, None)
+    q = torch.randn(num_seqs, h, hd, generator=g)
+    sdpa = PagedAttention(h, kvh, hd, hd**-0.5, None)
+    native = PagedAttention(h, kvh, hd, hd**-0.5, None, decode_kernel=kernels)  # type: ignore[arg-type]
+    torch.testing.assert_close(native._group(q, cache, group, False), sdpa._group(q, cache, group, False),
+                               rtol=1e-4, atol=1e-4)
+
+
+# -- sizing --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_int8_holds_1_9x_bf16_and_3_8x_fp32_tokens(head_dim: int) -> None:
+    int8 = kv_cache_spec("int8", torch.float32).bytes_per_token(3, head_dim)
+    assert int8 == 2 * 3 * (head_dim + 2)  # int8 elements plus one fp16 scale per kv head
+    assert kv_cache_spec("bf16", torch.float32).bytes_per_token(3, head_dim) / int8 >= 1.9
+    assert kv_cache_spec("fp32", torch.float32).bytes_per_token(3, head_dim) / int8 >= 3.8
+
+
+def test_auto_is_the_model_dtype_and_names_are_checked() -> None:
+    assert kv_cache_spec("auto", torch.bfloat16) == KVCacheSpec("bf16", torch.bfloat16)
+    assert kv_cache_spec("auto", torch.float32).dtype == torch.float32
+    with pytest.raises(TokenmillError, match="kv cache dtype 'int4' is not supported"):
+        CacheConfig(kv_cache_dtype="int4")
+
+
+def test_allocation_counts_the_scales() -> None:
+    spec = kv_cache_spec("int8", torch.float32)
+    cache = spec.allocate(10, 16, 3, 64, torch.device("cpu"))
+    assert cache.nbytes == 10 * 16 * spec.bytes_per_token(3, 64)
+    assert all(not t.any() for t in cache.tensors())  # zeroed: masked keys meet 0 * V
