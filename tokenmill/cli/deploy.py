@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import signal
-import threading
 from typing import Any
+
+from tokenmill.deploy.stop import StopSignals
 
 
 def add_deploy_parser(subparsers: Any) -> None:
@@ -47,18 +48,18 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         target_ongoing_requests=args.target_ongoing_requests, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
 
 
-def run_deploy_ray(args: argparse.Namespace) -> int:
-    """Deploy, print the URL, and keep the application up until SIGINT/SIGTERM."""
+def run_deploy_ray(args: argparse.Namespace, stop: StopSignals | None = None) -> int:
+    """Deploy, print the URL, and keep the application up until SIGINT/SIGTERM (deploy/stop.py)."""
     from tokenmill.deploy.ray_serve import deploy, shutdown
 
+    stop = stop or StopSignals()
+    stop.install()  # a signal during the deploy is kept, and acted on once it returns
     url = deploy(settings_from_args(args), address=args.address, host=args.host, port=args.port)
-    print(f"serving on {url}/v1 (Ctrl-C to stop)", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
+        stop.install()  # again: ray.init replaces the SIGTERM handler when it starts a local cluster
+        print(f"serving on {url}/v1 (Ctrl-C to stop)", flush=True)
+        signum = stop.wait()
+        print(f"{signal.Signals(signum).name}: shutting down the application", flush=True)
     finally:
         shutdown()
     return 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -92,6 +93,8 @@ class RayDeploySettings:
 class TokenmillReplica:
     """One replica: the engine and the server app. Wrapped by Ray's ingress in `build_application`."""
 
+    clock: Callable[[], float] = staticmethod(time.monotonic)  # tests step a fake one
+
     def __init__(self, settings: RayDeploySettings) -> None:
         from tokenmill.engine.async_engine import AsyncEngine
         from tokenmill.server.app import build_app
@@ -114,8 +117,8 @@ class TokenmillReplica:
         if reason is None or reason == "draining":
             self._unready_since = None
             return
-        now = time.monotonic()
-        self._unready_since = self._unready_since or now
+        now = self.clock()
+        self._unready_since = self._unready_since if self._unready_since is not None else now
         if now - self._unready_since > self.settings.unhealthy_after_s:
             raise RuntimeError(f"tokenmill replica unready for {now - self._unready_since:.0f} s: {reason}")
 
