@@ -74,8 +74,10 @@ class FakeBackend(Backend):
     """The fake model in process; `completions` overrides generate for scripted outputs."""
 
     def __init__(self, model: FakeModel | None = None, completions: dict[str, str] | None = None,
-                 name: str = "fake") -> None:
+                 name: str = "fake", max_len: int = 4096) -> None:
         self.model = model or FakeModel()
+        self.max_len = max_len
+        self.num_score_requests = 0
         self.completions = completions
         self.name = name
         self.rng = random.Random(0)
@@ -86,8 +88,13 @@ class FakeBackend(Backend):
     def prefix_token(self) -> int:
         return BOS
 
+    def max_length(self) -> int:
+        return self.max_len
+
     def score(self, prompts: Sequence[list[int]], top_k: int,
               progress: Progress | None = None) -> list[list[PositionLogprobs]]:
+        assert all(len(p) <= self.max_len for p in prompts)
+        self.num_score_requests += len(prompts)
         return [self.model.score(list(p), top_k) for p in prompts]
 
     def generate(self, prompts: Sequence[Prompt], options: GenerateOptions,
@@ -131,7 +138,8 @@ class FakeServer:
 
             def do_GET(self) -> None:
                 if self.path == "/v1/models":
-                    self._send({"object": "list", "data": [{"id": fake.name, "object": "model"}]})
+                    card = {"id": fake.name, "object": "model", "max_model_len": 4096}
+                    self._send({"object": "list", "data": [card]})
                 elif self.path == "/tokenizer_info":
                     self._send({"bos_token_id": BOS, "eos_token_id": EOS})
                 else:

@@ -88,6 +88,17 @@ def test_perplexity_task_matches_the_fake_models_logprobs() -> None:
     assert run.intervals["ppl"].contains(run.metrics["ppl"])
 
 
+def test_long_texts_are_scored_in_rolling_windows_with_the_same_result() -> None:
+    config = SuiteConfig(task=TaskConfig(num_items=3))
+    whole = run_task(get_task("ppl-docstrings"), FakeBackend(), config)
+    windowed_backend = FakeBackend(max_len=64)
+    windowed = run_task(get_task("ppl-docstrings"), windowed_backend, config)
+    assert windowed_backend.num_score_requests > 3 * 20  # ~1000 bytes each, 32 new tokens a window
+    # The fake model looks one token back, so windows change nothing: every token scored exactly once.
+    assert [i.values["tokens"] for i in windowed.items] == [i.values["tokens"] for i in whole.items]
+    assert windowed.metrics["ppl"] == pytest.approx(whole.metrics["ppl"], rel=1e-12)
+
+
 def test_next_token_agreement_and_kl_against_a_reference() -> None:
     config = SuiteConfig(task=TaskConfig(num_items=2))
     task = get_task("next-token")

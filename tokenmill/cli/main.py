@@ -14,6 +14,7 @@ from typing import Any
 
 from tokenmill.cli.batch import add_batch_parser
 from tokenmill.cli.bench import add_bench_parser
+from tokenmill.cli.eval import add_eval_parser
 from tokenmill.cli.gateway import add_gateway_parsers
 from tokenmill.cli.generate import add_generate_parser
 from tokenmill.cli.models import add_models_parser, add_pull_parser
@@ -28,7 +29,7 @@ Handler = Callable[[argparse.Namespace], int]
 
 _PARSER_SETUPS: list[Callable[[_Subparsers], None]] = [
     add_pull_parser, add_models_parser, add_generate_parser, add_serve_parser, add_batch_parser,
-    add_gateway_parsers, add_bench_parser,
+    add_gateway_parsers, add_bench_parser, add_eval_parser,
 ]
 
 

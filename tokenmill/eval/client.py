@@ -65,6 +65,10 @@ class Backend(ABC):
         """A token to put before a text so that its first token is scored too (BOS, else EOS)."""
 
     @abstractmethod
+    def max_length(self) -> int:
+        """The longest prompt (in tokens) `score` takes: the model's context less one generated token."""
+
+    @abstractmethod
     def score(self, prompts: Sequence[list[int]], top_k: int,
               progress: Progress | None = None) -> list[list[PositionLogprobs]]:
         """Per prompt, one entry per position 1..n-1 (position 0 has no context)."""

@@ -64,6 +64,9 @@ class EngineBackend(Backend):
             raise EvalError(f"model {self.model} has neither a BOS nor an EOS token")
         return token
 
+    def max_length(self) -> int:
+        return int(self.llm.core.max_model_len) - 1
+
     def score(self, prompts: Sequence[list[int]], top_k: int,
               progress: Progress | None = None) -> list[list[PositionLogprobs]]:
         from tokenmill.engine.request import SamplingParams

@@ -28,6 +28,7 @@ from tokenmill.eval.metrics import TokenKey
 T = TypeVar("T")
 _ID_PREFIX = "token_id:"
 _ERROR_CHARS = 300
+DEFAULT_MAX_LENGTH = 2047  # a server that states no context length: assume 2048 tokens
 
 
 class HttpBackend(Backend):
@@ -43,6 +44,7 @@ class HttpBackend(Backend):
         self.model = model or self._first_model()
         self.name = f"{self.model}@{self.root}"
         self._info: dict[str, Any] | None = None
+        self._max_len: int | None = None
 
     # -- plumbing
 
@@ -87,6 +89,14 @@ class HttpBackend(Backend):
         if not isinstance(tokens, list):
             raise EvalError(f"{self.root}/tokenize returned no token list")
         return [int(t) for t in tokens]
+
+    def max_length(self) -> int:
+        if self._max_len is None:
+            cards = self._request("GET", "/v1/models").get("data") or []
+            card = next((c for c in cards if c.get("id") == self.model), cards[0] if cards else {})
+            length = card.get("max_model_len") or self._tokenizer_info().get("model_max_length")
+            self._max_len = int(length) - 1 if length else DEFAULT_MAX_LENGTH
+        return self._max_len
 
     def prefix_token(self) -> int:
         info = self._tokenizer_info()

@@ -9,11 +9,21 @@ from dataclasses import dataclass
 
 from tokenmill.eval.client import Backend, GenerateOptions
 from tokenmill.eval.metrics import Metric
-from tokenmill.eval.tasks.base import ItemResult, PairedMetric, ProgressBar, Task, TaskConfig, mean, register
+from tokenmill.eval.tasks.base import (
+    ItemResult,
+    PairedMetric,
+    ProgressBar,
+    Task,
+    TaskConfig,
+    fit_prompt,
+    mean,
+    register,
+)
 
 SHOTS = ("12 + 35 = 47", "81 - 29 = 52", "7 * 14 = 98", "406 + 118 = 524")
 _INTEGER = re.compile(r"-?\d+")
 _OPS = ("+", "-", "*")
+MAX_TOKENS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +81,8 @@ class Arithmetic(Task):
     def run(self, backend: Backend, config: TaskConfig, progress: ProgressBar) -> list[ItemResult]:
         items = problems(config.items(self.default_items), config.seed)
         progress.start(len(items))
-        outputs = backend.generate([prompt(p) for p in items], GenerateOptions(max_tokens=8, stop=("\n",)),
-                                   progress.advance)
+        outputs = backend.generate([fit_prompt(backend, prompt(p), MAX_TOKENS) for p in items],
+                                   GenerateOptions(MAX_TOKENS, stop=("\n",)), progress.advance)
         results = []
         for i, (problem, out) in enumerate(zip(items, outputs, strict=True)):
             got = parse_answer(out.text)

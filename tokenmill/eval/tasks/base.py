@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
-from tokenmill.eval.client import Backend, EvalError
+from tokenmill.eval.client import Backend, EvalError, PositionLogprobs, Prompt
 from tokenmill.eval.metrics import Columns, Metric
 
 
@@ -82,6 +82,54 @@ class Task(ABC):
     def summarize(self, items: list[ItemResult]) -> dict[str, Any]:
         """Extra JSON-able facts about a run (e.g. whether a golden file was found)."""
         return {}
+
+
+MAX_WINDOW = 1024  # tokens per scoring request, at most: longer texts are scored in rolling windows
+
+
+def score_texts(backend: Backend, texts: list[list[int]], top_k: int, progress: ProgressBar,
+                max_window: int = MAX_WINDOW) -> list[list[PositionLogprobs]]:
+    """Logprobs of every token of each text, the first given the prefix token (BOS, else EOS).
+
+    A text longer than a window is scored as lm-evaluation-harness's rolling loglikelihood does:
+    the first window from the start, then windows that each score the next `window // 2` tokens
+    with the preceding tokens as context, so every token is scored once with at least half a
+    window before it.
+    """
+    prefix = backend.prefix_token()
+    window = max(min(backend.max_length(), max_window), 2)
+    stride = max(window // 2, 1)
+    requests: list[tuple[int, list[int], int]] = []  # (text, prompt, how many of its last positions count)
+    for index, tokens in enumerate(texts):
+        full = [prefix, *tokens]
+        if len(full) <= window:
+            requests.append((index, full, len(tokens)))
+            continue
+        requests.append((index, full[:window], window - 1))
+        done = window - 1
+        while done < len(tokens):
+            new = min(stride, len(tokens) - done)
+            end = done + 1 + new  # text token j sits at full[j + 1]
+            requests.append((index, full[end - window:end], new))
+            done += new
+    progress.start(len(requests))
+    scored = backend.score([prompt for _, prompt, _ in requests], top_k, progress.advance)
+    result: list[list[PositionLogprobs]] = [[] for _ in texts]
+    for (index, _, count), positions in zip(requests, scored, strict=True):
+        result[index].extend(positions[-count:] if count else [])
+    return result
+
+
+def fit_prompt(backend: Backend, text: str, max_tokens: int) -> Prompt:
+    """`text` as is when it fits the context with `max_tokens` to generate; else its last tokens after
+    the prefix token (a small-context model still gets the end of the prompt, where the question is)."""
+    room = backend.max_length() + 1 - max_tokens - 1  # the context, less the generated tokens and the prefix
+    tokens = backend.tokenize(text)
+    if len(tokens) + 1 <= room:
+        return text
+    if room < 2:
+        raise EvalError(f"{backend.name}'s context is too short for {max_tokens} generated tokens")
+    return [backend.prefix_token(), *tokens[-(room - 1):]]
 
 
 def columns(items: list[ItemResult]) -> Columns:

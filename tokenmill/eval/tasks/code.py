@@ -9,7 +9,16 @@ from concurrent.futures import ThreadPoolExecutor
 from tokenmill.eval.client import Backend, GenerateOptions
 from tokenmill.eval.metrics import Metric
 from tokenmill.eval.sandbox import SandboxLimits, run_python
-from tokenmill.eval.tasks.base import ItemResult, PairedMetric, ProgressBar, Task, TaskConfig, mean, register
+from tokenmill.eval.tasks.base import (
+    ItemResult,
+    PairedMetric,
+    ProgressBar,
+    Task,
+    TaskConfig,
+    fit_prompt,
+    mean,
+    register,
+)
 from tokenmill.eval.tasks.code_problems import PROBLEMS, CodeProblem
 
 STOP = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#", "\nassert ")
@@ -32,7 +41,8 @@ class Code(Task):
     def run(self, backend: Backend, config: TaskConfig, progress: ProgressBar) -> list[ItemResult]:
         problems = PROBLEMS[:config.items(self.default_items)]
         progress.start(len(problems))
-        outputs = backend.generate([p.prompt for p in problems], GenerateOptions(MAX_TOKENS, STOP), progress.advance)
+        prompts = [fit_prompt(backend, p.prompt, MAX_TOKENS) for p in problems]
+        outputs = backend.generate(prompts, GenerateOptions(MAX_TOKENS, STOP), progress.advance)
         with ThreadPoolExecutor(SANDBOX_WORKERS) as pool:
             runs = list(pool.map(lambda pair: run_python(program(pair[0], pair[1].text), self.limits),
                                  zip(problems, outputs, strict=True)))

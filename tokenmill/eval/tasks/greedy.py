@@ -87,7 +87,9 @@ class Greedy(Task):
         items = prompts(config.items(self.default_items))
         self.golden_found = 0
         progress.start(len(items))
-        outputs = backend.generate([text for _, text in items], GenerateOptions(MAX_TOKENS), progress.advance)
+        room = backend.max_length() - MAX_TOKENS - 1
+        prompt_ids = [[backend.prefix_token(), *backend.tokenize(text)[-room:]] for _, text in items]
+        outputs = backend.generate(prompt_ids, GenerateOptions(MAX_TOKENS), progress.advance)
         model = str(backend.describe().get("model") or backend.name)
         self.golden_file = golden_path(model, config.golden_dir)
         golden = _load_golden(self.golden_file)

@@ -10,7 +10,16 @@ from typing import ClassVar
 
 from tokenmill.eval.client import Backend, PositionLogprobs
 from tokenmill.eval.metrics import Metric, top1, topk_kl
-from tokenmill.eval.tasks.base import ItemResult, PairedMetric, ProgressBar, Task, TaskConfig, ratio, register
+from tokenmill.eval.tasks.base import (
+    ItemResult,
+    PairedMetric,
+    ProgressBar,
+    Task,
+    TaskConfig,
+    ratio,
+    register,
+    score_texts,
+)
 from tokenmill.eval.texts import corpus, passages
 
 PASSAGE_CHARS = 600
@@ -34,10 +43,7 @@ class NextToken(Task):
         texts = [(f"heldout-{i}", t) for i, t in enumerate(passages(corpus("heldout"), (count + 1) // 2,
                                                                      PASSAGE_CHARS))]
         texts += [(f"code-{i}", t) for i, t in enumerate(passages(corpus("code"), count // 2, PASSAGE_CHARS))]
-        prefix = backend.prefix_token()
-        prompts = [[prefix, *backend.tokenize(text)] for _, text in texts]
-        progress.start(len(prompts))
-        scored = backend.score(prompts, top_k=self.top_k, progress=progress.advance)
+        scored = score_texts(backend, [backend.tokenize(text) for _, text in texts], self.top_k, progress)
         items = []
         for (item_id, _), positions in zip(texts, scored, strict=True):
             correct = sum(1 for p in positions if top1(p.top) == p.token)

@@ -1,8 +1,9 @@
 """Perplexity and bits per byte of local text: `ppl-docstrings` (the bench's corpus) and
 `ppl-heldout` (docstrings of a disjoint set of stdlib modules).
 
-Each passage is scored as one prompt `[prefix] + tokens(passage)` (prefix: BOS, else EOS, as
-lm-evaluation-harness's rolling loglikelihood does), so every token of the passage is predicted.
+Each passage is scored as `[prefix] + tokens(passage)` (prefix: BOS, else EOS, as lm-evaluation-
+harness's rolling loglikelihood does; in rolling windows if it is longer than one, see
+`base.score_texts`), so every token of the passage is predicted exactly once.
 """
 
 from __future__ import annotations
@@ -12,7 +13,16 @@ from typing import ClassVar
 
 from tokenmill.eval.client import Backend
 from tokenmill.eval.metrics import LN2, Columns, Metric
-from tokenmill.eval.tasks.base import ItemResult, PairedMetric, ProgressBar, Task, TaskConfig, ratio, register
+from tokenmill.eval.tasks.base import (
+    ItemResult,
+    PairedMetric,
+    ProgressBar,
+    Task,
+    TaskConfig,
+    ratio,
+    register,
+    score_texts,
+)
 from tokenmill.eval.texts import corpus, passages
 
 PASSAGE_CHARS = 1000
@@ -38,10 +48,7 @@ class _Perplexity(Task):
 
     def run(self, backend: Backend, config: TaskConfig, progress: ProgressBar) -> list[ItemResult]:
         texts = passages(corpus(self.corpus_name), config.items(self.default_items), PASSAGE_CHARS)
-        prefix = backend.prefix_token()
-        prompts = [[prefix, *backend.tokenize(text)] for text in texts]
-        progress.start(len(prompts))
-        scored = backend.score(prompts, top_k=0, progress=progress.advance)
+        scored = score_texts(backend, [backend.tokenize(text) for text in texts], 0, progress)
         items = []
         for i, (text, positions) in enumerate(zip(texts, scored, strict=True)):
             nll = -sum(p.logprob for p in positions)
