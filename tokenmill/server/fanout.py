@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from tokenmill.engine.inputs import ChildRequest
-from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.request import FinishReason, TokenLogprob
 from tokenmill.server.admission import Ticket
 from tokenmill.server.state import ServerState
@@ -29,6 +29,7 @@ class ChoiceUpdate:
     output: CompletionOutput  # cumulative text and tokens, plus this update's text delta
     is_first: bool
     prompt_logprobs: list[TokenLogprob | None] | None  # [None, lp(token 1), ...] when asked for
+    metrics: RequestMetrics | None = None  # the engine request's timeline, on its finishing update
 
     @property
     def finish_reason(self) -> str | None:
@@ -100,7 +101,8 @@ class GenerationRun:
         completion = output.outputs[0]
         if output.finished and completion.finish_reason is not FinishReason.ABORT:
             self.state.on_finished(output, self.request_id, self.received_s)
-        return ChoiceUpdate(child, completion, is_first, self._prompt_logprobs.get(child.index))
+        return ChoiceUpdate(child, completion, is_first, self._prompt_logprobs.get(child.index),
+                            output.metrics if output.finished else None)
 
     def close(self) -> None:
         """Abort what still runs and give the admission ticket back. Safe to call twice.

@@ -32,6 +32,7 @@ from tokenmill.server.protocol import (
 )
 from tokenmill.server.sse import sse_response
 from tokenmill.server.state import TokenTexts
+from tokenmill.server.timings import Timings
 
 router = APIRouter()
 
@@ -52,7 +53,8 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     last = await collect(run, request)
     choices = [_choice(ctx, last[i]) for i in sorted(last)]
     usage = Usage.of(len(prompt.token_ids), sum(len(u.output.token_ids) for u in last.values()))
-    response = ChatResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage)
+    response = ChatResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage,
+                            tokenmill=Timings.of(last.values()).extension())
     return JSONResponse(response.model_dump(mode="json"))
 
 
@@ -82,12 +84,14 @@ def _choice(ctx: _Context, update: ChoiceUpdate) -> ChatChoice:
 class _ChatChunks:
     ctx: _Context
     num_sent_tokens: dict[int, int] = field(default_factory=dict)
+    timings: Timings = field(default_factory=Timings)
 
     def opening(self) -> Iterable[ChatChunk]:
         return [self._chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
                 for i in range(self.ctx.body.n)]
 
     def render(self, update: ChoiceUpdate) -> Iterable[ChatChunk]:
+        self.timings.note(update)
         index, out = update.child.index, update.output
         sent = self.num_sent_tokens.get(index, 0)
         self.num_sent_tokens[index] = len(out.token_ids)
@@ -104,7 +108,7 @@ class _ChatChunks:
         if not self.ctx.body.include_usage:
             return []
         usage = Usage.of(len(self.ctx.prompt.token_ids), sum(self.num_sent_tokens.values()))
-        return [self._chunk([], usage)]
+        return [self._chunk([], usage).model_copy(update={"tokenmill": self.timings.extension()})]
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None) -> ChatChunk:
         return ChatChunk(id=self.ctx.response_id, created=self.ctx.created, model=self.ctx.model, choices=choices,

@@ -22,6 +22,7 @@ from tokenmill.server.pipeline import collect, get_state, now_s, start_run
 from tokenmill.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from tokenmill.server.sse import sse_response
 from tokenmill.server.state import TokenTexts
+from tokenmill.server.timings import Timings
 
 router = APIRouter()
 
@@ -43,7 +44,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     choices = [_choice(ctx, last[i], last[i].output.text, last[i].output.token_ids, last[i].output.logprobs)
                for i in sorted(last)]
     usage = Usage.of(ctx.num_prompt_tokens, sum(len(u.output.token_ids) for u in last.values()))
-    response = CompletionResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage)
+    response = CompletionResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage,
+                                  tokenmill=Timings.of(last.values()).extension())
     return JSONResponse(response.model_dump(mode="json"))
 
 
@@ -90,11 +92,13 @@ class _CompletionChunks:
     ctx: _Context
     num_sent_tokens: dict[int, int] = field(default_factory=dict)
     text_offsets: dict[int, int] = field(default_factory=dict)
+    timings: Timings = field(default_factory=Timings)
 
     def opening(self) -> Iterable[CompletionResponse]:
         return []
 
     def render(self, update: ChoiceUpdate) -> Iterable[CompletionResponse]:
+        self.timings.note(update)
         index, out = update.child.index, update.output
         sent = self.num_sent_tokens.get(index, 0)
         new_ids = out.token_ids[sent:]
@@ -112,7 +116,7 @@ class _CompletionChunks:
         if not self.ctx.body.include_usage:
             return []
         usage = Usage.of(self.ctx.num_prompt_tokens, sum(self.num_sent_tokens.values()))
-        return [self._chunk([], usage)]
+        return [self._chunk([], usage).model_copy(update={"tokenmill": self.timings.extension()})]
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.ctx.response_id, created=self.ctx.created, model=self.ctx.model,

@@ -146,6 +146,29 @@ class Usage(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+class PhaseTimes(BaseModel):
+    """One choice's engine request, in seconds, measured as the server's histograms measure it:
+    queue (arrival → first scheduled), prefill (→ first token), decode (→ finish), ttft, e2e."""
+
+    index: int
+    queue_s: float | None
+    prefill_s: float | None
+    decode_s: float | None
+    ttft_s: float | None
+    e2e_s: float | None
+
+
+class TokenmillExtension(BaseModel):
+    """`"tokenmill": {"timings": [...]}`: on non-streamed bodies and on a stream's final usage chunk.
+    Not in the OpenAI API; its clients keep unknown fields (`response.model_extra["tokenmill"]`)."""
+
+    timings: list[PhaseTimes]
+
+
+def _omit_none(value: Any) -> bool:
+    return value is None
+
+
 class CompletionLogprobs(BaseModel):
     """The legacy completions format: parallel lists, one entry per token."""
 
@@ -170,6 +193,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    tokenmill: TokenmillExtension | None = Field(default=None, exclude_if=_omit_none)
 
 
 class TopLogprob(BaseModel):
@@ -206,6 +230,7 @@ class ChatResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    tokenmill: TokenmillExtension | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatDelta(BaseModel):
@@ -234,6 +259,7 @@ class ChatChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    tokenmill: TokenmillExtension | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ModelCard(BaseModel):
