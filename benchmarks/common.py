@@ -195,25 +195,15 @@ def pin_threads(num_threads: int) -> None:
 
 
 def weight_bytes(model: Any) -> dict[str, Any]:
-    """Sum of the weight tensors a decode step reads, each storage once (tied lm_head counted once)."""
-    import torch
-
-    seen: dict[int, int] = {}
-    dtypes: set[str] = set()
-    embed = model.embed_weight
-    for module in model.modules():
-        tensors = [p for _, p in module.named_parameters(recurse=False)]
-        tensors += [v for k, v in vars(module).items()
-                    if isinstance(v, torch.Tensor) and k.endswith(("weight", "bias"))]
-        for t in tensors:
-            if t.numel():
-                seen[t.data_ptr()] = t.numel() * t.element_size()
-                dtypes.add(str(t.dtype).removeprefix("torch."))
-    embed_counted = embed.data_ptr() == model.lm_head_weight.data_ptr()
-    if not embed_counted:
-        seen.pop(embed.data_ptr(), None)
-    return {"bytes": sum(seen.values()), "num_tensors": len(seen), "lm_head_tied_to_embedding": embed_counted,
-            "embedding_bytes": embed.numel() * embed.element_size(), "dtypes": sorted(dtypes)}
+    """Bytes of the weights a decode step reads: every linear layer's storage once (a tied lm_head
+    counted once), norms and the embedding rows excluded (a step reads a few rows of it)."""
+    linears = model.linears()
+    head_storage = linears["lm_head"].storage[0].data_ptr()
+    embed = model.embedding.dense_weight
+    tied = embed is not None and embed.data_ptr() == head_storage
+    return {"bytes": model.weight_bytes(), "num_tensors": len(linears), "lm_head_tied_to_embedding": tied,
+            "embedding_bytes": model.embedding.nbytes,
+            "dtypes": sorted({linear.method for linear in linears.values()})}
 
 
 def kv_bytes_per_token(arch: Any, dtype: Any) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.errors import TokenmillError
-from tokenmill.kernels import ATTENTION_BACKENDS, GEMM_BACKENDS
+from tokenmill.kernels import ATTENTION_BACKENDS, GEMM_BACKENDS, QUANTIZATIONS
 from tokenmill.layers import KV_CACHE_DTYPES
 from tokenmill.platform import auto_dtype
 
@@ -33,8 +33,14 @@ class ModelConfig:
     # Decode attention: "auto" uses the native CPU kernel where it builds, "sdpa" the PyTorch path,
     # "native" insists on the kernel. See layers/attention.py.
     attention_backend: str = "auto"
+    # Weights: "auto" keeps a GGUF's own bit width (8-bit types run as q8, 4-bit as q4, natively);
+    # "none" dequantizes to `dtype` (the reference path); "q8" / "q4" quantize every matrix at load,
+    # safetensors too. See layers/linear.py.
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.quantization in QUANTIZATIONS,
+                 f"quantization '{self.quantization}' is not supported: use {', '.join(QUANTIZATIONS)}")
         _require(self.gemm_backend in GEMM_BACKENDS,
                  f"gemm backend '{self.gemm_backend}' is not supported: use {', '.join(GEMM_BACKENDS)}")
         _require(self.attention_backend in ATTENTION_BACKENDS,

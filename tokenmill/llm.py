@@ -27,9 +27,10 @@ class LLM:
                  kv_cache_bytes: int | None = None, enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, policy: str = "fcfs",
                  enable_chunked_prefill: bool = True, seed: int = 0, num_threads: int | None = None,
-                 gemm_backend: str = "auto", attention_backend: str = "auto", kv_cache_dtype: str = "auto") -> None:
+                 gemm_backend: str = "auto", attention_backend: str = "auto", kv_cache_dtype: str = "auto",
+                 quantization: str = "auto") -> None:
         self.config = EngineConfig(
-            ModelConfig(model, dtype, device, max_model_len, seed, gemm_backend, attention_backend),
+            ModelConfig(model, dtype, device, max_model_len, seed, gemm_backend, attention_backend, quantization),
             CacheConfig(block_size, num_kv_blocks, kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
                         kv_cache_dtype=kv_cache_dtype),
             SchedulerConfig(max_num_batched_tokens, max_num_seqs, policy, enable_chunked_prefill),

@@ -25,7 +25,7 @@ def test_greedy_matches_transformers(model: str) -> None:
     except ModelNotInstalledError:
         pytest.skip(f"{model} is not pulled")
     golden = GOLDEN[model]
-    llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=1024)
+    llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=1024, quantization="none")
     params = SamplingParams(max_tokens=len(golden["outputs"][0]), temperature=0.0, ignore_eos=True)
     outs = llm.generate(golden["prompts"], params)
     for i, (out, expected) in enumerate(zip(outs, golden["outputs"], strict=True)):

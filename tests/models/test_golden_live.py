@@ -33,7 +33,7 @@ def test_live_transformers_equals_fixture_and_engine(model: str) -> None:
         pytest.skip(f"{model} is not pulled")
     live = _script().golden_for(model)
     assert live == GOLDEN[model], "transformers' output moved: regenerate with scripts/make_greedy_golden.py"
-    llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=1024)
+    llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=1024, quantization="none")
     params = SamplingParams(max_tokens=len(live["outputs"][0]), temperature=0.0, ignore_eos=True)
     outs = llm.generate(live["prompts"], params)
     assert [o.outputs[0].token_ids for o in outs] == live["outputs"]

@@ -64,7 +64,7 @@ def pair(request: pytest.FixtureRequest, tiny_hf_dir: Callable[[str], Path],
     arch, fmt, gemm = request.param
     path = tiny_gguf_path(arch) if fmt == "gguf" else tiny_hf_dir(arch)
     llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, block_size=16, max_model_len=256,
-              gemm_backend=gemm)
+              gemm_backend=gemm, quantization="none")
     assert arch != "gemma3" or llm.core.arch.head_dim == 32
     return llm, _hf_model(path, fmt, arch)
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tokenmill.cli.serve import add_kv_cache_argument
+from tokenmill.cli.serve import add_kv_cache_argument, add_quantization_argument
 from tokenmill.errors import TokenmillError
 from tokenmill.models.catalog import DEFAULT_MODEL
 
@@ -37,6 +37,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per engine step")
     engine.add_argument("--num-kv-blocks", type=int, default=None)
     add_kv_cache_argument(engine)
+    add_quantization_argument(engine)
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -49,6 +50,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 "num_threads": args.threads}
     kwargs = {k: v for k, v in optional.items() if v is not None}
     return {"dtype": args.dtype, "device": args.device, "seed": args.seed, "kv_cache_dtype": args.kv_cache_dtype,
+            "quantization": args.quantization,
             "enable_prefix_caching": not args.no_prefix_caching, **kwargs}
 
 

@@ -22,6 +22,7 @@ from tokenmill.gateway.config import (
     LocalReplicaConfig,
     RetryConfig,
 )
+from tokenmill.kernels import QUANTIZATIONS
 
 POLICY_NAMES = ("prefix_affinity", "least_outstanding", "round_robin")  # policies.POLICIES, without its imports
 
@@ -40,6 +41,8 @@ def add_gateway_parser(subparsers: Any) -> None:
     parser.add_argument("--backend", action="append", default=[], metavar="URL",
                         help="a replica someone else runs (repeatable), e.g. http://10.0.0.5:8000")
     parser.add_argument("--serve-args", default="", help="extra flags for local replicas, e.g. '--dtype float32'")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                        help="local replicas' weights (as `tokenmill serve --quantization`)")
     parser.add_argument("--log-dir", default=None, help="write each local replica's output here")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="debug also logs every HTTP request the gateway sends, health probes included")
@@ -74,7 +77,8 @@ def _add_scaling_arguments(parser: argparse.ArgumentParser) -> None:
 def build_config(args: argparse.Namespace) -> GatewayConfig:
     local = None
     if args.model is not None:
-        local = LocalReplicaConfig(args.model, tuple(shlex.split(args.serve_args)), log_dir=args.log_dir)
+        local = LocalReplicaConfig(args.model, tuple(shlex.split(args.serve_args)), log_dir=args.log_dir,
+                                   quantization=args.quantization)
     autoscale = _autoscale_config(args)
     initial = max(args.replicas, autoscale.min_replicas if autoscale is not None else 0)
     return GatewayConfig(

@@ -46,13 +46,22 @@ def add_kv_cache_argument(parser: Any) -> None:
                              "(3.9x fp32) in the same memory, with a scale per token and kv head")
 
 
-def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
+def add_kernel_arguments(parser: Any) -> None:
     from tokenmill.kernels import ATTENTION_BACKENDS, GEMM_BACKENDS
 
     parser.add_argument("--gemm-backend", default="auto", choices=GEMM_BACKENDS,
                         help="CPU matmuls: auto = native for 1-4 rows, oneDNN for large weights, else aten")
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                         help="decode attention: auto = the native CPU kernel where it builds, else SDPA")
+    add_quantization_argument(parser)
+
+
+def add_quantization_argument(parser: Any) -> None:
+    from tokenmill.kernels import QUANTIZATIONS
+
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                        help="weights: auto = a GGUF's own 8/4-bit blocks with native integer kernels; none = "
+                             "dequantized to --dtype; q8/q4 = quantize every matrix at load")
 
 
 def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +84,7 @@ def run_serve(args: argparse.Namespace) -> int:
     model_name = _installed_model_name(args.model)
     engine_config = EngineConfig(
         ModelConfig(args.model, args.dtype, args.device, args.max_model_len, args.seed, args.gemm_backend,
-                    args.attention_backend),
+                    args.attention_backend, args.quantization),
         CacheConfig(num_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype),
         SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy),
         num_threads=args.threads,

@@ -54,7 +54,8 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_spec = kv_spec or kv_cache_spec("auto", self.dtype)
         self.model: LlamaForCausalLM = model_class(arch.architecture)(
-            arch, max_model_len, self.dtype, self.device, model_config.gemm_backend, model_config.attention_backend)
+            arch, max_model_len, self.dtype, self.device, model_config.gemm_backend, model_config.attention_backend,
+            model_config.quantization)
         self.model.load_weights(tensors)
         self.kv_caches = self._allocate_kv(num_blocks)
         self.sampler = Sampler(self.device, model_config.seed)

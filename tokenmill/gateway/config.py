@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass, field
 
 from tokenmill.errors import TokenmillError
+from tokenmill.kernels import QUANTIZATIONS  # torch-free
 
 # Statuses worth another replica: overloaded (429), loading or draining (503), or broken (5xx).
 DEFAULT_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -67,9 +68,12 @@ class LocalReplicaConfig:
     python: str = sys.executable
     log_dir: str | None = None  # each replica's output goes to <log_dir>/replica-<port>.log; None: discarded
     drain_timeout_s: float = 30.0  # SIGTERM, then SIGKILL after this (plus a margin)
+    quantization: str | None = None  # `tokenmill serve --quantization`; None: the server's default
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "a local replica needs a model")
+        _require(self.quantization is None or self.quantization in QUANTIZATIONS,
+                 f"quantization '{self.quantization}' is not supported: use {', '.join(QUANTIZATIONS)}")
         _require(self.drain_timeout_s >= 0, "drain_timeout_s must be >= 0")
 
 

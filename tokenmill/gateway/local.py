@@ -78,7 +78,9 @@ class LocalLauncher:
 
     def command(self, port: int) -> list[str]:
         return [self.config.python, "-m", "tokenmill", "serve", self.config.model, "--host", "127.0.0.1",
-                "--port", str(port), "--drain-timeout", str(self.config.drain_timeout_s), *self.config.serve_args]
+                "--port", str(port), "--drain-timeout", str(self.config.drain_timeout_s),
+                *(["--quantization", self.config.quantization] if self.config.quantization else []),
+                *self.config.serve_args]
 
     def spawn(self) -> tuple[str, LocalProcess]:
         """Start one replica; returns its base URL and process (not ready yet: the prober says when)."""

@@ -1,15 +1,25 @@
 """Native CPU kernels, compiled on first use with torch's C++ extension builder.
 
-What is here is the product's own hot path where PyTorch has no fitting op: paged decode attention
-reading the block cache in place, and a skinny GEMM (1-4 rows) that streams each weight on all
-threads. The build needs a C++ compiler and ninja; it takes about a
-minute once and is cached under ~/.cache/torch_extensions (keyed by the source's hash). Where it
-cannot build, callers fall back to the pure-PyTorch path and a single warning says why.
+What is here is the product's own hot path where PyTorch has no fitting op:
+  * `cpu_kernels()` (cpu_kernels.cpp): paged decode attention reading the block cache in place, and
+    a skinny GEMM (1-4 rows) that streams each weight on all threads. Built with -march=native.
+  * `quant_kernels()` (quant_kernels.cpp): q8/q4 block-quantized linear layers with integer dot
+    products. Built for the baseline ISA; each fast path (AVX2, AVX-512 VNNI) carries its own target
+    attribute and is picked at run time (`quant_isa()`), so one object runs on every x86-64 CPU.
+
+Each build takes about a minute once and is cached under ~/.cache/torch_extensions. The cache name
+carries `isa_key()`, a hash of the CPU's instruction-set flags and the machine type: a home folder
+shared between an AVX-512 host and an AVX2-only host must not hand the first's -march=native object
+to the second (it would die with SIGILL). Where a module cannot build, callers fall back to the
+pure-PyTorch path and a single warning says why.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import platform
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -19,31 +29,101 @@ log = logging.getLogger(__name__)
 # Backend names, here (no torch import) so the CLI can offer them without loading torch.
 GEMM_BACKENDS: tuple[str, ...] = ("auto", "aten", "onednn")  # see layers/linear.py
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "native")  # see layers/attention.py
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "q8", "q4")  # see layers/linear.py
+# The quant kernel's code paths, in the order cpu_isas() numbers them (quant_kernels.cpp).
+QUANT_ISAS: tuple[str, ...] = ("portable", "avx2", "avx512vnni")
+QUANT_ISA_ENV = "TOKENMILL_QUANT_ISA"
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_KERNEL_DIR = Path(__file__).parent
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
+# /proc/cpuinfo flags that change what -march=native emits or what the kernels may run.
+_ISA_FLAG_PREFIXES = ("sse", "ssse3", "avx", "fma", "f16c", "bmi", "amx", "vnni", "popcnt", "movbe", "sha", "vaes",
+                      "vpclmulqdq", "gfni", "adx", "lzcnt", "abm", "asimd", "sve", "fp16", "bf16")
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The instruction-set flags of this CPU (x86 `flags`, Arm `Features`), from /proc/cpuinfo."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(flag for flag in value.split() if flag.startswith(_ISA_FLAG_PREFIXES))
+    return frozenset()
+
+
+def isa_key(flags: frozenset[str] | None = None, machine: str | None = None) -> str:
+    """A short hash naming the instruction set a native build was compiled for."""
+    flags = cpu_flags() if flags is None else flags
+    text = (machine or platform.machine()) + ":" + " ".join(sorted(flags))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _build_name(stem: str, source: Path) -> str:
+    # The source hash is in the name too: torch's own versioning keeps one build per name, so two
+    # checkouts with different sources sharing a cache would otherwise rebuild each other forever.
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:8]
+    return f"{stem}_{isa_key()}_{digest}"
 
 
 def cpu_kernels() -> ModuleType | None:
     """The compiled module, or None when this machine cannot build it (the reason is logged once)."""
+    # -march=native: the cache is keyed by this CPU's ISA, and AVX2/FMA roughly doubles the dot
+    # products. -fopenmp: at::parallel_for is an OpenMP region compiled into this module; it binds
+    # to the libgomp torch already loaded (same soname), so torch.set_num_threads holds.
+    return _module("module", "tokenmill_cpu_kernels", "cpu_kernels.cpp", ["-O3", "-march=native", "-fopenmp"],
+                   "native CPU kernels", "the PyTorch paths")
+
+
+def quant_kernels() -> ModuleType | None:
+    """The quantized-linear module, or None when it cannot build (logged once)."""
+    return _module("quant", "tokenmill_quant_kernels", "quant_kernels.cpp", ["-O3", "-fopenmp"],
+                   "native quantized kernels", "dequantized weights")
+
+
+def _module(key: str, stem: str, source_name: str, cflags: list[str], what: str, fallback: str) -> ModuleType | None:
     with _lock:
-        if "module" not in _state:
-            _state["module"] = _build()
-        return _state["module"]
+        if key not in _state:
+            _state[key] = _build(stem, _KERNEL_DIR / source_name, cflags, what, fallback)
+        return _state[key]
 
 
-def _build() -> ModuleType | None:
-    log.info("loading native CPU kernels (the first build on a machine takes about a minute on 2 cores)")
+def _build(stem: str, source: Path, cflags: list[str], what: str, fallback: str) -> ModuleType | None:
+    log.info("loading %s (the first build on a machine takes about a minute on 2 cores)", what)
     try:
         from torch.utils.cpp_extension import load
 
-        # -march=native: the cache lives on this machine, and AVX2/FMA roughly doubles the dot
-        # products. -fopenmp: at::parallel_for is an OpenMP region compiled into this module; it
-        # binds to the libgomp torch already loaded (same soname), so torch.set_num_threads holds.
-        return load(name="tokenmill_cpu_kernels", sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        return load(name=_build_name(stem, source), sources=[str(source)], extra_cflags=cflags,
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: all mean "use the fallback"
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.warning("native CPU kernels unavailable, using the PyTorch paths: %s", first_line)
+        log.warning("%s unavailable, using %s: %s", what, fallback, first_line)
         return None
+
+
+def available_quant_isas() -> tuple[str, ...]:
+    """The quant kernel paths this CPU runs (empty when the module cannot build)."""
+    module = quant_kernels()
+    return () if module is None else tuple(QUANT_ISAS[i] for i in module.cpu_isas())
+
+
+def quant_isa() -> str:
+    """The path quantized matmuls take: $TOKENMILL_QUANT_ISA when set (an error if this CPU cannot run
+    it), else the fastest this CPU has."""
+    from tokenmill.errors import TokenmillError
+
+    available = available_quant_isas()
+    forced = os.environ.get(QUANT_ISA_ENV, "").strip().lower()
+    if forced:
+        if forced not in QUANT_ISAS:
+            raise TokenmillError(f"{QUANT_ISA_ENV}={forced!r} is not a quant ISA: use {', '.join(QUANT_ISAS)}")
+        if forced not in available:
+            raise TokenmillError(f"{QUANT_ISA_ENV}={forced}: this CPU runs only {', '.join(available) or 'none'}")
+        return forced
+    if not available:
+        raise TokenmillError("native quantized kernels are unavailable on this machine: use --quantization none")
+    return available[-1]

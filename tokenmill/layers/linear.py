@@ -1,25 +1,45 @@
-"""Dense GEMM dispatch: y = x Wᵀ + b through the faster of the kernels the device has.
+"""Linear layers: one object per weight matrix that owns its storage and its kernel.
 
-Why this exists: on CPU, `F.linear` goes to MKL's sgemm, which on AVX2 hosts is slow for the
-wide matrices of a decoder (measured on a 2-core EPYC, fp32, `benchmarks/cpu_kernels.py`):
-oneDNN's inner-product kernel runs the lm_head 1.8-2.9x faster at 1-64 rows and the MLP
-up-projection 1.3-2.2x faster, while small square matrices are a tie either way. And for 1-4
-rows (small-batch decode, a pure stream over W) both libraries use one thread; the native
-kernel (tokenmill/kernels) splits W over all threads and reads it ~1.7x faster. So each weight
-gets a kernel once, at load, from its size; per call only the row count is checked.
+    build_linear(tensors, names, bias_names, LinearConfig) → Linear        (models call only this)
+        per part: choose_method(part, quantization) → a LinearMethod from LINEAR_METHODS
+        "dense": a float matrix in the model dtype, multiplied by dense_kernel()'s pick
+        "q8" / "q4": packed blocks (layers/quant_formats.py) and the native integer kernel
+                     (kernels/quant_kernels.cpp); a fused matrix of mixed formats keeps one segment
+                     per format, all written into one output in a single native call
 
-Both kernels compute the same fp32 dot products in a different summation order, so outputs differ
-by rounding only (parity tests hold them to 1e-4 of transformers either way).
+Quantization modes (ModelConfig.quantization): "auto" keeps each GGUF tensor's own bit width
+(8-bit types → q8, 4-bit types → q4, float tensors and safetensors stay dense); "none" dequantizes
+everything to the model dtype (the reference path); "q8" / "q4" quantize every matrix to that
+format at load, from GGUF blocks or from float. A GGUF type without a native mapping falls back to
+dense with one warning naming it. Where the native module cannot build, quantized modes fall back
+to dense (one warning).
+
+Dense kernels: on CPU, `F.linear` goes to MKL's sgemm, which on AVX2 hosts is slow for the wide
+matrices of a decoder (measured on a 2-core EPYC, fp32, `benchmarks/cpu_kernels.py`): oneDNN's
+inner-product kernel runs the lm_head 1.8-2.9x faster at 1-64 rows and the MLP up-projection
+1.3-2.2x faster, while small square matrices are a tie either way. And for 1-4 rows (small-batch
+decode, a pure stream over W) both libraries use one thread; the native kernel (tokenmill/kernels)
+splits W over all threads and reads it ~1.7x faster. So each weight gets a kernel once, at load,
+from its size; per call only the row count is checked. Both compute the same fp32 dot products in a
+different summation order, so outputs differ by rounding only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels import GEMM_BACKENDS, cpu_kernels
+from tokenmill.kernels import GEMM_BACKENDS, QUANT_ISAS, QUANTIZATIONS, cpu_kernels, quant_isa, quant_kernels
+from tokenmill.layers import quant_formats as qf
+from tokenmill.layers.quant_formats import RawBlocks
+
+log = logging.getLogger(__name__)
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -27,6 +47,312 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.T
 # matrix leaves the caches and MKL's AVX2 sgemm loses to oneDNN at every batch size measured;
 # below it the two tie within noise and aten keeps the simpler path.
 ONEDNN_MIN_NUMEL = 1_500_000
+SKINNY_MAX_ROWS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class LinearConfig:
+    """How a model's linear layers are built (from ModelConfig)."""
+
+    dtype: torch.dtype
+    device: torch.device
+    gemm_backend: str = "auto"
+    quantization: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.gemm_backend not in GEMM_BACKENDS:
+            raise ValueError(f"gemm backend '{self.gemm_backend}' is not supported: use {', '.join(GEMM_BACKENDS)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization '{self.quantization}' is not supported: use {', '.join(QUANTIZATIONS)}")
+
+
+@runtime_checkable
+class QuantizedSource(Protocol):
+    """A tensor mapping that can also hand out stored quantized blocks (the GGUF loader's)."""
+
+    def quantized(self, name: str) -> RawBlocks | None: ...
+
+
+def raw_blocks(tensors: Mapping[str, torch.Tensor], name: str) -> RawBlocks | None:
+    return tensors.quantized(name) if isinstance(tensors, QuantizedSource) else None
+
+
+# ---- the Linear objects ----------------------------------------------------------------------------
+
+
+class Linear(ABC):
+    """y = x Wᵀ + b for one (maybe row-fused) weight matrix."""
+
+    in_features: int
+    out_features: int
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    @abstractmethod
+    def method(self) -> str:
+        """What runs: "aten", "onednn", "native+onednn", "q4", "q8+q4", ..."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of weight storage one call reads."""
+
+    @property
+    @abstractmethod
+    def storage(self) -> tuple[torch.Tensor, ...]:
+        """The tensors holding the weights (to tell shared storage apart)."""
+
+
+class DenseLinear(Linear):
+    __slots__ = ("bias", "fn", "in_features", "out_features", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.fn = dense_kernel(weight, backend)
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x, self.weight, self.bias)
+
+    @property
+    def method(self) -> str:
+        return kernel_name(self.fn)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    @property
+    def storage(self) -> tuple[torch.Tensor, ...]:
+        return (self.weight,)
+
+
+class QuantLinear(Linear):
+    """Packed q8/q4 segments (row ranges of the output), one native call for all of them."""
+
+    __slots__ = ("bias", "dtype", "in_features", "isa", "module", "offsets", "out_features", "qs", "scales",
+                 "segments")
+
+    def __init__(self, segments: list[qf.QuantMatrix], bias: torch.Tensor | None, dtype: torch.dtype,
+                 module: Any, isa: str) -> None:
+        self.segments = segments
+        self.qs = [s.qs for s in segments]
+        self.scales = [s.scale for s in segments]
+        self.offsets = [s.offset for s in segments]
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.dtype = dtype
+        self.module = module
+        self.isa = QUANT_ISAS.index(isa)
+        self.in_features = segments[0].cols
+        self.out_features = sum(s.rows for s in segments)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        y = self.module.quant_linear(x2, self.qs, self.scales, self.offsets, self.isa)
+        if self.bias is not None:
+            y += self.bias
+        if self.dtype != torch.float32:
+            y = y.to(self.dtype)
+        return y.view(*shape[:-1], self.out_features)
+
+    @property
+    def method(self) -> str:
+        return "+".join(s.fmt for s in self.segments)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    @property
+    def storage(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.qs)
+
+
+# ---- methods and their registry ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WeightPart:
+    """One checkpoint matrix that becomes (part of) a linear layer."""
+
+    name: str
+    tensors: Mapping[str, torch.Tensor]
+    raw: RawBlocks | None
+    dense: torch.Tensor | None = None  # already loaded (a tied lm_head shares the embedding's)
+
+    def float_weight(self) -> torch.Tensor:
+        return self.dense if self.dense is not None else self.tensors[self.name]
+
+
+class LinearMethod(ABC):
+    """One way to store a weight and multiply by it."""
+
+    name: str
+
+    @abstractmethod
+    def build(self, parts: Sequence[WeightPart], bias: torch.Tensor | None, config: LinearConfig) -> Linear: ...
+
+
+class DenseMethod(LinearMethod):
+    name = "dense"
+
+    def build(self, parts: Sequence[WeightPart], bias: torch.Tensor | None, config: LinearConfig) -> Linear:
+        weights = [p.float_weight().to(device=config.device, dtype=config.dtype) for p in parts]
+        weight = weights[0].contiguous() if len(weights) == 1 else torch.cat(weights).contiguous()
+        if bias is not None:
+            bias = bias.to(device=config.device, dtype=config.dtype).contiguous()
+        return DenseLinear(weight, bias, config.gemm_backend)
+
+
+class QuantMethod(LinearMethod):
+    def __init__(self, fmt: qf.QuantFormat) -> None:
+        self.name = fmt
+        self.fmt: qf.QuantFormat = fmt
+
+    def pack(self, part: WeightPart) -> qf.QuantMatrix:
+        if part.raw is not None:
+            return qf.from_gguf(part.raw.data, part.raw.ggml_type, part.raw.shape[1], self.fmt)
+        return qf.quantize(part.float_weight(), self.fmt)
+
+    def build(self, parts: Sequence[WeightPart], bias: torch.Tensor | None, config: LinearConfig) -> Linear:
+        return QuantLinear(qf.concat([self.pack(p) for p in parts]), bias, config.dtype, quant_kernels(), quant_isa())
+
+
+LINEAR_METHODS: dict[str, LinearMethod] = {"dense": DenseMethod(), "q8": QuantMethod("q8"), "q4": QuantMethod("q4")}
+_warned: set[str] = set()
+
+
+def choose_method(part: WeightPart, shape: tuple[int, ...], config: LinearConfig) -> str:
+    """The LINEAR_METHODS key for one part under config.quantization."""
+    mode = config.quantization
+    if mode == "none" or config.device.type != "cpu" or shape[-1] % qf.BLOCK:
+        return "dense"
+    if mode in qf.QUANT_FORMATS:
+        return mode
+    if part.raw is None:  # auto: float tensors and safetensors stay dense
+        return "dense"
+    mapped = qf.GGUF_MAPPING.get(part.raw.ggml_type)
+    if mapped is None:
+        _warn_once(f"unsupported:{part.raw.ggml_type}",
+                   "GGUF tensor type %s has no native quantized kernel: tensors of this type (first: %s) "
+                   "are dequantized to dense", part.raw.ggml_type.name, part.name)
+        return "dense"
+    return mapped[0]
+
+
+def build_linear(tensors: Mapping[str, torch.Tensor], names: Sequence[str], bias_names: Sequence[str] | None,
+                 config: LinearConfig, *, dense: torch.Tensor | None = None) -> Linear:
+    """The linear layer for the row concatenation of `names` (+ biases), as config.quantization says.
+
+    `dense`: the float weight when the caller already holds it (one name only)."""
+    parts = [WeightPart(name, tensors, raw_blocks(tensors, name), dense) for name in names]
+    shapes = [tuple(p.raw.shape) if p.raw is not None else tuple(p.float_weight().shape) for p in parts]
+    methods = [choose_method(p, s, config) for p, s in zip(parts, shapes, strict=True)]
+    bias = None
+    if bias_names:
+        bias = torch.cat([tensors[name].float() for name in bias_names])
+    if "dense" not in methods and not _quant_available():
+        methods = ["dense"] * len(parts)
+    if "dense" in methods:  # one dense matrix: a fused layer cannot mix float and packed rows
+        return LINEAR_METHODS["dense"].build(parts, bias, config)
+    if len(set(methods)) == 1:
+        return LINEAR_METHODS[methods[0]].build(parts, bias, config)
+    # Mixed formats (e.g. q/k Q4_K with v Q6_K): one segment per format run, one native call.
+    packed = [_method(m).pack(p) for m, p in zip(methods, parts, strict=True)]
+    return QuantLinear(qf.concat(packed), bias, config.dtype, quant_kernels(), quant_isa())
+
+
+def _method(name: str) -> QuantMethod:
+    method = LINEAR_METHODS[name]
+    assert isinstance(method, QuantMethod)
+    return method
+
+
+def _quant_available() -> bool:
+    if quant_kernels() is not None:
+        quant_isa()  # a bad TOKENMILL_QUANT_ISA is an error, not a silent fallback
+        return True
+    _warn_once("no-module", "native quantized kernels unavailable: weights are dequantized to dense")
+    return False
+
+
+def _warn_once(key: str, message: str, *args: object) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
+
+
+# ---- embeddings ---------------------------------------------------------------------------------------
+
+
+class Embedding(ABC):
+    """Rows of the token embedding, in the model dtype."""
+
+    @abstractmethod
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    @abstractmethod
+    def dense_weight(self) -> torch.Tensor | None:
+        """The float table when there is one (a tied dense lm_head reuses it)."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int: ...
+
+
+class DenseEmbedding(Embedding):
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+    @property
+    def dense_weight(self) -> torch.Tensor | None:
+        return self.weight
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class GgufRowsEmbedding(Embedding):
+    """The GGUF blocks stay in the memory map; a lookup dequantizes only the rows it needs (a
+    vocabulary-sized fp32 copy would be 4-8x the stored bytes and is read a few rows per step)."""
+
+    def __init__(self, raw: RawBlocks, dtype: torch.dtype) -> None:
+        self.raw = raw
+        self.dtype = dtype
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1).cpu().numpy()
+        rows = qf.gguf_dequantize(self.raw.data[ids], self.raw.ggml_type, self.raw.shape[1])
+        return rows.to(self.dtype).view(*input_ids.shape, self.raw.shape[1])
+
+    @property
+    def dense_weight(self) -> torch.Tensor | None:
+        return None
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # mapped from the file: only the pages of looked-up rows become resident
+
+
+def build_embedding(tensors: Mapping[str, torch.Tensor], name: str, config: LinearConfig) -> Embedding:
+    raw = raw_blocks(tensors, name)
+    if raw is not None and config.quantization != "none" and config.device.type == "cpu":
+        return GgufRowsEmbedding(raw, config.dtype)
+    return DenseEmbedding(tensors[name].to(config.device, config.dtype).contiguous())
+
+
+# ---- dense kernels ---------------------------------------------------------------------------------
 
 
 def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -42,7 +368,7 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def linear_kernel(weight: torch.Tensor, backend: str = "auto") -> LinearFn:
+def dense_kernel(weight: torch.Tensor, backend: str = "auto") -> LinearFn:
     """The kernel that will multiply by `weight` ([out, in], on its final device and dtype)."""
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"gemm backend '{backend}' is not supported: use {', '.join(GEMM_BACKENDS)}")
@@ -55,6 +381,9 @@ def linear_kernel(weight: torch.Tensor, backend: str = "auto") -> LinearFn:
     if skinny is None:
         return wide
     return _SkinnyOr(skinny, wide)
+
+
+linear_kernel = dense_kernel  # the name tests and benchmarks/cpu_kernels.py use
 
 
 class _SkinnyOr:
@@ -71,9 +400,6 @@ class _SkinnyOr:
         if x.shape[0] <= SKINNY_MAX_ROWS:
             return self.skinny(x, weight, bias)
         return self.wide(x, weight, bias)
-
-
-SKINNY_MAX_ROWS = 4
 
 
 def _skinny_kernel() -> LinearFn | None:

@@ -19,8 +19,8 @@ from tokenmill.models.llama import DecoderLayer, LlamaForCausalLM
 
 
 class Gemma3DecoderLayer(DecoderLayer):
-    def __init__(self, arch: ArchConfig, layer_idx: int, norm_offset: float, gemm_backend: str = "auto") -> None:
-        super().__init__(arch, layer_idx, norm_offset, gemm_backend)
+    def __init__(self, arch: ArchConfig, layer_idx: int, norm_offset: float) -> None:
+        super().__init__(arch, layer_idx, norm_offset)
         self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_offset)
         self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_offset)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, norm_offset)

@@ -1,8 +1,9 @@
 """Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2), lean enough for per-step host cost.
 
 Weights arrive with Hugging Face names; q/k/v are fused into one matrix and gate/up into
-another so a layer is four GEMMs. Every layer reads and writes the paged KV cache through
-`PagedAttention`; nothing here loops over requests.
+another so a layer is four GEMMs. Each matrix is a `Linear` (layers/linear.py) that owns its
+storage and kernel, dense or quantized: the model code is the same either way. Every layer
+reads and writes the paged KV cache through `PagedAttention`; nothing here loops over requests.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 from tokenmill.errors import ModelFormatError
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention, decode_kernel
 from tokenmill.layers.kv_cache import LayerKVCache
-from tokenmill.layers.linear import LinearFn, linear_kernel
+from tokenmill.layers.linear import Embedding, Linear, LinearConfig, build_embedding, build_linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig
@@ -25,51 +26,47 @@ _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxi
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_idx: int, norm_offset: float, gemm_backend: str = "auto") -> None:
+    def __init__(self, arch: ArchConfig, layer_idx: int, norm_offset: float) -> None:
         super().__init__()
         self.arch = arch
-        self.gemm_backend = gemm_backend
         self.layer_idx = layer_idx
         self.is_sliding = arch.is_sliding_layer(layer_idx)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_offset)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_offset)
-        self.qkv_weight = torch.empty(0)
-        self.qkv_bias: torch.Tensor | None = None
-        self.o_weight = torch.empty(0)
-        self.gate_up_weight = torch.empty(0)
-        self.down_weight = torch.empty(0)
         self.act = _ACTIVATIONS[arch.hidden_act]
-        # One GEMM kernel per weight, picked at load from the weight's size (see layers/linear.py).
-        self._qkv_mm: LinearFn = F.linear
-        self._o_mm: LinearFn = F.linear
-        self._gate_up_mm: LinearFn = F.linear
-        self._down_mm: LinearFn = F.linear
+        # Set by load(): one Linear per (fused) weight matrix.
+        self.qkv_proj: Linear
+        self.o_proj: Linear
+        self.gate_up_proj: Linear
+        self.down_proj: Linear
 
-    def load(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+    def load(self, tensors: Mapping[str, torch.Tensor], config: LinearConfig) -> None:
         p = f"model.layers.{self.layer_idx}."
 
-        def get(name: str) -> torch.Tensor:
-            return _take(tensors, p + name).to(device=device, dtype=dtype)
+        def linear(names: list[str], bias_names: list[str] | None = None) -> Linear:
+            for name in [*names, *(bias_names or [])]:
+                _require(tensors, p + name)
+            return build_linear(tensors, [p + n for n in names], [p + n for n in bias_names or []], config)
 
-        self.qkv_weight = torch.cat([get(f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous()
-        if self.arch.attention_bias:
-            self.qkv_bias = torch.cat([get(f"self_attn.{n}_proj.bias") for n in "qkv"]).contiguous()
-        self.o_weight = get("self_attn.o_proj.weight").contiguous()
-        self.gate_up_weight = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]).contiguous()
-        self.down_weight = get("mlp.down_proj.weight").contiguous()
-        self._qkv_mm = linear_kernel(self.qkv_weight, self.gemm_backend)
-        self._o_mm = linear_kernel(self.o_weight, self.gemm_backend)
-        self._gate_up_mm = linear_kernel(self.gate_up_weight, self.gemm_backend)
-        self._down_mm = linear_kernel(self.down_weight, self.gemm_backend)
+        qkv = [f"self_attn.{n}_proj" for n in "qkv"]
+        self.qkv_proj = linear([f"{n}.weight" for n in qkv], [f"{n}.bias" for n in qkv] if self.arch.attention_bias
+                               else None)
+        self.o_proj = linear(["self_attn.o_proj.weight"])
+        self.gate_up_proj = linear(["mlp.gate_proj.weight", "mlp.up_proj.weight"])
+        self.down_proj = linear(["mlp.down_proj.weight"])
         for name, norm in self.norms().items():
-            norm.load(_take(tensors, p + name + ".weight").to(device), dtype)
+            norm.load(_take(tensors, p + name + ".weight").to(config.device), config.dtype)
+
+    def linears(self) -> dict[str, Linear]:
+        return {"qkv_proj": self.qkv_proj, "o_proj": self.o_proj, "gate_up_proj": self.gate_up_proj,
+                "down_proj": self.down_proj}
 
     def norms(self) -> dict[str, RMSNorm]:
         return {"input_layernorm": self.input_layernorm, "post_attention_layernorm": self.post_attention_layernorm}
 
     def qkv(self, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         num_heads, num_kv_heads = self.arch.num_heads, self.arch.num_kv_heads
-        heads = self._qkv_mm(x, self.qkv_weight, self.qkv_bias)
+        heads = self.qkv_proj(x)
         heads = heads.view(-1, num_heads + 2 * num_kv_heads, self.arch.head_dim)
         v = heads[:, num_heads + num_kv_heads:]
         if self.has_qk_norm:
@@ -85,14 +82,14 @@ class DecoderLayer(nn.Module):
         return q, k
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self._gate_up_mm(x, self.gate_up_weight, None).chunk(2, dim=-1)
-        return self._down_mm(self.act(gate) * up, self.down_weight, None)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
     def attention(self, x: torch.Tensor, rope: RopeTables, attn: PagedAttention,
                   kv: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv(x, rope)
         out = attn(q, k, v, kv, meta, self.is_sliding)
-        return self._o_mm(out, self.o_weight, None)
+        return self.o_proj(out)
 
     def forward(self, x: torch.Tensor, rope: RopeTables, attn: PagedAttention,
                 kv: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -105,18 +102,17 @@ class LlamaForCausalLM(nn.Module):
     layer_class: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, arch: ArchConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
-                 gemm_backend: str = "auto", attention_backend: str = "auto") -> None:
+                 gemm_backend: str = "auto", attention_backend: str = "auto", quantization: str = "auto") -> None:
         super().__init__()
         self.arch = arch
         self.dtype = dtype
         self.device = device
-        self.gemm_backend = gemm_backend
-        self.layers = nn.ModuleList(self.layer_class(arch, i, self.norm_offset, gemm_backend)
-                                    for i in range(arch.num_layers))
+        self.linear_config = LinearConfig(dtype, device, gemm_backend, quantization)
+        self.layers = nn.ModuleList(self.layer_class(arch, i, self.norm_offset) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.norm_offset)
-        self.embed_weight = torch.empty(0)
-        self.lm_head_weight = torch.empty(0)
-        self._lm_head_mm: LinearFn = F.linear
+        # Set by load_weights().
+        self.embedding: Embedding
+        self.lm_head: Linear
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, self.attention_scale(),
                                    arch.attn_logit_softcapping, arch.sliding_window,
                                    decode_kernel(attention_backend, device))
@@ -130,19 +126,36 @@ class LlamaForCausalLM(nn.Module):
         return float(self.arch.head_dim) ** -0.5
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.embed_weight = _take(tensors, "model.embed_tokens.weight").to(self.device, self.dtype).contiguous()
+        config = self.linear_config
+        embed_name = _require(tensors, "model.embed_tokens.weight")
+        self.embedding = build_embedding(tensors, embed_name, config)
         if self.arch.tie_word_embeddings or "lm_head.weight" not in tensors:
-            self.lm_head_weight = self.embed_weight
+            # Tied: a dense head shares the embedding's table; a quantized one packs the same rows.
+            self.lm_head = build_linear(tensors, [embed_name], None, config, dense=self.embedding.dense_weight)
         else:
-            self.lm_head_weight = _take(tensors, "lm_head.weight").to(self.device, self.dtype).contiguous()
-        self._lm_head_mm = linear_kernel(self.lm_head_weight, self.gemm_backend)
+            self.lm_head = build_linear(tensors, ["lm_head.weight"], None, config)
         self.norm.load(_take(tensors, "model.norm.weight").to(self.device), self.dtype)
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.load(tensors, self.dtype, self.device)
+            layer.load(tensors, config)
+
+    def linears(self) -> dict[str, Linear]:
+        """Every linear layer by name (lm_head included): for benchmarks and tests."""
+        named = {"lm_head": self.lm_head}
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            named.update({f"layers.{i}.{name}": linear for name, linear in layer.linears().items()})
+        return named
+
+    def weight_bytes(self) -> int:
+        """Bytes of linear-layer weights one decode step reads (each storage once)."""
+        seen: dict[int, int] = {}
+        for linear in self.linears().values():
+            seen[linear.storage[0].data_ptr()] = linear.nbytes
+        return sum(seen.values())
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_weight)
+        return self.embedding(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[LayerKVCache], meta: AttentionMetadata) -> torch.Tensor:
@@ -156,12 +169,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → float32 logits [N, vocab]."""
-        logits = self._lm_head_mm(hidden, self.lm_head_weight, None).float()
+        logits = self.lm_head(hidden).float()
         cap = self.arch.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-def _take(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+def _require(tensors: Mapping[str, torch.Tensor], name: str) -> str:
     if name not in tensors:
         raise ModelFormatError(f"checkpoint is missing tensor '{name}': the file is incomplete or another architecture")
-    return tensors[name]
+    return name
+
+
+def _take(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    return tensors[_require(tensors, name)]

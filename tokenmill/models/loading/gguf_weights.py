@@ -30,6 +30,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
 from tokenmill.errors import ModelFormatError, ModelNotFoundError
+from tokenmill.layers.quant_formats import RawBlocks
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.loading.weights import Checkpoint, TensorSource, select_tensors
 
@@ -344,7 +345,10 @@ def _tensor_sources(header: GgufHeader, arch: ArchConfig, path: Path) -> dict[st
         _check_type(info, path)
         load: Callable[[], torch.Tensor] = partial(_read_tensor, header.buffer, info)
         undo = _convention_undo(arch, name)
-        sources[name] = TensorSource(info.shape, load if undo is None else partial(_compose, undo, load))
+        raw = None
+        if info.ggml_type not in _ZERO_COPY_DTYPES and len(info.shape) == 2:
+            raw = partial(_read_blocks, header.buffer, info, _row_permutation(arch, name))
+        sources[name] = TensorSource(info.shape, load if undo is None else partial(_compose, undo, load), raw)
     return sources
 
 
@@ -364,6 +368,22 @@ def _read_tensor(buffer: mmap.mmap, info: GgufTensorInfo) -> torch.Tensor:
     blocks = np.frombuffer(buffer, dtype=np.uint8, count=info.num_bytes, offset=info.offset)
     blocks = blocks.reshape(quant_shape_to_byte_shape(info.shape, info.ggml_type))
     return torch.from_numpy(dequantize(blocks, info.ggml_type))
+
+
+def _read_blocks(buffer: mmap.mmap, info: GgufTensorInfo,
+                 permute: Callable[[torch.Tensor], torch.Tensor] | None) -> RawBlocks:
+    """The stored blocks as uint8 [rows, row_bytes]: a view of the map, or a permuted copy. Rows are
+    independent in every block format, so a row permutation (RoPE un-interleave) moves whole rows."""
+    rows, cols = info.shape
+    blocks = np.frombuffer(buffer, dtype=np.uint8, count=info.num_bytes, offset=info.offset).reshape(rows, -1)
+    if permute is not None:
+        blocks = permute(torch.from_numpy(blocks)).numpy()
+    return RawBlocks(info.ggml_type, (rows, cols), blocks)
+
+
+def _row_permutation(arch: ArchConfig, hf_name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    undo = _convention_undo(arch, hf_name)
+    return None if undo is None or undo is _undo_gemma_norm_shift else undo
 
 
 def _compose(undo: Callable[[torch.Tensor], torch.Tensor], load: Callable[[], torch.Tensor]) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 
 from tokenmill.errors import ModelFormatError
+from tokenmill.layers.quant_formats import RawBlocks
 from tokenmill.models.arch import ArchConfig
 
 WeightFormat = Literal["gguf", "hf"]
@@ -36,6 +37,8 @@ class TensorSource:
 
     shape: tuple[int, ...]
     load: Callable[[], torch.Tensor]
+    # The stored quantized blocks (GGUF), rows already in Hugging Face order; None for float tensors.
+    raw: Callable[[], RawBlocks] | None = None
 
 
 class LazyTensors(Mapping[str, torch.Tensor]):
@@ -63,6 +66,11 @@ class LazyTensors(Mapping[str, torch.Tensor]):
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         return self._sources[name].shape
+
+    def quantized(self, name: str) -> RawBlocks | None:
+        """The tensor's stored quantized blocks, without dequantizing (None when stored as floats)."""
+        raw = self._sources[name].raw
+        return None if raw is None else raw()
 
 
 @dataclass(slots=True)

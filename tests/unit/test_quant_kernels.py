@@ -1,0 +1,169 @@
+"""The native q8/q4 kernels against a float reference, on every code path this CPU runs.
+
+Reference: the weights as gguf's own `dequantize` reads the GGUF blocks, times the activations
+after the kernel's int8 rounding (`quantize_activations`, itself checked against a float model of
+that rounding). With both roundings held fixed, the kernel must agree to float summation error.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from tokenmill.kernels import QUANT_ISAS, quant_kernels
+from tokenmill.layers import quant_formats as qf
+
+T = GGMLQuantizationType
+GGUF_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]  # every type in the four packaged files
+ROWS = [1, 2, 3, 4, 7, 16, 64]
+
+kernels = quant_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="native quantized kernels cannot be built here")
+RUNNABLE = set(kernels.cpu_isas()) if kernels is not None else set()
+
+
+def isa_param(name: str) -> object:
+    index = QUANT_ISAS.index(name)
+    return pytest.param(index, id=name, marks=pytest.mark.skipif(
+        index not in RUNNABLE, reason=f"this CPU has no {name} (the path is compiled but cannot run here)"))
+
+
+ISAS = [isa_param(name) for name in QUANT_ISAS]
+
+
+def gguf_blocks(ggml_type: GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Raw GGUF rows [rows, row_bytes]: from gguf's quantizer where it has one, else random bytes
+    with sane fp16 super-block scales (any bit pattern of the quants is a valid block)."""
+    rng = np.random.default_rng(seed)
+    if ggml_type not in (T.Q4_K, T.Q6_K):
+        return quantize(rng.standard_normal((rows, cols)).astype(np.float32), ggml_type)
+    block_size, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    raw = rng.integers(0, 256, size=(rows, cols // block_size, block_bytes), dtype=np.uint8)
+    d = rng.uniform(0.002, 0.02, size=(rows, cols // block_size, 1)).astype(np.float16).view(np.uint8)
+    if ggml_type == T.Q4_K:  # d, dmin lead the block
+        raw[..., 0:2] = d
+        raw[..., 2:4] = (rng.uniform(0.001, 0.01, size=(rows, cols // block_size, 1))
+                         .astype(np.float16).view(np.uint8))
+    else:  # Q6_K: d trails the block
+        raw[..., -2:] = d
+    return raw.reshape(rows, -1)
+
+
+def gguf_format(ggml_type: GGMLQuantizationType) -> qf.QuantFormat:
+    return qf.GGUF_MAPPING[ggml_type][0]
+
+
+def run(mat: qf.QuantMatrix, x: torch.Tensor, isa: int) -> torch.Tensor:
+    assert kernels is not None
+    return kernels.quant_linear(x, [mat.qs], [mat.scale], [mat.offset], isa)
+
+
+def rounded_activations(x: torch.Tensor, isa: int) -> torch.Tensor:
+    assert kernels is not None
+    qa, d, _ = kernels.quantize_activations(x, isa)
+    return (qa.float().view(x.shape[0], -1, 32) * d.unsqueeze(-1)).view_as(x)
+
+
+@pytest.mark.parametrize("ggml_type", GGUF_TYPES, ids=lambda t: t.name)
+def test_exact_types_pack_to_gguf_dequantization(ggml_type: GGMLQuantizationType) -> None:
+    rows, cols = 5, 512
+    raw = gguf_blocks(ggml_type, rows, cols, seed=1)
+    mat = qf.from_gguf(raw, ggml_type, cols, gguf_format(ggml_type))
+    reference = torch.from_numpy(dequantize(raw, ggml_type)).reshape(rows, cols)
+    if qf.GGUF_MAPPING[ggml_type][1]:
+        assert torch.equal(mat.dequantize(), reference)  # no second rounding
+    else:
+        # Q6_K → q8: one re-rounding, at most half an 8-bit step of each block's range.
+        step = reference.view(rows, -1, 32).abs().amax(-1, keepdim=True) / 127
+        err = (mat.dequantize().view(rows, -1, 32) - reference.view(rows, -1, 32)).abs()
+        assert (err <= step * (0.5 + 1e-5)).all()
+        assert err.max() > 0
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_activation_rounding_is_round_to_nearest_per_block(isa: int) -> None:
+    assert kernels is not None
+    x = torch.randn(3, 96) * torch.tensor([1.0, 50.0, 1e-3]).repeat_interleave(32)
+    x[1, 32:64] = 0  # an all-zero block: scale 0, quants 0
+    qa, d, s = kernels.quantize_activations(x, isa)
+    blocks = x.view(3, 3, 32)
+    amax = blocks.abs().amax(-1)
+    torch.testing.assert_close(d, amax / 127, rtol=0, atol=0)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    expected = torch.round(blocks * inv.unsqueeze(-1)).to(torch.int8).view(3, 96)
+    assert torch.equal(qa, expected)
+    torch.testing.assert_close(s, d * qa.view(3, 3, 32).float().sum(-1))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("ggml_type", GGUF_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", ROWS)
+def test_kernel_matches_float_reference(isa: int, ggml_type: GGMLQuantizationType, rows: int) -> None:
+    # Odd N (37 output rows); K is 256 * 3 = 768 (K-quants need whole 256-blocks; 768 is not a power of 2).
+    out_features, in_features = 37, 768
+    raw = gguf_blocks(ggml_type, out_features, in_features, seed=rows)
+    mat = qf.from_gguf(raw, ggml_type, in_features, gguf_format(ggml_type))
+    weight = torch.from_numpy(dequantize(raw, ggml_type)).reshape(out_features, in_features)
+    if not qf.GGUF_MAPPING[ggml_type][1]:
+        weight = mat.dequantize()  # the re-rounding is tested above; here the kernel's own math
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    y = run(mat, x, isa)
+    expected = rounded_activations(x, isa).double() @ weight.double().T
+    scale = expected.abs().max().item()
+    assert y.shape == (rows, out_features)
+    assert (y.double() - expected).abs().max().item() <= 2e-6 * scale
+    # And against the unrounded activations: int8 rounding costs well under 2% of the output range.
+    assert (y.double() - x.double() @ weight.double().T).abs().max().item() <= 0.02 * scale
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_segments_of_mixed_formats_fill_one_output(isa: int) -> None:
+    """A fused q/k/v whose parts are 4- and 8-bit: one call, each segment's rows in place."""
+    assert kernels is not None
+    a = qf.from_gguf(gguf_blocks(T.Q4_K, 9, 256, 3), T.Q4_K, 256, "q4")
+    b = qf.from_gguf(gguf_blocks(T.Q8_0, 5, 256, 4), T.Q8_0, 256, "q8")
+    c = qf.from_gguf(gguf_blocks(T.Q4_0, 3, 256, 5), T.Q4_0, 256, "q4")
+    segments = qf.concat([a, b, c])
+    assert [s.fmt for s in segments] == ["q4", "q8", "q4"]
+    x = torch.randn(6, 256)
+    y = kernels.quant_linear(x, [s.qs for s in segments], [s.scale for s in segments],
+                             [s.offset for s in segments], isa)
+    expected = torch.cat([run(m, x, isa) for m in (a, b, c)], dim=1)
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", qf.QUANT_FORMATS)
+def test_float_quantization_round_trip(fmt: qf.QuantFormat) -> None:
+    """Safetensors weights (and re-quantized GGUF types): round to nearest, half a step at most."""
+    w = torch.randn(33, 160)
+    blocks = w.view(33, 5, 32)
+    if fmt == "q8":
+        step = blocks.abs().amax(-1) / 127
+    else:
+        lo, hi = blocks.aminmax(dim=-1)
+        step = (hi - lo) / 15
+    err = (qf.quantize(w, fmt).dequantize().view(33, 5, 32) - blocks).abs().amax(-1)
+    assert (err <= step / 2 + 1e-6).all()
+
+
+def test_paths_agree_with_each_other() -> None:
+    assert kernels is not None
+    mat = qf.from_gguf(gguf_blocks(T.Q4_1, 70, 512, 9), T.Q4_1, 512, "q4")
+    x = torch.randn(13, 512)
+    outs = [run(mat, x, isa) for isa in sorted(RUNNABLE)]
+    for out in outs[1:]:  # same integer sums; only the float accumulation order differs
+        torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-5 * outs[0].abs().max().item())
+
+
+def test_bad_inputs_are_errors_not_crashes() -> None:
+    assert kernels is not None
+    mat = qf.quantize(torch.randn(4, 64), "q8")
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.quant_linear(torch.randn(2, 40), [mat.qs], [mat.scale], [mat.offset], 0)
+    with pytest.raises(RuntimeError, match="qs shape"):
+        kernels.quant_linear(torch.randn(2, 96), [mat.qs], [mat.scale], [mat.offset], 0)
+    with pytest.raises(RuntimeError, match="unknown quant ISA"):
+        kernels.quant_linear(torch.randn(2, 64), [mat.qs], [mat.scale], [mat.offset], 7)

@@ -1,0 +1,207 @@
+"""The two internal weight formats of quantized linear layers, and how GGUF blocks map onto them.
+
+Both are blocks of 32 consecutive weights of one output row (K = in_features = 32 * nb):
+
+    q8:  w = scale * q             q int8 in [-127, 127]
+    q4:  w = scale * q + offset    q in [0, 15], two per byte
+
+Kernel layout (what quant_kernels.cpp reads), one output row n:
+
+    qs     q8: [ q0 q1 ... q31 | q0 ... q31 | ... ]              int8,  K bytes
+           q4: [ b0 ... b15 | b0 ... b15 | ... ]                 uint8, K/2 bytes
+               byte j of a block = q_j | q_(j+16) << 4 (GGUF Q4_0/Q4_1's own order)
+    scale  [ s_0 s_1 ... s_(nb-1) ]                               float32, one per block
+    offset [ o_0 o_1 ... o_(nb-1) ]                               float32, q4 only
+
+GGUF types map without a second rounding where the arithmetic allows:
+    Q8_0 → q8 (scale = d)                Q5_0 → q8 (q - 16 fits int8; scale = d)
+    Q4_0 → q4 (scale d, offset -8d)      Q4_1 → q4 (scale d, offset m)
+    Q4_K → q4 (each 32-weight sub-block: scale d*sc, offset -dmin*m; fp16 x 6-bit is exact in fp32)
+    Q5_1, Q5_K, Q6_K → dequantized, then re-quantized to q8 (one rounding, measured in the tests)
+Any other type has no native mapping (callers dequantize it to a dense matrix).
+Rows are independent, so fused matrices (q/k/v, gate/up) are row concatenations of packed rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as _gguf_dequantize
+
+QuantFormat = Literal["q8", "q4"]
+QUANT_FORMATS: tuple[QuantFormat, ...] = ("q8", "q4")
+BLOCK = 32
+_T = GGMLQuantizationType
+# GGUF type → (format, exact). Exact: the packed weights equal gguf's own dequantization bit for bit.
+GGUF_MAPPING: dict[GGMLQuantizationType, tuple[QuantFormat, bool]] = {
+    _T.Q8_0: ("q8", True), _T.Q5_0: ("q8", True),
+    _T.Q4_0: ("q4", True), _T.Q4_1: ("q4", True), _T.Q4_K: ("q4", True),
+    _T.Q5_1: ("q8", False), _T.Q5_K: ("q8", False), _T.Q6_K: ("q8", False),
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class RawBlocks:
+    """A GGUF tensor's stored blocks, rows in Hugging Face order: uint8 [rows, row_bytes]."""
+
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, int]
+    data: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class QuantMatrix:
+    """One packed [rows, cols] matrix in the kernel's layout."""
+
+    fmt: QuantFormat
+    qs: torch.Tensor  # q8: int8 [rows, cols]; q4: uint8 [rows, cols / 2]
+    scale: torch.Tensor  # float32 [rows, cols / 32]
+    offset: torch.Tensor  # float32 [rows, cols / 32] for q4; empty for q8
+
+    @property
+    def rows(self) -> int:
+        return int(self.qs.shape[0])
+
+    @property
+    def cols(self) -> int:
+        return int(self.scale.shape[1]) * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.offset))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols]: the weights the kernel multiplies by."""
+        nb = self.scale.shape[1]
+        q = _unpack_q4(self.qs) if self.fmt == "q4" else self.qs
+        w = q.view(self.rows, nb, BLOCK).float() * self.scale.unsqueeze(-1)
+        if self.fmt == "q4":
+            w = w + self.offset.unsqueeze(-1)
+        return w.view(self.rows, self.cols)
+
+
+def concat(mats: list[QuantMatrix]) -> list[QuantMatrix]:
+    """Row-concatenate neighbouring matrices of one format (a fused q/k/v of mixed types stays in segments)."""
+    segments: list[list[QuantMatrix]] = []
+    for mat in mats:
+        if segments and segments[-1][-1].fmt == mat.fmt:
+            segments[-1].append(mat)
+        else:
+            segments.append([mat])
+    return [group[0] if len(group) == 1 else QuantMatrix(group[0].fmt, torch.cat([m.qs for m in group]),
+                                                          torch.cat([m.scale for m in group]),
+                                                          torch.cat([m.offset for m in group]))
+            for group in segments]
+
+
+# ---- float → packed -------------------------------------------------------------------------------
+
+
+def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantMatrix:
+    """Round a float [rows, cols] matrix (cols a multiple of 32) to `fmt`, round-to-nearest per block."""
+    rows, cols = weight.shape
+    if cols % BLOCK:
+        raise ValueError(f"in_features {cols} is not a multiple of {BLOCK}")
+    w = weight.detach().float().reshape(rows, cols // BLOCK, BLOCK)
+    if fmt == "q8":
+        amax = w.abs().amax(-1)
+        scale = amax / 127.0
+        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+        q = torch.round(w * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        return QuantMatrix("q8", q.reshape(rows, cols).contiguous(), scale.contiguous(), torch.empty(0))
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = (hi - lo) / 15.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round((w - lo.unsqueeze(-1)) * inv.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
+    return QuantMatrix("q4", _pack_q4(q.reshape(rows, cols)), scale.contiguous(), lo.contiguous())
+
+
+# ---- GGUF blocks → packed ---------------------------------------------------------------------------
+
+
+def gguf_dequantize(blocks: np.ndarray, ggml_type: GGMLQuantizationType, cols: int) -> torch.Tensor:
+    """float32 [rows, cols] from raw GGUF rows (uint8 [rows, row_bytes]), gguf's own reference code."""
+    return torch.from_numpy(np.ascontiguousarray(_gguf_dequantize(blocks, ggml_type)).reshape(-1, cols))
+
+
+def from_gguf(blocks: np.ndarray, ggml_type: GGMLQuantizationType, cols: int, fmt: QuantFormat) -> QuantMatrix:
+    """Raw GGUF rows → `fmt`: exact where GGUF_MAPPING says so and the format matches, else through float."""
+    mapped = GGUF_MAPPING.get(ggml_type)
+    if mapped is not None and mapped == (fmt, True):
+        return _EXACT[ggml_type](np.ascontiguousarray(blocks), cols)
+    return quantize(gguf_dequantize(blocks, ggml_type, cols), fmt)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+
+
+def _blocks(blocks: np.ndarray, block_bytes: int) -> np.ndarray:
+    return blocks.reshape(-1, block_bytes)
+
+
+def _q8_0(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    rows, b = blocks.shape[0], _blocks(blocks, 34)
+    qs = np.ascontiguousarray(b[:, 2:]).view(np.int8).reshape(rows, cols)
+    return _matrix("q8", qs, _f16(b[:, :2]).reshape(rows, -1), None)
+
+
+def _q5_0(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    rows, b = blocks.shape[0], _blocks(blocks, 22)
+    qh = np.ascontiguousarray(b[:, 2:6]).view(np.uint32)  # bit j: the 5th bit of weight j
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    low = np.concatenate([b[:, 6:] & 0x0F, b[:, 6:] >> 4], axis=1)
+    q = (low | (high << 4)).astype(np.int8) - np.int8(16)
+    return _matrix("q8", q.reshape(rows, cols), _f16(b[:, :2]).reshape(rows, -1), None)
+
+
+def _q4_0(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    rows, b = blocks.shape[0], _blocks(blocks, 18)
+    d = _f16(b[:, :2]).reshape(rows, -1)
+    return _matrix("q4", b[:, 2:].reshape(rows, cols // 2), d, -8.0 * d)
+
+
+def _q4_1(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    rows, b = blocks.shape[0], _blocks(blocks, 20)
+    return _matrix("q4", b[:, 4:].reshape(rows, cols // 2), _f16(b[:, :2]).reshape(rows, -1),
+                   _f16(b[:, 2:4]).reshape(rows, -1))
+
+
+def _q4_k(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    # Super-block of 256: d, dmin (fp16), 12 bytes of 6-bit (sc, m) for 8 sub-blocks, 128 bytes of
+    # nibbles where bytes [32p, 32p + 32) hold sub-block 2p in low and 2p + 1 in high nibbles.
+    rows, b = blocks.shape[0], _blocks(blocks, 144)
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    s = b[:, 4:16].reshape(-1, 3, 4)
+    sc = np.concatenate([s[:, 0] & 0x3F, (s[:, 2] & 0x0F) | ((s[:, 0] >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([s[:, 1] & 0x3F, (s[:, 2] >> 4) | ((s[:, 1] >> 2) & 0x30)], axis=1)
+    nibbles = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (nibbles & 0x0F).reshape(-1, 8, 32)  # [super-block, sub-block, weight]
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    return _matrix("q4", packed.reshape(rows, cols // 2), (d * sc.astype(np.float32)).reshape(rows, -1),
+                   (-(dmin * mn.astype(np.float32))).reshape(rows, -1))
+
+
+_EXACT = {_T.Q8_0: _q8_0, _T.Q5_0: _q5_0, _T.Q4_0: _q4_0, _T.Q4_1: _q4_1, _T.Q4_K: _q4_k}
+
+
+def _matrix(fmt: QuantFormat, qs: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> QuantMatrix:
+    return QuantMatrix(fmt, torch.from_numpy(np.ascontiguousarray(qs)),
+                       torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)),
+                       torch.empty(0) if offset is None else torch.from_numpy(np.ascontiguousarray(offset, np.float32)))
+
+
+def _pack_q4(q: torch.Tensor) -> torch.Tensor:
+    rows, cols = q.shape
+    blocks = q.reshape(rows, cols // BLOCK, BLOCK)
+    return (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(rows, cols // 2).contiguous()
+
+
+def _unpack_q4(qs: torch.Tensor) -> torch.Tensor:
+    rows = qs.shape[0]
+    blocks = qs.reshape(rows, -1, 16)
+    return torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).reshape(rows, -1)
