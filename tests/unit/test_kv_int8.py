@@ -203,7 +203,7 @@ def test_native_and_sdpa_decode_agree_on_an_int8_cache() -> None:
     group = GroupMetadata(tables, lens, mask, None, 0, num_seqs, 1, None)
     q = torch.randn(num_seqs, h, hd, generator=g)
     sdpa = PagedAttention(h, kvh, hd, hd**-0.5, None)
-    native = PagedAttention(h, kvh, hd, hd**-0.5, None, decode_kernel=kernels)  # type: ignore[arg-type]
+    native = PagedAttention(h, kvh, hd, hd**-0.5, None, decode_kernel=kernels)
     torch.testing.assert_close(native._group(q, cache, group, False), sdpa._group(q, cache, group, False),
                                rtol=1e-4, atol=1e-4)
 
