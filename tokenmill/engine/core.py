@@ -17,6 +17,7 @@ from tokenmill.engine.model_runner import ModelRunner, num_kv_blocks
 from tokenmill.engine.request import EngineOutput, FinishReason, Request, SamplingParams
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler, StepTokenStats
+from tokenmill.engine.spec.speculator import DraftWeights, build_speculator
 from tokenmill.engine.stats import StepStats
 from tokenmill.errors import RequestValidationError
 from tokenmill.layers.kv_cache import kv_cache_spec
@@ -34,7 +35,8 @@ class StepResult:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, arch: ArchConfig, tensors: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, config: EngineConfig, arch: ArchConfig, tensors: Mapping[str, torch.Tensor],
+                 draft: DraftWeights | None = None) -> None:
         self.config = config
         self.arch = arch
         if config.num_threads is not None:
@@ -48,6 +50,8 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = ModelRunner(config.model, arch, tensors, self.max_model_len, block_size, num_blocks, kv_spec)
+        self.speculator = build_speculator(config.speculative, config.model, arch, block_size, num_blocks,
+                                           self.max_model_len, draft)
         log.info("KV cache: %s, %d tokens in %d blocks of %d, %.1f MiB (%d bytes per token over %d layers)",
                  kv_spec.describe(), num_blocks * block_size, num_blocks, block_size,
                  self.runner.kv_cache_bytes / 2**20, kv_spec.bytes_per_token(arch.num_kv_heads, arch.head_dim)
@@ -81,6 +85,8 @@ class EngineCore:
     def abort(self, request_id: str) -> EngineOutput | None:
         request = self.scheduler.abort(request_id)
         self.runner.sampler.forget(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         if request is None:
             return None
         return EngineOutput(request_id, [], [], FinishReason.ABORT, request.num_prompt_tokens,
@@ -92,6 +98,8 @@ class EngineCore:
         self.kv = KVCacheManager(self.kv.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len)
         self.runner.sampler = Sampler(self.runner.device, self.config.model.seed)
+        if self.speculator is not None:
+            self.speculator.reset()
 
     @property
     def has_unfinished(self) -> bool:
@@ -99,12 +107,18 @@ class EngineCore:
 
     def step(self) -> StepResult:
         started = time.monotonic()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)  # proposals ride on the requests into schedule()
         scheduled = self.scheduler.schedule()
         result = self.runner.execute(scheduled) if not scheduled.is_empty else RunnerOutput()
         outputs = self.scheduler.update(scheduled, result)
         for o in outputs:
             if o.finished:
                 self.runner.sampler.forget(o.request_id)
+                if self.speculator is not None:
+                    self.speculator.forget(o.request_id)
+        if self.speculator is not None:
+            self.speculator.observe(scheduled.num_tokens, time.monotonic() - started)
         return StepResult(outputs, self._stats(scheduled.num_tokens, scheduled.num_preempted, started,
                                                 self.scheduler.step_stats))
 
@@ -121,4 +135,8 @@ class EngineCore:
             step_time_s=time.monotonic() - started, num_prompt_tokens=tokens.num_prompt_tokens,
             num_generation_tokens=tokens.num_generation_tokens,
             num_preemptions_total=self.scheduler.stats.num_preemptions,
-            ttfts_s=tokens.ttfts_s, inter_token_latencies_s=tokens.inter_token_latencies_s)
+            ttfts_s=tokens.ttfts_s, inter_token_latencies_s=tokens.inter_token_latencies_s,
+            spec_num_drafts=tokens.num_drafts, spec_num_draft_tokens=tokens.num_draft_tokens,
+            spec_num_accepted_tokens=tokens.num_accepted_tokens,
+            spec_accepted_per_position=tokens.accepted_per_position,
+            spec_is_on=None if self.speculator is None else self.speculator.is_on)

@@ -18,13 +18,21 @@ class ScheduledRequest:
 
     request: Request
     num_computed_tokens: int  # before this step; the first query token's position
-    num_new_tokens: int
+    num_new_tokens: int  # includes the speculative tokens
     block_ids: list[int]
+    # Proposed tokens scored after the known ones, as ordinary query tokens of this step: the
+    # query is token_ids[num_computed_tokens:] + spec_token_ids.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def needs_sample(self) -> bool:
-        """The chunk reaches the last known token, so its logits give the next token."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        """The chunk reaches the last known token (and every proposal), so its logits give the next token."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logit rows to sample from: the last known token's and one per proposed token."""
+        return 1 + len(self.spec_token_ids) if self.needs_sample else 0
 
 
 @dataclass(slots=True)

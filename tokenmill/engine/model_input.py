@@ -1,6 +1,7 @@
 """Turns a SchedulerOutput into the flat tensors of one forward pass.
 
-Token order: decode requests (one new token) first, then prefill chunks. Host-side
+Token order: decode requests (one new token) first, then prefill chunks (a request verifying
+proposals has 1 + k query tokens and joins the prefill group, causal mask and all). Host-side
 bookkeeping is done with numpy so a step costs a few vectorised calls, not a loop per token.
 """
 
@@ -20,8 +21,9 @@ class ModelInput:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    sample_indices: torch.Tensor  # [N] flat index of the last token of each request to sample
-    sampled: list[ScheduledRequest]  # the N requests, in the same order
+    sample_indices: torch.Tensor  # [R] flat indices of the rows to sample: the last token of each request,
+    # or its last 1 + k tokens when it verifies k proposals
+    sampled: list[ScheduledRequest]  # the requests sampled, in the same order (request i owns num_sample_rows rows)
     prompt_logprob_offsets: list[tuple[ScheduledRequest, int]]  # requests wanting prompt logprobs, flat start
 
 
@@ -33,11 +35,11 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int, slidin
     starts = np.array([s.num_computed_tokens for s in ordered], dtype=np.int64)
     lens = np.array([s.num_new_tokens for s in ordered], dtype=np.int64)
     positions = _positions(starts, lens)
-    input_ids = np.concatenate([np.asarray(s.request.token_ids[s.num_computed_tokens:][:s.num_new_tokens],
-                                           dtype=np.int64) for s in ordered])
+    input_ids = np.concatenate([np.asarray(_query_tokens(s), dtype=np.int64) for s in ordered])
     slots = _slots(ordered, lens, positions, block_size)
     ends = np.cumsum(lens)
     sampled_idx = [i for i, s in enumerate(ordered) if s.needs_sample]
+    sample_rows = _sample_rows(ordered, sampled_idx, ends)
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(slots).to(device),
         decode=_group(decodes, 0, block_size, sliding_window, device) if decodes else None,
@@ -47,11 +49,24 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int, slidin
         input_ids=torch.from_numpy(input_ids).to(device),
         positions=torch.from_numpy(positions).to(device),
         meta=meta,
-        sample_indices=torch.from_numpy(ends[sampled_idx] - 1).to(device),
+        sample_indices=torch.from_numpy(sample_rows).to(device),
         sampled=[ordered[i] for i in sampled_idx],
         prompt_logprob_offsets=[(s, int(ends[i] - lens[i])) for i, s in enumerate(ordered)
                                 if s.request.params.prompt_logprobs is not None],
     )
+
+
+def _sample_rows(ordered: list[ScheduledRequest], sampled_idx: list[int], ends: np.ndarray) -> np.ndarray:
+    """Flat indices of the rows each sampled request owns: its last 1 + k tokens."""
+    if not any(ordered[i].spec_token_ids for i in sampled_idx):
+        return ends[sampled_idx] - 1
+    rows = [np.arange(ends[i] - ordered[i].num_sample_rows, ends[i]) for i in sampled_idx]
+    return np.concatenate(rows)
+
+
+def _query_tokens(s: ScheduledRequest) -> list[int]:
+    tokens = s.request.token_ids[s.num_computed_tokens:][:s.num_new_tokens]
+    return tokens + s.spec_token_ids if s.spec_token_ids else tokens
 
 
 def _positions(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -80,7 +95,9 @@ def _group(group: list[ScheduledRequest], token_start: int, block_size: int, sli
     starts = np.array([s.num_computed_tokens for s in group], dtype=np.int64)[:, None]
     lens = np.array([s.num_new_tokens for s in group], dtype=np.int64)[:, None]
     ctx_blocks = -(-(starts + lens).max() // block_size)
-    table = _block_table(group)[:, :ctx_blocks]
+    # Contiguous: a table can be wider than this step's context (blocks held for proposals, or
+    # kept after a rollback), and the attention gathers through a flat view of it.
+    table = np.ascontiguousarray(_block_table(group)[:, :ctx_blocks])
     max_q = int(lens.max())
     q_idx = np.arange(max_q)[None, :, None]  # [1, Lq, 1]
     k_pos = np.arange(ctx_blocks * block_size)[None, None, :]  # [1, 1, Lk]

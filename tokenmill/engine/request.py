@@ -99,6 +99,21 @@ class RequestTimes:
 
 
 @dataclass(slots=True)
+class SpecRequestStats:
+    """One request's speculation so far: drafts verified, tokens proposed, tokens accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    recent_acceptance: float = 1.0  # moving average of accepted / proposed per draft (the controller's input)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verified draft: accepted ones plus the one the target always adds."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass(slots=True)
 class Request:
     """Engine-side state. `num_computed_tokens` moves towards `num_tokens` within the token budget."""
 
@@ -117,6 +132,10 @@ class Request:
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for prompt tokens 1.. (0 has none)
+    # Speculative decoding: tokens a proposer guessed to follow token_ids, verified by the next step
+    # (the scheduler consumes and clears them), and this request's running totals.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_stats: SpecRequestStats = field(default_factory=lambda: SpecRequestStats())
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:

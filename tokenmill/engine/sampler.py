@@ -4,6 +4,17 @@ Rows are independent: a request's token depends only on its own logits, paramete
 generator, so a seeded request samples the same way whatever else shares the batch.
 Sampling uses the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with
 probability p_i, and needs one noise row per request (seeded rows use their own generator).
+
+`verify` scores speculative proposals (Leviathan et al. 2023, Chen et al. 2023). Request i brings
+k proposals d_1..d_k, drawn from q, and k + 1 target rows p_0..p_k (p_j scores the token after d_j;
+penalties and min_tokens see d_1..d_j as already generated, so p_j is exactly the distribution the
+plain sampler would use there). Greedy: accept while d_{j+1} == argmax p_j, then emit argmax p_a.
+Sampling: accept d_{j+1} with probability min(1, p_j(d)/q_j(d)); at the first rejection emit a
+token from norm(max(0, p_j - q_j)); when all are accepted emit a bonus token from p_k. Each emitted
+token is then distributed exactly as p (the proof: P(x) = q(x) min(1, p/q) + (1 - sum_y min(p, q))
+max(0, p - q)(x) / sum max(0, p - q) = min(p, q)(x) + max(0, p - q)(x) = p(x)). A point-mass
+proposal (n-gram lookup, a greedy draft) is q = one-hot(d): accept with probability p(d), else
+sample from p with d removed.
 """
 
 from __future__ import annotations
@@ -15,6 +26,9 @@ import torch
 from tokenmill.engine.request import Request, TokenLogprob
 
 _NEG_INF = float("-inf")
+
+
+Verified = tuple[list[int], list[TokenLogprob | None]]  # one request's emitted tokens and their logprobs
 
 
 @dataclass(slots=True)
@@ -56,18 +70,108 @@ class Sampler:
         logprobs = token_logprobs(raw, token_ids, [r.params.logprobs for r in requests])
         return list(zip(ids, logprobs, strict=True))
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def verify(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]],
+               draft_probs: list[torch.Tensor | None] | None = None) -> list[Verified]:
+        """logits: float32 [sum(k_i + 1), vocab], request i's k_i + 1 rows back to back. draft_probs[i]:
+        q of request i's proposals [k_i, vocab], or None for a point mass. Returns each request's emitted
+        tokens (accepted proposals, then one correction or bonus token) with their target logprobs."""
+        counts = [len(d) + 1 for d in drafts]
+        row_requests = [r for r, c in zip(requests, counts, strict=True) for _ in range(c)]
+        # Row j of a request sees its first j proposals as generated tokens (penalties, min_tokens).
+        extra = [d[:j] for d in drafts for j in range(len(d) + 1)]
+        processed = self._apply_penalties(logits.clone(), row_requests, extra)
+        processed = _mask_early_stop(processed, row_requests, extra)
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        emitted = self._verify_greedy(processed, requests, drafts, starts)
+        random_ids = [i for i, r in enumerate(requests) if not r.params.is_greedy]
+        if random_ids:
+            q = draft_probs or [None] * len(requests)
+            picked = self._verify_random(processed, [requests[i] for i in random_ids], [drafts[i] for i in random_ids],
+                                         [starts[i] for i in random_ids], [q[i] for i in random_ids])
+            for i, tokens in zip(random_ids, picked, strict=True):
+                emitted[i] = tokens
+        rows = [starts[i] + j for i, tokens in enumerate(emitted) for j in range(len(tokens))]
+        flat = torch.tensor([t for tokens in emitted for t in tokens], device=logits.device)
+        wanted = [requests[i].params.logprobs for i, tokens in enumerate(emitted) for _ in tokens]
+        entries = token_logprobs(logits[rows], flat, wanted)
+        result, at = [], 0
+        for tokens in emitted:
+            result.append((tokens, entries[at:at + len(tokens)]))
+            at += len(tokens)
+        return result
+
+    @staticmethod
+    def _verify_greedy(processed: torch.Tensor, requests: list[Request], drafts: list[list[int]],
+                       starts: list[int]) -> list[list[int]]:
+        targets = processed.argmax(dim=-1).tolist()
+        emitted = []
+        for request, draft, start in zip(requests, drafts, starts, strict=True):
+            tokens = []
+            if request.params.is_greedy:
+                for j, d in enumerate(draft):
+                    if d != targets[start + j]:
+                        break
+                    tokens.append(d)
+                tokens.append(targets[start + len(tokens)])
+            emitted.append(tokens)
+        return emitted
+
+    def _verify_random(self, processed: torch.Tensor, requests: list[Request], drafts: list[list[int]],
+                       starts: list[int], draft_probs: list[torch.Tensor | None]) -> list[list[int]]:
+        counts = [len(d) + 1 for d in drafts]
+        rows = torch.tensor([s + j for s, c in zip(starts, counts, strict=True) for j in range(c)],
+                            device=processed.device)
+        row_requests = [r for r, c in zip(requests, counts, strict=True) for _ in range(c)]
+        probs = _filtered_probs(processed[rows], row_requests)
+        finals, emitted, at = [], [], 0
+        for request, draft, q in zip(requests, drafts, draft_probs, strict=True):
+            p = probs[at:at + len(draft) + 1]
+            at += len(draft) + 1
+            tokens, final = self._accept_run(p, draft, q, self.generator_for(request))
+            emitted.append(tokens)
+            finals.append(final)
+        last = (torch.stack(finals) / self._noise(torch.empty(len(requests), probs.shape[1], device=probs.device),
+                                                 requests)).argmax(dim=-1).tolist()
+        return [[*tokens, t] for tokens, t in zip(emitted, last, strict=True)]
+
+    def _accept_run(self, p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
+                    gen: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
+        """Accepted proposals and the distribution the next token is drawn from (residual or bonus)."""
+        k = len(draft)
+        if k == 0:
+            return [], p[0]
+        ids = torch.tensor(draft, device=p.device)
+        p_d = p[:k].gather(1, ids[:, None])[:, 0]
+        q_d = torch.ones_like(p_d) if q is None else q.gather(1, ids[:, None])[:, 0]
+        u = torch.rand(k, device=p.device, generator=gen if gen is not None else self.generator)
+        accept = (u * q_d < p_d).tolist()  # u < min(1, p/q), without dividing by a zero q
+        num = accept.index(False) if False in accept else k
+        if num == k:
+            return list(draft), p[k]
+        if q is None:
+            residual = p[num].clone()
+            residual[draft[num]] = 0.0
+        else:
+            residual = (p[num] - q[num]).clamp_min(0.0)
+        total = residual.sum()
+        # p == q (up to rounding) leaves nothing to correct with: then p itself is the residual's limit.
+        return list(draft[:num]), residual / total if float(total) > 0.0 else p[num]
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request],
+                         extra: list[list[int]] | None = None) -> torch.Tensor:
+        """`extra[row]`: tokens to count as generated after the request's own (proposals being verified)."""
         for row, request in enumerate(requests):
             p = request.params
             if not p.uses_penalties:
                 continue
+            more = extra[row] if extra is not None else []
             if p.repetition_penalty != 1.0:
                 # HF/vLLM: over prompt and output tokens, divide positive logits, multiply negative.
-                seen = torch.tensor(sorted(set(request.token_ids)), device=logits.device)
+                seen = torch.tensor(sorted(set(request.token_ids).union(more)), device=logits.device)
                 vals = logits[row, seen]
                 logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
             if p.presence_penalty or p.frequency_penalty:
-                out_ids = torch.tensor(request.output_token_ids, device=logits.device, dtype=torch.long)
+                out_ids = torch.tensor(request.output_token_ids + more, device=logits.device, dtype=torch.long)
                 ones = torch.ones_like(out_ids, dtype=logits.dtype)
                 counts = torch.zeros_like(logits[row]).index_add_(0, out_ids, ones)
                 logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
@@ -94,11 +198,12 @@ class Sampler:
         return noise
 
 
-def _mask_early_stop(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def _mask_early_stop(logits: torch.Tensor, requests: list[Request],
+                     extra: list[list[int]] | None = None) -> torch.Tensor:
     """Before min_tokens, EOS and stop token ids cannot be sampled."""
     for row, request in enumerate(requests):
         p = request.params
-        if p.min_tokens and request.num_output_tokens < p.min_tokens:
+        if p.min_tokens and request.num_output_tokens + (len(extra[row]) if extra is not None else 0) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(request.eos_token_ids))
             if banned:
                 logits[row, banned] = _NEG_INF

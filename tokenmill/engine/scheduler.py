@@ -9,6 +9,12 @@ One step, within `max_num_batched_tokens` and the free KV blocks:
      the prefix cache may cover part of the prompt
 Prefill and decode are not separate phases: a prefill is just a request with many tokens
 left to compute, so chunked prefill is the budget cutting that number.
+
+Speculative decoding is the same idea once more: a request carrying proposed tokens schedules
+them after its known ones (1 + k query tokens in the same budget). After verification the accepted
+tokens are appended with the stop rules checked after each, and num_computed_tokens is rolled back
+past the rejected ones: their KV slots are overwritten by the next step and, lying beyond
+num_computed_tokens, never reach the prefix cache (commit_computed publishes computed blocks only).
 """
 
 from __future__ import annotations
@@ -38,6 +44,10 @@ class StepTokenStats:
     num_generation_tokens: int = 0
     ttfts_s: list[float] = field(default_factory=list)
     inter_token_latencies_s: list[float] = field(default_factory=list)
+    num_drafts: int = 0  # requests whose proposals were verified
+    num_draft_tokens: int = 0  # proposed tokens verified
+    num_accepted_tokens: int = 0  # of those, accepted
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose token i was accepted
 
 
 class Scheduler:
@@ -85,13 +95,29 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, scheduled_ids, out):
-                continue
-            out.scheduled.append(self._scheduled(request, num_new))
+            remaining = request.num_tokens - request.num_computed_tokens
+            spec = self._spec_tokens(request, remaining, budget)
+            num_new = min(remaining + len(spec), budget)
+            if not spec or not self.kv.allocate(request, num_new):
+                spec, num_new = [], min(remaining, budget)  # proposals never cost another request its blocks
+                if not self._allocate_or_preempt(request, num_new, scheduled_ids, out):
+                    continue
+            out.scheduled.append(self._scheduled(request, num_new, spec))
             scheduled_ids.add(request.request_id)
             budget -= num_new
         return budget
+
+    def _spec_tokens(self, request: Request, remaining: int, budget: int) -> list[int]:
+        """The request's proposals that fit: the budget after its known tokens, the context, and
+        max_tokens (a step emits at most len(proposals) + 1 tokens). Consumed either way."""
+        spec, request.spec_token_ids = request.spec_token_ids, []
+        if not spec:
+            return []
+        limit = min(len(spec), budget - remaining, self.max_model_len - request.num_tokens - 1)
+        max_tokens = request.params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - request.num_output_tokens - 1)
+        return spec[:max(limit, 0)]
 
     def _allocate_or_preempt(self, request: Request, num_new: int, scheduled_ids: set[str],
                              out: SchedulerOutput) -> bool:
@@ -114,6 +140,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.add(request)
@@ -139,9 +166,9 @@ class Scheduler:
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int, spec: list[int] | None = None) -> ScheduledRequest:
         return ScheduledRequest(request, request.num_computed_tokens, num_new,
-                                self.kv.block_tables[request.request_id])
+                                self.kv.block_tables[request.request_id], spec or [])
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[EngineOutput]:
         """Advance computed counts, append sampled tokens, finish requests that stop."""
@@ -155,12 +182,21 @@ class Scheduler:
             start = s.num_computed_tokens
             end = min(start + s.num_new_tokens, request.num_prompt_tokens)
             self.step_stats.num_prompt_tokens += max(0, end - start)
-            request.num_computed_tokens += s.num_new_tokens
+            sampled = result.sampled.get(request.request_id)
+            num_rejected = 0
+            if s.spec_token_ids:
+                num_accepted = len(sampled.token_ids) - 1 if sampled is not None else 0
+                num_rejected = len(s.spec_token_ids) - num_accepted
+                self._record_spec(request, len(s.spec_token_ids), num_accepted)
+            # Rejected proposals' KV is garbage: computed stops after the last accepted one, so
+            # commit_computed below publishes verified blocks only.
+            request.num_computed_tokens += s.num_new_tokens - num_rejected
             request.prompt_logprobs.extend(result.prompt_logprobs.get(request.request_id, []))
             self.kv.commit_computed(request)
-            sampled = result.sampled.get(request.request_id)
             if sampled is not None:
                 outputs.append(self._append_tokens(request, sampled, now))
+                if s.spec_token_ids and request.status is RequestStatus.RUNNING:
+                    self.kv.commit_computed(request)  # accepted proposals are token_ids only now
         return outputs
 
     def _append_tokens(self, request: Request, sampled: SampledTokens, now: float) -> EngineOutput:
@@ -184,6 +220,20 @@ class Scheduler:
         prompt_logprobs = request.prompt_logprobs if is_first and request.params.prompt_logprobs is not None else None
         return EngineOutput(request.request_id, new_ids, new_logprobs, reason,
                             request.num_prompt_tokens, request.num_cached_tokens, request.times, prompt_logprobs)
+
+    def _record_spec(self, request: Request, num_proposed: int, num_accepted: int) -> None:
+        stats, step = request.spec_stats, self.step_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_proposed
+        stats.num_accepted_tokens += num_accepted
+        stats.recent_acceptance = 0.7 * stats.recent_acceptance + 0.3 * num_accepted / num_proposed
+        step.num_drafts += 1
+        step.num_draft_tokens += num_proposed
+        step.num_accepted_tokens += num_accepted
+        if len(step.accepted_per_position) < num_proposed:
+            step.accepted_per_position.extend([0] * (num_proposed - len(step.accepted_per_position)))
+        for i in range(num_accepted):
+            step.accepted_per_position[i] += 1
 
     def _record_latency(self, request: Request, now: float) -> None:
         times = request.times

@@ -20,3 +20,11 @@ class StepStats:
     num_preemptions_total: int = 0
     ttfts_s: list[float] = field(default_factory=list)  # of requests whose first token came this step
     inter_token_latencies_s: list[float] = field(default_factory=list)
+    # Speculative decoding, this step: requests whose proposals were verified, tokens proposed,
+    # tokens accepted, and per position i how many drafts had token i accepted; whether the
+    # controller let requests propose (None: speculation is not configured).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+    spec_is_on: bool | None = None

@@ -1,0 +1,33 @@
+"""The proposer interface and its registry: one abstract base, one name per kind."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable
+
+from tokenmill.engine.request import Request
+
+
+class Proposer(abc.ABC):
+    """Guesses up to k tokens to follow each request's token_ids. Never changes a request."""
+
+    @abc.abstractmethod
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+        """Proposals per request, request i at most num_tokens[i] long (empty: nothing to offer)."""
+
+    def forget(self, request_id: str) -> None:  # noqa: B027 - stateless proposers keep nothing
+        """Drop what the proposer keeps for a request that finished or was aborted."""
+
+    def retain(self, request_ids: Iterable[str]) -> None:  # noqa: B027
+        """Drop state of every request not in `request_ids` (those the engine still holds)."""
+
+
+ProposerFactory = Callable[..., Proposer]
+PROPOSERS: dict[str, type[Proposer]] = {}
+
+
+def register_proposer(name: str) -> Callable[[type[Proposer]], type[Proposer]]:
+    def add(cls: type[Proposer]) -> type[Proposer]:
+        PROPOSERS[name] = cls
+        return cls
+    return add

@@ -1,0 +1,88 @@
+"""Decides, each step, which requests propose and how many tokens: speculate only where it pays.
+
+Two rules, both about goodput (tokens emitted per second), not acceptance:
+  * per request: a request whose recent acceptance (a moving average the scheduler keeps) falls
+    below min_acceptance stops proposing; it probes again with one draft every probe_interval steps.
+  * per step: emitted tokens per second with and without speculation, from a linear fit of the
+    measured step time against the step's token count, T(n) = a + b n. Request i proposing k_i
+    tokens at acceptance a_i emits E_i = (1 - a_i^(k_i + 1)) / (1 - a_i) tokens (accepted run plus
+    the target's own token), so the step speculates iff
+        sum E_i / T(n + sum k_i)  >  n / T(n)          (n decoding requests)
+    A memory-bound step (batch 1 on CPU: every weight streamed once) has b ≈ 0 and speculation
+    wins; a compute-bound one (large batches) has a ≈ 0 and it loses unless nearly all is accepted.
+    Until the fit has seen a spread of token counts, the step speculates iff n <= max_batch_size.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from tokenmill.config import SpeculativeConfig
+from tokenmill.engine.request import Request
+
+_MIN_DRAFTS_TO_JUDGE = 4  # drafts before a request's acceptance is trusted
+_MIN_SAMPLES = 16  # steps before the cost fit is trusted
+
+
+def expected_emitted(acceptance: float, k: int) -> float:
+    """Tokens one verification emits when each of k proposals is accepted with probability `acceptance`."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+class SpecController:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.samples: deque[tuple[int, float]] = deque(maxlen=256)  # (tokens in the step, step time s)
+        self.is_on = True  # the last step's decision, for the stats
+        self._cooldown: dict[str, int] = {}
+
+    def observe(self, num_tokens: int, step_time_s: float) -> None:
+        if num_tokens > 0:
+            self.samples.append((num_tokens, step_time_s))
+
+    def plan(self, requests: list[Request]) -> list[int]:
+        if not self.config.adaptive:
+            return [self.config.num_speculative_tokens] * len(requests)
+        ks = [self._k_for(r) for r in requests]
+        self.is_on = any(ks) and self._pays(requests, ks)
+        return ks if self.is_on else [0] * len(ks)
+
+    def _k_for(self, request: Request) -> int:
+        stats, rid = request.spec_stats, request.request_id
+        if stats.num_drafts < _MIN_DRAFTS_TO_JUDGE or stats.recent_acceptance >= self.config.min_acceptance:
+            self._cooldown.pop(rid, None)
+            return self.config.num_speculative_tokens
+        left = self._cooldown.get(rid, self.config.probe_interval)
+        if left <= 0:
+            self._cooldown.pop(rid)
+            return self.config.num_speculative_tokens  # probe: one draft to re-measure acceptance
+        self._cooldown[rid] = left - 1
+        return 0
+
+    def _pays(self, requests: list[Request], ks: list[int]) -> bool:
+        n = len(requests)
+        fit = self.cost_fit()
+        if fit is None:
+            return n <= self.config.max_batch_size
+        a, b = fit
+        emitted = sum(expected_emitted(r.spec_stats.recent_acceptance, k) if k else 1.0
+                      for r, k in zip(requests, ks, strict=True))
+        return emitted / max(a + b * (n + sum(ks)), 1e-9) > n / max(a + b * n, 1e-9)
+
+    def cost_fit(self) -> tuple[float, float] | None:
+        """Least-squares (a, b) of step time = a + b * tokens; None until the samples spread."""
+        if len(self.samples) < _MIN_SAMPLES:
+            return None
+        xs = [float(x) for x, _ in self.samples]
+        ys = [y for _, y in self.samples]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        if var < len(xs) * 0.25:  # token counts barely vary: the slope is noise
+            return None
+        b = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var, 0.0)
+        return max(my - b * mx, 0.0), b
+
+    def forget(self, request_id: str) -> None:
+        self._cooldown.pop(request_id, None)

@@ -1,0 +1,103 @@
+"""Draft-model proposer: a small model with the target's tokenizer guesses k tokens greedily.
+
+The draft keeps its own paged KV cache (its own block pool and tables, no prefix cache) and runs
+through an ordinary ModelRunner, batched across requests:
+    forward 1     every request's tokens the draft has not computed yet (the prompt on first use,
+                  then the tokens the target accepted last step), logits of the last → d_1
+    forward 2..k  one token per request (d_{j-1}) → d_j
+Staying in step with the target: the draft's KV was computed over `shadow.token_ids`, which is the
+target's token_ids up to `base` followed by the previous proposals. Next time, the KV stays valid
+up to the common prefix of the two sequences (the accepted proposals); past it, it is recomputed,
+which is the draft's rollback. Greedy drafts make q a point mass (see Sampler.verify).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.engine.interfaces import ScheduledRequest, SchedulerOutput
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.request import Request, SamplingParams
+from tokenmill.engine.spec.base import Proposer, register_proposer
+
+
+@dataclass(slots=True)
+class _DraftSeq:
+    shadow: Request  # token_ids: what the draft's KV holds (up to num_computed_tokens) or will hold
+    base: int  # target tokens known when it last proposed: shadow.token_ids[:base] are the target's
+
+
+@register_proposer("draft")
+class DraftModelProposer(Proposer):
+    def __init__(self, runner: ModelRunner, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        self.runner = runner
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.max_model_len = min(max_model_len, runner.arch.max_position_embeddings)
+        self._seqs: dict[str, _DraftSeq] = {}
+
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+        active: list[tuple[_DraftSeq, int]] = []
+        for request, k in zip(requests, num_tokens, strict=True):
+            k = min(k, self.max_model_len - request.num_tokens)
+            seq = self._sync(request) if k > 0 else None
+            if seq is not None and self._allocate(seq, k):
+                active.append((seq, k))
+        if not active:
+            return [[] for _ in requests]
+        self._forward([s for s, _ in active])  # catch up, then d_1
+        for j in range(2, max(k for _, k in active) + 1):
+            self._forward([s for s, k in active if k >= j])
+        drafts = {s.shadow.request_id: s.shadow.token_ids[s.base:] for s, _ in active}
+        return [drafts.get(r.request_id, []) for r in requests]
+
+    def _sync(self, request: Request) -> _DraftSeq:
+        """Bring the shadow sequence to the target's tokens, keeping the KV of the common prefix."""
+        tokens = request.token_ids
+        seq = self._seqs.get(request.request_id)
+        if seq is None:
+            shadow = Request(request.request_id, list(tokens), SamplingParams(max_tokens=None))
+            seq = self._seqs[request.request_id] = _DraftSeq(shadow, len(tokens))
+            return seq
+        mine = seq.shadow.token_ids
+        common = min(seq.base, len(tokens))
+        while common < min(len(mine), len(tokens)) and mine[common] == tokens[common]:
+            common += 1
+        # At least the last token is recomputed: its logits give d_1.
+        seq.shadow.num_computed_tokens = min(seq.shadow.num_computed_tokens, common, len(tokens) - 1)
+        del mine[common:]
+        mine.extend(tokens[common:])
+        seq.base = len(tokens)
+        return seq
+
+    def _allocate(self, seq: _DraftSeq, k: int) -> bool:
+        """KV for the catch-up tokens and d_1..d_{k-1} (d_k is proposed, never computed)."""
+        shadow = seq.shadow
+        if self.kv.allocate(shadow, shadow.num_tokens - shadow.num_computed_tokens + k - 1):
+            return True
+        self.forget(shadow.request_id)  # no room: this request proposes nothing, and keeps nothing
+        return False
+
+    def _forward(self, seqs: list[_DraftSeq]) -> None:
+        """One batched draft forward: each sequence's uncomputed tokens; append its greedy next token."""
+        scheduled = [ScheduledRequest(s.shadow, s.shadow.num_computed_tokens,
+                                      s.shadow.num_tokens - s.shadow.num_computed_tokens,
+                                      self.kv.block_tables[s.shadow.request_id]) for s in seqs]
+        order, logits = self.runner.sample_logits(SchedulerOutput(scheduled))
+        for s, token in zip(order, torch.argmax(logits, dim=-1).tolist(), strict=True):
+            shadow = s.request
+            shadow.num_computed_tokens = shadow.num_tokens
+            shadow.token_ids.append(token)
+
+    def forget(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.kv.free(seq.shadow)
+
+    def retain(self, request_ids: Iterable[str]) -> None:
+        keep = set(request_ids)
+        for rid in [r for r in self._seqs if r not in keep]:
+            self.forget(rid)

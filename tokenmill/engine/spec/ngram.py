@@ -1,0 +1,74 @@
+"""N-gram (prompt lookup) proposer: continue the context the way it continued before.
+
+For n from ngram_max down to ngram_min, the last n tokens are looked up among earlier n-grams; at
+the first (longest) hit, the tokens that followed its latest earlier occurrence are the proposal.
+Code editing, summaries and RAG answers copy long spans of their prompt, so the guesses are often
+right, and a guess costs a few dict lookups.
+
+Index, per request, built incrementally as tokens are appended (token_ids only ever grows):
+    index[n][tuple(tokens[i - n:i])] = i     the latest i, i.e. where that n-gram's continuation starts
+An n-gram ending at the very last token has no continuation yet, so it never matches itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tokenmill.engine.request import Request
+from tokenmill.engine.spec.base import Proposer, register_proposer
+
+
+@dataclass(slots=True)
+class _NgramIndex:
+    num_indexed: int = 0  # continuation starts i < num_indexed are in the index
+    by_n: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+
+
+@register_proposer("ngram")
+class NgramProposer(Proposer):
+    def __init__(self, ngram_min: int, ngram_max: int) -> None:
+        assert 1 <= ngram_min <= ngram_max
+        self.ngram_min = ngram_min
+        self.ngram_max = ngram_max
+        self._indexes: dict[str, _NgramIndex] = {}
+
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+        return [self.propose_one(r.request_id, r.token_ids, k) for r, k in zip(requests, num_tokens, strict=True)]
+
+    def propose_one(self, key: str, tokens: list[int], k: int) -> list[int]:
+        index = self._indexes.get(key)
+        if index is None:
+            index = self._indexes[key] = _NgramIndex(by_n={n: {} for n in range(self.ngram_min, self.ngram_max + 1)})
+        self._extend(index, tokens)
+        end = len(tokens)
+        for n in range(min(self.ngram_max, end - 1), self.ngram_min - 1, -1):
+            start = index.by_n[n].get(tuple(tokens[end - n:]))
+            if start is not None:
+                return _continuation(tokens, start, k)
+        return []
+
+    def _extend(self, index: _NgramIndex, tokens: list[int]) -> None:
+        """Index the n-grams whose continuation starts at num_indexed..len(tokens)-1."""
+        for i in range(max(index.num_indexed, 1), len(tokens)):
+            for n, table in index.by_n.items():
+                if n <= i:
+                    table[tuple(tokens[i - n:i])] = i
+        index.num_indexed = max(index.num_indexed, len(tokens))
+
+    def forget(self, request_id: str) -> None:
+        self._indexes.pop(request_id, None)
+
+    def retain(self, request_ids: Iterable[str]) -> None:
+        keep = set(request_ids)
+        for rid in [r for r in self._indexes if r not in keep]:
+            del self._indexes[rid]
+
+
+def _continuation(tokens: list[int], start: int, k: int) -> list[int]:
+    """k tokens copied from `start` on. A match close to the end overlaps its own suffix, i.e. the
+    context is periodic there, so the copy runs on into the proposal itself (x x x → x x x x)."""
+    out = tokens[start:start + k]
+    while len(out) < k:
+        out.append(out[len(out) - (len(tokens) - start)])
+    return out

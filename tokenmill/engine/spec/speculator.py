@@ -1,0 +1,100 @@
+"""The engine core's one handle on speculation: before schedule(), leave proposals on requests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+
+import torch
+
+from tokenmill.config import ModelConfig, SpeculativeConfig
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.spec import draft as _draft  # noqa: F401 - registers "draft"
+from tokenmill.engine.spec import ngram as _ngram  # noqa: F401 - registers "ngram"
+from tokenmill.engine.spec.base import PROPOSERS, Proposer
+from tokenmill.engine.spec.controller import SpecController
+from tokenmill.errors import TokenmillError
+from tokenmill.models.arch import ArchConfig
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.controller = SpecController(config)
+        self.max_model_len = max_model_len
+
+    def propose(self, running: Iterable[Request]) -> None:
+        """Proposals for every running request about to decode (its next step scores one token)."""
+        running = list(running)
+        self.proposer.retain(r.request_id for r in running)
+        decoding = [r for r in running
+                    if r.status is RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1]
+        if not decoding:
+            return
+        ks = [min(k, self._room(r)) for r, k in zip(decoding, self.controller.plan(decoding), strict=True)]
+        chosen = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
+        if not chosen:
+            return
+        proposals = self.proposer.propose([r for r, _ in chosen], [k for _, k in chosen])
+        for (request, k), tokens in zip(chosen, proposals, strict=True):
+            request.spec_token_ids = tokens[:k]
+
+    def _room(self, request: Request) -> int:
+        """Proposals that could still be used: the step emits up to k + 1 tokens."""
+        room = self.max_model_len - request.num_tokens - 1
+        if request.params.max_tokens is not None:
+            room = min(room, request.params.max_tokens - request.num_output_tokens - 1)
+        return max(room, 0)
+
+    def observe(self, num_tokens: int, step_time_s: float) -> None:
+        self.controller.observe(num_tokens, step_time_s)
+
+    def forget(self, request_id: str) -> None:
+        self.proposer.forget(request_id)
+        self.controller.forget(request_id)
+
+    def reset(self) -> None:
+        """Forget every request (the engine dropped them all)."""
+        self.proposer.retain(())
+        self.controller = SpecController(self.config)
+
+    @property
+    def is_on(self) -> bool:
+        return self.controller.is_on
+
+
+DraftWeights = tuple[ArchConfig, Mapping[str, torch.Tensor]]
+
+
+def build_speculator(config: SpeculativeConfig, model_config: ModelConfig, target_arch: ArchConfig,
+                     block_size: int, num_blocks: int, max_model_len: int,
+                     draft: DraftWeights | None = None) -> Speculator | None:
+    """The speculator `config` asks for (None when speculation is off). A draft model is loaded from
+    config.draft_model unless its weights are given (tests pass tiny models in)."""
+    if config.method is None:
+        return None
+    proposer: Proposer
+    if config.method == "ngram":
+        proposer = PROPOSERS["ngram"](config.ngram_min, config.ngram_max)  # type: ignore[call-arg]
+    else:
+        arch, tensors = draft if draft is not None else load_draft(config)
+        if arch.vocab_size != target_arch.vocab_size:
+            raise TokenmillError(f"draft model '{config.draft_model}' has a vocabulary of {arch.vocab_size} "
+                                 f"tokens but the target has {target_arch.vocab_size}: a draft must share the "
+                                 "target's tokenizer")
+        draft_config = replace(model_config, model=config.draft_model or "draft")
+        runner = ModelRunner(draft_config, arch, tensors, max_model_len, block_size, num_blocks)
+        proposer = PROPOSERS["draft"](runner, num_blocks, block_size, max_model_len)  # type: ignore[call-arg]
+    return Speculator(config, proposer, max_model_len)
+
+
+def load_draft(config: SpeculativeConfig) -> DraftWeights:
+    from tokenmill.models.loading.weights import load_checkpoint
+    from tokenmill.models.resolve import resolve_model
+
+    assert config.draft_model is not None  # SpeculativeConfig requires it for "draft"
+    source = resolve_model(config.draft_model)
+    checkpoint = load_checkpoint(source.path, source.format)
+    return checkpoint.arch, checkpoint.tensors
