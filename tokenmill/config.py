@@ -94,12 +94,45 @@ class SchedulerConfig:
         _require(self.policy in ("fcfs", "priority"), "policy must be 'fcfs' or 'priority'")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec/). Off unless `method` is set."""
+
+    method: str | None = None  # None: off; "ngram" (prompt lookup) or "draft" (a smaller model)
+    num_speculative_tokens: int = 4  # k: proposals per request per step
+    ngram_min: int = 1  # n-gram lookup tries suffixes of ngram_max..ngram_min tokens
+    ngram_max: int = 4
+    draft_model: str | None = None  # catalog name or path of the draft (same tokenizer as the target)
+    # Controller (spec/controller.py): requests below this recent acceptance stop proposing and
+    # probe again every probe_interval steps; until step times have been measured over a spread of
+    # batch sizes, steps with more than max_batch_size decoding requests do not speculate.
+    min_acceptance: float = 0.2
+    probe_interval: int = 16
+    max_batch_size: int = 8
+    adaptive: bool = True  # False: every decoding request always proposes (tests, raw-mechanism benchmarks)
+
+    def __post_init__(self) -> None:
+        _require(self.method is None or self.method in SPECULATIVE_METHODS,
+                 f"speculative method '{self.method}' is not supported: use {', '.join(SPECULATIVE_METHODS)}")
+        _require(1 <= self.num_speculative_tokens <= 32, "num_speculative_tokens must be in 1..32")
+        _require(1 <= self.ngram_min <= self.ngram_max, "ngram_min and ngram_max must satisfy 1 <= min <= max")
+        _require(self.method != "draft" or bool(self.draft_model),
+                 "speculative method 'draft' needs a draft model: pass --draft-model NAME")
+        _require(0.0 <= self.min_acceptance <= 1.0, "min_acceptance must be in [0, 1]")
+        _require(self.probe_interval >= 1, "probe_interval must be positive")
+        _require(self.max_batch_size >= 1, "max_batch_size must be positive")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None  # None: torch's default (all cores)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 _LOG_REQUEST_MODES = ("off", "meta", "ids", "ids+text")

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from tokenmill.config import CacheConfig, ModelConfig
-from tokenmill.engine.interfaces import RunnerOutput, SampledTokens, SchedulerOutput
+from tokenmill.engine.interfaces import RunnerOutput, SampledTokens, ScheduledRequest, SchedulerOutput
 from tokenmill.engine.model_input import ModelInput, build_model_input
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.engine.sampler import Sampler, token_logprobs
@@ -76,11 +76,31 @@ class ModelRunner:
         result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, inp))
         if inp.sampled:
             logits = self.model.compute_logits(hidden[inp.sample_indices])
-            requests = [s.request for s in inp.sampled]
-            samples = self.sampler(logits, requests)
-            result.sampled = {r.request_id: SampledTokens([token], [logprob])
-                              for r, (token, logprob) in zip(requests, samples, strict=True)}
+            if any(s.spec_token_ids for s in inp.sampled):
+                result.sampled = self._verify(logits, inp)
+            else:
+                requests = [s.request for s in inp.sampled]
+                samples = self.sampler(logits, requests)
+                result.sampled = {r.request_id: SampledTokens([token], [logprob])
+                                  for r, (token, logprob) in zip(requests, samples, strict=True)}
         return result
+
+    def _verify(self, logits: torch.Tensor, inp: ModelInput) -> dict[str, SampledTokens]:
+        """Speculative step: every sampled request owns 1 + k rows (k = 0 without proposals)."""
+        requests = [s.request for s in inp.sampled]
+        drafts = [s.spec_token_ids for s in inp.sampled]
+        # Proposals are point masses (n-gram lookup, a greedy draft): q = one-hot, see Sampler.verify.
+        verified = self.sampler.verify(logits, requests, drafts)
+        return {r.request_id: SampledTokens(tokens, logprobs)
+                for r, (tokens, logprobs) in zip(requests, verified, strict=True)}
+
+    @torch.inference_mode()
+    def sample_logits(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:
+        """Run one step without sampling (a draft model's forward): the requests whose chunk reached
+        their last token, in row order, and the float32 logits of their last token."""
+        inp = build_model_input(out.scheduled, self.block_size, self.arch.sliding_window, self.device)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        return inp.sampled, self.model.compute_logits(hidden[inp.sample_indices])
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: ModelInput) -> dict[str, list[TokenLogprob]]:
         """Position p of the prompt scores prompt token p + 1 (the first prompt token has none)."""
