@@ -90,7 +90,8 @@ def test_stream_disconnect_aborts_and_frees_kv_blocks(live: LiveServer) -> None:
     wait_until(lambda: _is_idle(engine), what="an idle engine")
     with slowed(engine):
         with httpx.stream("POST", f"{live.url}/v1/completions", json={**LONG, "stream": True}, timeout=30) as response:
-            next(_data_lines(response))
+            lines = _data_lines(response)  # held: a discarded line iterator closes the connection
+            next(lines)
             assert engine.num_in_flight == 1 and engine.core.kv.pool.num_free < NUM_KV_BLOCKS
         # Still slowed: the request could not have finished on its own within the wait (a loaded
         # 2-core CI machine needs seconds to notice the disconnect, hence not less).

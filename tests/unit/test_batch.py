@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tokenmill.batch.requests import BatchLineError, Endpoint, sampling_params
+from tokenmill.batch.requests import BatchLineError, BatchRequest, Endpoint, build_request
 from tokenmill.batch.runner import completed_keys, run_batch
 from tokenmill.engine.request import SamplingParams
 from tokenmill.llm import LLM
@@ -171,22 +171,34 @@ def _wait_for_lines(path: Path, count: int, job: subprocess.Popen[bytes], timeou
     pytest.fail(f"no {count} output lines within {timeout_s} s")
 
 
-# ------------------------------------------------------------------------ body → sampling params
+# ------------------------------------------------------------------------ body → engine requests
 
 
-def test_chat_runs_to_the_context_by_default_and_takes_max_completion_tokens() -> None:
-    assert sampling_params({}, Endpoint.CHAT).max_tokens is None
-    assert sampling_params({}, Endpoint.COMPLETIONS).max_tokens == 16
-    assert sampling_params({"max_tokens": 9, "max_completion_tokens": 5}, Endpoint.CHAT).max_tokens == 5
+def _build(llm: LLM, body: dict[str, Any], endpoint: Endpoint = Endpoint.COMPLETIONS) -> BatchRequest:
+    body = {"prompt": "hello"} | body if endpoint is Endpoint.COMPLETIONS else \
+        {"messages": [{"role": "user", "content": "hi"}]} | body
+    return build_request("id", endpoint, body, llm.tokenizer, llm.engine.limits)
 
 
-def test_sampling_fields_are_type_checked() -> None:
-    params = sampling_params({"temperature": 0, "top_k": 5, "stop": "\n", "seed": 3, "n": 2}, Endpoint.COMPLETIONS)
-    assert (params.temperature, params.top_k, params.stop, params.seed, params.n) == (0.0, 5, ["\n"], 3, 2)
+def test_chat_runs_to_the_context_by_default_and_takes_max_completion_tokens(llm: LLM) -> None:
+    chat = _build(llm, {}, Endpoint.CHAT)
+    room = llm.engine.limits.max_model_len - len(chat.prompts[0].token_ids)
+    assert chat.children[0].params.max_tokens == room
+    assert _build(llm, {}).children[0].params.max_tokens == 16
+    assert _build(llm, {"max_tokens": 9, "max_completion_tokens": 5}, Endpoint.CHAT).children[0].params.max_tokens == 5
+
+
+def test_sampling_fields_are_type_checked(llm: LLM) -> None:
+    request = _build(llm, {"temperature": 0, "top_k": 5, "stop": "\n", "seed": 3, "n": 2})
+    params = [child.params for child in request.children]
+    assert [(p.temperature, p.top_k, p.stop, p.seed, p.n) for p in params] == [(0.0, 5, ["\n"], 3, 1),
+                                                                              (0.0, 5, ["\n"], 4, 1)]
     bad_bodies: list[dict[str, Any]] = [
         {"n": 1.5}, {"temperature": "hot"}, {"seed": True}, {"stop": [1]}, {"top_p": 0}, {"n": 65},
         {"seed": 2**64}, {"top_k": 10**30}, {"temperature": float("nan")}, {"repetition_penalty": float("inf")},
+        {"logprobs": 2}, {"echo": True}, {"stop_token_ids": [10**6]}, {"suffix": "x"},
     ]
     for body in bad_bodies:
-        with pytest.raises(BatchLineError):
-            sampling_params(body, Endpoint.COMPLETIONS)
+        with pytest.raises(BatchLineError) as caught:
+            _build(llm, body)
+        assert caught.value.param == next(iter(body)), body

@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -25,7 +25,6 @@ from tqdm import tqdm
 from tokenmill.batch.requests import (
     BatchLineError,
     BatchRequest,
-    ModelLimits,
     build_request,
     custom_id_of,
     error_line,
@@ -33,9 +32,7 @@ from tokenmill.batch.requests import (
     read_envelope,
     success_line,
 )
-from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
-from tokenmill.engine.request import SamplingParams
 from tokenmill.llm import LLM
 
 log = logging.getLogger(__name__)
@@ -134,13 +131,11 @@ class BatchJob:
     """Feeds parsed lines into the engine core and writes each line's result when it completes."""
 
     def __init__(self, llm: LLM, output: IO[str], model_name: str, max_in_flight: int, bar: tqdm[Any]) -> None:
-        self.llm = llm
         self.engine = llm.engine
         self.output = output
         self.model_name = model_name
         self.max_in_flight = max_in_flight
         self.bar = bar
-        self.limits = ModelLimits(self.engine.limits.max_model_len, self.engine.limits.vocab_size)
         self.in_flight: dict[str, _InFlight] = {}
         self.num_engine_requests = 0
         self.summary = BatchSummary()
@@ -164,7 +159,7 @@ class BatchJob:
         done.add(key)  # a repeated custom_id later in the file is skipped, not answered twice
         try:
             checked_id, endpoint, body = read_envelope(line)
-            request = build_request(checked_id, endpoint, body, self.llm.tokenizer, self.limits)
+            request = build_request(checked_id, endpoint, body, self.engine.tokenizer, self.engine.limits)
         except BatchLineError as error:
             self._write(error_line(custom_id, error, line_no))
             self.summary.num_failed += 1
@@ -181,13 +176,8 @@ class BatchJob:
         key = str(self._next_key)
         self._next_key += 1
         self.in_flight[key] = _InFlight(request)
-        n = request.params.n
-        for prompt_index, (ids, text) in enumerate(zip(request.prompts, request.prompt_texts, strict=True)):
-            for sample in range(n):
-                index = prompt_index * n + sample  # OpenAI's choice order: prompt-major
-                params = _sample_params(request, sample)
-                engine_id = f"{key}/{index}"
-                self.engine.add_request(engine_id, EncodedPrompt(text, ids), params, index=index)
+        for child in request.children:
+            self.engine.add_request(f"{key}/{child.index}", child.prompt, child.params, index=child.index)
         self.num_engine_requests += request.num_choices
 
     def _step(self) -> None:
@@ -220,13 +210,6 @@ class BatchJob:
         if elapsed > 0:
             rate = self.summary.num_generated_tokens / elapsed
             self.bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
-
-
-def _sample_params(request: BatchRequest, sample: int) -> SamplingParams:
-    """Each of the n samples is its own engine request; distinct seeds keep seeded n > 1 varied."""
-    params = request.params
-    seed = None if params.seed is None else params.seed + sample
-    return replace(params, n=1, seed=seed)
 
 
 def run_batch(llm: LLM, input_path: Path, output_path: Path, *, model_name: str,

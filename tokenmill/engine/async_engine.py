@@ -104,10 +104,6 @@ class AsyncEngine:
         return self.limits.max_model_len
 
     @property
-    def vocab_size(self) -> int:
-        return self.limits.vocab_size
-
-    @property
     def core(self) -> EngineCore:
         """For tests and diagnostics; only the engine thread may change it."""
         return self.engine.core

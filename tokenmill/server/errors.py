@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from tokenmill.errors import RequestValidationError, TokenmillError
+from tokenmill.server.protocol import describe_validation_errors
 
 log = logging.getLogger(__name__)
 
@@ -58,23 +59,6 @@ def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-def _describe_validation(exc: BodyValidationError) -> tuple[str, str | None]:
-    """The first problem in a body as one line, and the field it is about."""
-    errors = exc.errors()
-    if not errors:
-        return "the request body is invalid", None
-    fields = [[str(part) for part in e.get("loc", ()) if part != "body"] for e in errors]
-    param = fields[0][0] if fields[0] else None
-    messages = list(dict.fromkeys(str(e.get("msg", "invalid value")) for e in errors))
-    if param is None:
-        return messages[0], None
-    if all(f[:1] == [param] for f in fields) and len(errors) > 1:
-        # A union (prompt: str | list[str] | ...) reports one error per form it tried.
-        return f"{param}: no accepted form matches: {'; '.join(messages[:3])}", param
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return f"{'.'.join(fields[0])}: {messages[0]}{more}", param
-
-
 async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
     return error_response(exc)
@@ -82,7 +66,7 @@ async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _on_body_invalid(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, BodyValidationError)
-    message, param = _describe_validation(exc)
+    message, param = describe_validation_errors(exc.errors())
     return error_response(bad_request(message, param))
 
 

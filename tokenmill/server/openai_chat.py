@@ -17,7 +17,7 @@ from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.server.fanout import ChoiceUpdate
 from tokenmill.server.logprob_format import chat_logprobs
-from tokenmill.server.openai_inputs import chat_children, chat_prompt, refuse_unsupported_chat
+from tokenmill.server.openai_inputs import chat_inputs
 from tokenmill.server.pipeline import collect, get_state, now_s, start_run
 from tokenmill.server.protocol import (
     ChatChoice,
@@ -42,11 +42,11 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     state = get_state(request)
     state.check_model(body.model)
     engine = state.require_engine()
-    refuse_unsupported_chat(body)
-    prompt = chat_prompt(engine.tokenizer, body.messages, body.add_generation_prompt)
-    children = chat_children(body, prompt, engine.limits)
+    inputs = chat_inputs(body, engine.tokenizer, engine.limits)
+    (prompt,) = inputs.prompts
     texts = state.require_texts()
-    run, response_id = start_run(state, request, children, "chatcmpl", body.priority)  # nothing may fail after this
+    # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
+    run, response_id = start_run(state, request, inputs.children, "chatcmpl", body.priority)
     ctx = _Context(body, prompt, texts, response_id, state.config.served_model_name, now_s())
     if body.stream:
         return sse_response(run, _ChatChunks(ctx), state)

@@ -17,7 +17,7 @@ from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.server.fanout import ChoiceUpdate
 from tokenmill.server.logprob_format import completion_logprobs
-from tokenmill.server.openai_inputs import completion_children, completion_prompts, refuse_unsupported_completion
+from tokenmill.server.openai_inputs import completion_inputs
 from tokenmill.server.pipeline import collect, get_state, now_s, start_run
 from tokenmill.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from tokenmill.server.sse import sse_response
@@ -32,12 +32,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = get_state(request)
     state.check_model(body.model)
     engine = state.require_engine()
-    refuse_unsupported_completion(body)
-    prompts = completion_prompts(engine.tokenizer, engine.limits, body.prompt)
-    children = completion_children(body, prompts, engine.limits)
+    inputs = completion_inputs(body, engine.tokenizer, engine.limits)
     texts = state.require_texts()
-    run, response_id = start_run(state, request, children, "cmpl", body.priority)  # nothing may fail after this
-    ctx = _Context(body, prompts, texts, response_id, state.config.served_model_name, now_s())
+    # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
+    run, response_id = start_run(state, request, inputs.children, "cmpl", body.priority)
+    ctx = _Context(body, inputs.prompts, texts, response_id, state.config.served_model_name, now_s())
     if body.stream:
         return sse_response(run, _CompletionChunks(ctx), state)
     last = await collect(run, request)

@@ -10,6 +10,7 @@ job with an error line. Nothing that could fail inside the engine loop gets past
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.inputs import ChildRequest, EncodedPrompt, RequestLimits, fan_out
@@ -19,6 +20,34 @@ from tokenmill.models.loading.tokenizer import Tokenizer
 from tokenmill.server.protocol import ChatMessage, ChatRequest, CompletionRequest, GenerationRequest
 
 _GREEDY_BELOW = 1e-5  # vLLM's threshold: smaller temperatures overflow the logits, so run greedy
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInputs:
+    """One API request as the engine runs it: its prompts, and one child request per choice."""
+
+    prompts: list[EncodedPrompt]  # chat: exactly one
+    children: list[ChildRequest]  # prompt-major: choice index = prompt_index × n + sample
+
+
+def completion_inputs(body: CompletionRequest, tokenizer: Tokenizer, limits: RequestLimits) -> EngineInputs:
+    _refuse_unsupported_completion(body)
+    prompts = completion_prompts(tokenizer, limits, body.prompt)
+    children: list[ChildRequest] = []
+    prompt_logprobs = body.logprobs if body.echo else None
+    for i, prompt in enumerate(prompts):
+        max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_tokens)
+        params = sampling_params(body, limits, max_tokens, body.logprobs, prompt_logprobs)
+        children.extend(fan_out(i, prompt, params))
+    return EngineInputs(prompts, children)
+
+
+def chat_inputs(body: ChatRequest, tokenizer: Tokenizer, limits: RequestLimits) -> EngineInputs:
+    _refuse_unsupported_chat(body)
+    prompt = chat_prompt(tokenizer, body.messages, body.add_generation_prompt)
+    max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_output_tokens)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return EngineInputs([prompt], fan_out(0, prompt, sampling_params(body, limits, max_tokens, logprobs, None)))
 
 
 def encode_text(tokenizer: Tokenizer, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
@@ -61,12 +90,12 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
     return EncodedPrompt(text, encode_text(tokenizer, text, "messages", add_special_tokens=False))
 
 
-def refuse_unsupported_completion(body: CompletionRequest) -> None:
+def _refuse_unsupported_completion(body: CompletionRequest) -> None:
     if body.suffix:
         raise RequestValidationError("suffix is not supported: put the whole text in the prompt", "suffix")
 
 
-def refuse_unsupported_chat(body: ChatRequest) -> None:
+def _refuse_unsupported_chat(body: ChatRequest) -> None:
     if body.response_format is not None and body.response_format.type != "text":
         raise RequestValidationError(
             f"response_format {body.response_format.type!r} is not supported yet: leave response_format out (or "
@@ -75,24 +104,6 @@ def refuse_unsupported_chat(body: ChatRequest) -> None:
         raise RequestValidationError("tool calling is not supported yet: send the request without tools", "tools")
     if body.top_logprobs and not body.logprobs:
         raise RequestValidationError("top_logprobs needs logprobs: true", "top_logprobs")
-
-
-def completion_children(body: CompletionRequest, prompts: list[EncodedPrompt],
-                        limits: RequestLimits) -> list[ChildRequest]:
-    """n children per prompt, prompt-major (choice index = prompt_index × n + sample)."""
-    children: list[ChildRequest] = []
-    prompt_logprobs = body.logprobs if body.echo else None
-    for i, prompt in enumerate(prompts):
-        max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_tokens)
-        params = sampling_params(body, limits, max_tokens, body.logprobs, prompt_logprobs)
-        children.extend(fan_out(i, prompt, params))
-    return children
-
-
-def chat_children(body: ChatRequest, prompt: EncodedPrompt, limits: RequestLimits) -> list[ChildRequest]:
-    max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_output_tokens)
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return fan_out(0, prompt, sampling_params(body, limits, max_tokens, logprobs, None))
 
 
 def sampling_params(body: GenerationRequest, limits: RequestLimits, max_tokens: int, logprobs: int | None,

@@ -9,6 +9,7 @@ are accepted under vLLM's names.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
@@ -26,6 +27,22 @@ class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """The first problem in a body (pydantic's error list) as one line, and the field it is about."""
+    if not errors:
+        return "the request body is invalid", None
+    fields = [[str(part) for part in e.get("loc", ()) if part != "body"] for e in errors]
+    param = fields[0][0] if fields[0] else None
+    messages = list(dict.fromkeys(str(e.get("msg", "invalid value")) for e in errors))
+    if param is None:
+        return messages[0], None
+    if all(f[:1] == [param] for f in fields) and len(errors) > 1:
+        # A union (prompt: str | list[str] | ...) reports one error per form it tried.
+        return f"{param}: no accepted form matches: {'; '.join(messages[:3])}", param
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return f"{'.'.join(fields[0])}: {messages[0]}{more}", param
+
+
 # ----------------------------------------------------------------------------- requests
 
 
@@ -39,7 +56,7 @@ class GenerationRequest(_Body):
     model: str | None = None  # None: the served model
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
+    top_k: int = Field(default=-1, ge=-1, le=_INT32_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
