@@ -108,3 +108,17 @@ def test_connection_refused() -> None:
 
 def test_server_root_strips_v1() -> None:
     assert server_root("http://h:1/v1/") == server_root("http://h:1") == "http://h:1"
+
+
+def test_the_servers_phase_times_are_read_from_the_usage_chunk() -> None:
+    timing = {"index": 0, "queue_s": 0.0001, "prefill_s": 0.02, "decode_s": 0.3, "ttft_s": 0.0201, "e2e_s": 0.3201}
+    other = {**timing, "index": 1, "queue_s": 9.0}
+    final = {**usage(5, 2), "tokenmill": {"timings": [other, timing]}}
+    record, _, _ = run([(0.0, chat("a")), (0.0, chat("b", finish="length")), (0.0, final), (0.0, "[DONE]")])
+    assert record.server_s == {k: v for k, v in timing.items() if k != "index"}
+    assert RequestRecord.from_json(record.to_json()).server_s == record.server_s
+    plain, _, _ = run([(0.0, chat("a", finish="length")), (0.0, usage(5, 1)), (0.0, "[DONE]")])
+    assert plain.server_s is None  # llama-server, vLLM: no extension
+    broken, _, _ = run([(0.0, chat("a", finish="length")), (0.0, {**usage(5, 1), "tokenmill": {"timings": 3}}),
+                        (0.0, "[DONE]")])
+    assert broken.server_s is None

@@ -40,9 +40,13 @@ def check_run(run: dict[str, Any], num_requests: int, output_len: int) -> None:
     for request in requests:
         assert request["error_kind"] is None and request["output_tokens_source"] == "usage"
         assert 0 < request["ttft_s"] <= request["e2e_s"] and request["prompt_tokens"] > 0
+    assert run["server_metrics"]["method"] == "exact"  # tokenmill sends each request's phase times
     phases = run["server_metrics"]["phases_s"]
-    assert {"queue", "prefill", "decode"} <= set(phases)
+    assert {"queue", "prefill", "decode", "ttft", "e2e"} <= set(phases)
     assert all(phases[p]["count"] == num_requests for p in ("queue", "prefill", "decode"))
+    for request in requests:  # the server's view of a request lies inside the client's
+        server_s = request["server_s"]
+        assert 0 <= server_s["queue_s"] <= server_s["ttft_s"] <= server_s["e2e_s"] <= request["e2e_s"]
 
 
 @pytest.mark.parametrize(("workload", "sessions", "turns", "flags"), ARCHETYPES, ids=[a[0] for a in ARCHETYPES])

@@ -24,7 +24,7 @@ from tokenmill.bench.errors import BenchError
 from tokenmill.bench.metrics import SLO, BenchMetrics, compute_metrics
 from tokenmill.bench.records import RequestRecord
 from tokenmill.bench.runner import RunOutcome, RunSpec, make_client, run_sessions
-from tokenmill.bench.server_metrics import finished_count, phase_breakdown, scrape_settled
+from tokenmill.bench.server_metrics import EXACT, exact_phases, finished_count, phase_breakdown, scrape_settled
 from tokenmill.bench.sessions import Api, Session
 from tokenmill.bench.tokens import PromptFactory, connect_tokenizer
 from tokenmill.bench.workloads import WorkloadParams, get_workload
@@ -135,7 +135,7 @@ async def measure(client: httpx.AsyncClient, target: Target, config: BenchConfig
     outcome = await run_sessions(client, target, spec)
     num_done = sum(record.is_success for record in outcome.records)
     after = await scrape_settled(client, target.base_url, (finished_count(before) or 0.0) + num_done)
-    server = phase_breakdown(before, after)
+    server = phase_breakdown(before, after, outcome.records)
     return outcome, server, arrival
 
 
@@ -144,8 +144,19 @@ def finish(target: Target, config: BenchConfig, arrival: ArrivalProcess, outcome
     records = pool(outcomes)
     duration_s = sum(outcome.duration_s for outcome in outcomes)
     metrics = compute_metrics(records, duration_s, config.slo, config.usd_per_hour)
-    server = servers[0] if len(servers) == 1 else None  # phase quantiles do not pool across rounds
-    return RunResult(target, arrival.describe(), metrics, server, records, outcomes[0].started_unix, len(outcomes))
+    return RunResult(target, arrival.describe(), metrics, pooled_server(servers, records), records,
+                     outcomes[0].started_unix, len(outcomes))
+
+
+def pooled_server(servers: list[dict[str, Any] | None], records: list[RequestRecord]) -> dict[str, Any] | None:
+    """One round's breakdown as it is; several rounds pool only exact per-request times (bucket
+    quantiles do not add up, and the prefix cache is warm after the first round)."""
+    if len(servers) == 1:
+        return servers[0]
+    exact = exact_phases(records)
+    if exact is None:
+        return None
+    return {"source": "tokenmill", "method": EXACT, "phases_s": exact, "prefix_cache_hit_rate": None}
 
 
 def pool(outcomes: list[RunOutcome]) -> list[RequestRecord]:

@@ -4,7 +4,8 @@ TTFT is the first chunk with non-empty `choices` that carries output. Unlike vLL
 role-only opener (`delta: {"role": "assistant", "content": ""}`): servers that send it before
 the prefill (OpenAI's API does) would otherwise show a TTFT of a few milliseconds. ITL gaps are
 between chunks with text. E2E ends when the stream does. Output tokens come from `usage`
-(we ask for it with `stream_options.include_usage`), else one per content chunk.
+(we ask for it with `stream_options.include_usage`), else one per content chunk. A tokenmill
+server adds the request's exact phase times to that usage chunk (`tokenmill.timings`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tokenmill.bench.records import RequestRecord, TokenSource
 from tokenmill.bench.sessions import Api
 
 ERROR_TEXT_CHARS = 300
+SERVER_PHASES = ("queue_s", "prefill_s", "decode_s", "ttft_s", "e2e_s")
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,11 +50,14 @@ class _StreamState:
     itl_s: list[float] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
     usage: dict[str, Any] | None = None
+    server_s: dict[str, float | None] | None = None
     error: str | None = None
 
     def on_chunk(self, data: dict[str, Any], api: Api, now: float) -> None:
         if isinstance(data.get("usage"), dict):
             self.usage = data["usage"]
+        if isinstance(data.get("tokenmill"), dict):
+            self.server_s = server_timing(data["tokenmill"])
         if "error" in data:
             self.error = json.dumps(data["error"])[:ERROR_TEXT_CHARS]
         choices = data.get("choices") or []
@@ -120,7 +125,23 @@ def _finish(record: RequestRecord, state: _StreamState, ended_at: float) -> None
         record.ttft_s = state.first_output_at - state.sent_at
         record.e2e_s = ended_at - state.sent_at
         record.itl_s = state.itl_s
+        record.server_s = state.server_s
         _count_tokens(record, state)
+
+
+def server_timing(extension: dict[str, Any]) -> dict[str, float | None] | None:
+    """Choice 0's phase times from a `tokenmill` extension object; None if it has none."""
+    timings = extension.get("timings")
+    if not isinstance(timings, list):
+        return None
+    first = next((t for t in timings if isinstance(t, dict) and t.get("index") == 0), None)
+    if first is None:
+        return None
+    return {phase: _seconds(first.get(phase)) for phase in SERVER_PHASES}
+
+
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _count_tokens(record: RequestRecord, state: _StreamState) -> None:
@@ -137,5 +158,5 @@ def _count_tokens(record: RequestRecord, state: _StreamState) -> None:
 
 def _fail(record: RequestRecord, kind: str, message: str) -> None:
     record.error_kind, record.error = kind, message[:ERROR_TEXT_CHARS]
-    record.ttft_s = record.e2e_s = None
+    record.ttft_s = record.e2e_s = record.server_s = None
     record.itl_s, record.output_tokens = [], 0

@@ -33,6 +33,9 @@ class RequestRecord:
     output_tokens_source: TokenSource = TokenSource.USAGE
     error_kind: str | None = None
     error: str | None = None
+    # The server's own phase times of this request ("queue_s", "prefill_s", "decode_s", "ttft_s",
+    # "e2e_s"), from tokenmill's `tokenmill.timings` extension; None where the server sends none.
+    server_s: dict[str, float | None] | None = None
 
     @property
     def is_success(self) -> bool:

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from tokenmill.bench.bench import BenchConfig, Prepared, RunResult, ratios
 from tokenmill.bench.metrics import BenchMetrics
+from tokenmill.bench.server_metrics import EXACT
 from tokenmill.bench.stats import Summary
 from tokenmill.bench.workloads import get_workload
 
@@ -121,13 +122,18 @@ def phase_table(result: RunResult) -> Table:
     server = result.server or {}
     hit_rate = server.get("prefix_cache_hit_rate")
     caption = f"prefix-cache hit rate {hit_rate:.0%}" if isinstance(hit_rate, float) else None
-    table = Table(title=f"server-side phases ({server.get('source')} /metrics buckets), ms: {result.target.base_url}",
-                  caption=caption)
+    table = Table(title=f"server-side phases ({phase_source(server)}), ms: {result.target.base_url}", caption=caption)
     for column in ("phase", "count", "mean", "p50", "p90", "p95", "p99"):
         table.add_column(column, justify="left" if column == "phase" else "right")
     for phase, stats in server.get("phases_s", {}).items():
         table.add_row(phase, f"{stats['count']:.0f}", *(_ms(stats[k]) for k in ("mean", "p50", "p90", "p95", "p99")))
     return table
+
+
+def phase_source(server: dict[str, Any]) -> str:
+    if server.get("method") == EXACT:
+        return f"{server.get('source')}: exact, per request"
+    return f"{server.get('source')} /metrics buckets: approximate"
 
 
 def print_ratios(rows: Sequence[dict[str, Any]], console: Console | None = None) -> None:

@@ -1,9 +1,16 @@
-"""Where the time went, from the target's own Prometheus metrics: queue vs prefill vs decode.
+"""Where the time went on the server: queue vs prefill vs decode, exact where the server says.
 
-A tokenmill (or vLLM, with its `vllm:` prefix) server keeps per-request histograms of each
-phase. Scraping `/metrics` before and after the run and subtracting gives histograms of this run
-alone; quantiles come from the buckets as PromQL's `histogram_quantile` computes them (linear
-inside a bucket, so they are only as fine as the buckets: 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5 s...).
+Two sources, and the result names which (`method`):
+
+- `exact`: a tokenmill server returns each request's phase times with its usage (the `tokenmill`
+  extension, read by client.py into `RequestRecord.server_s`); percentiles are numpy's over those
+  values, as for the client-side metrics.
+- `buckets` (vLLM, with its `vllm:` prefix, or a server without the extension): the per-phase
+  Prometheus histograms, scraped before and after the run and subtracted. Quantiles are then
+  PromQL's `histogram_quantile` (linear inside a bucket) capped by what the bucket's sum allows:
+  approximate, only as fine as the buckets (0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5 s...).
+
+The scrape also gives the prefix-cache hit rate, whichever the phase source.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenmill.bench.stats import PERCENTILES
+from tokenmill.bench.records import RequestRecord
+from tokenmill.bench.stats import PERCENTILES, summarize
 
 PREFIXES = ("tokenmill:", "vllm:")
 PHASES = {"queue": "request_queue_time_seconds", "prefill": "request_prefill_time_seconds",
@@ -45,6 +53,18 @@ class Histogram:
         return Histogram(tuple((le, n - before.get(le, 0.0)) for le, n in self.buckets), self.sum - earlier.sum)
 
     def quantile(self, q: float) -> float | None:
+        """PromQL histogram_quantile, capped by the sum; None without observations."""
+        interpolated = self.interpolated_quantile(q)
+        if interpolated is None:
+            return None
+        # The k-th smallest of N non-negative observations is at most sum / (N - k + 1): the N - k + 1
+        # observations from it upwards are each at least as large. When every observation sits in
+        # the first bucket (queue times of 0.1 ms under a 300 ms bound) interpolation alone says
+        # P50 150 ms; this bound says at most 2 x the mean.
+        k = max(1, math.ceil(q * self.count))
+        return min(interpolated, self.sum / max(1.0, self.count - k + 1))
+
+    def interpolated_quantile(self, q: float) -> float | None:
         """PromQL histogram_quantile: None without observations; the top finite bound if it lands in +Inf."""
         if self.count <= 0:
             return None
@@ -116,9 +136,21 @@ def _prefix(samples: Samples) -> str | None:
     return next((p for p in PREFIXES if any(name.startswith(p + PHASES["queue"]) for name, _ in samples)), None)
 
 
-def phase_breakdown(before: Samples | None, after: Samples | None) -> dict[str, Any] | None:
-    """Per phase: count, mean and percentiles of this run's requests; None if the target has no phases."""
+EXACT = "exact"
+BUCKETS = "buckets"
+
+
+def phase_breakdown(before: Samples | None, after: Samples | None,
+                    records: list[RequestRecord] | None = None) -> dict[str, Any] | None:
+    """Per phase: count, mean and percentiles of this run's requests; None if the target reports no phases.
+
+    Exact when every successful request carried the server's phase times, else from the buckets.
+    """
     prefix = _prefix(after) if after is not None else None
+    exact = exact_phases(records or [])
+    if exact is not None:
+        return {"source": "tokenmill", "method": EXACT, "phases_s": exact,
+                "prefix_cache_hit_rate": _hit_rate(before, after, prefix)}
     if before is None or after is None or prefix is None:
         return None
     phases: dict[str, Any] = {}
@@ -126,6 +158,25 @@ def phase_breakdown(before: Samples | None, after: Samples | None) -> dict[str, 
         now, then = histogram(after, prefix + name), histogram(before, prefix + name)
         if now is not None:
             phases[phase] = (now.minus(then) if then is not None else now).summary()
+    return {"source": prefix.rstrip(":"), "method": BUCKETS, "phases_s": phases,
+            "prefix_cache_hit_rate": _hit_rate(before, after, prefix)}
+
+
+def exact_phases(records: list[RequestRecord]) -> dict[str, Any] | None:
+    """Summaries of the server's own per-request times; None unless every success has them."""
+    done = [r for r in records if r.is_success]
+    if not done or any(r.server_s is None for r in done):
+        return None
+    phases: dict[str, Any] = {}
+    for phase in PHASES:
+        values = [v for r in done if r.server_s is not None and (v := r.server_s.get(f"{phase}_s")) is not None]
+        if values:
+            phases[phase] = summarize(values).as_dict()
+    return phases
+
+
+def _hit_rate(before: Samples | None, after: Samples | None, prefix: str | None) -> float | None:
+    if before is None or after is None or prefix is None:
+        return None
     queries, hits = (after.get((prefix + n, None), 0.0) - before.get((prefix + n, None), 0.0) for n in PREFIX_CACHE)
-    return {"source": prefix.rstrip(":"), "phases_s": phases,
-            "prefix_cache_hit_rate": hits / queries if queries > 0 else None}
+    return hits / queries if queries > 0 else None
