@@ -75,7 +75,7 @@ def parse_answer(text: str) -> int | None:
 class Arithmetic(Task):
     name = "arithmetic"
     description = "multi-digit +, -, × (seeded), 4-shot, greedy, exact match on the first integer"
-    default_items = 48
+    default_items = 40
     metrics = (PairedMetric(Metric("exact_match", mean("correct")), "correct", binary=True),)
 
     def run(self, backend: Backend, config: TaskConfig, progress: ProgressBar) -> list[ItemResult]:

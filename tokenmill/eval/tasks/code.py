@@ -21,7 +21,7 @@ from tokenmill.eval.tasks.base import (
 )
 from tokenmill.eval.tasks.code_problems import PROBLEMS, CodeProblem
 
-STOP = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#", "\nassert ")
+STOP = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#", "\nassert ", "```")  # the last: a chat model closing markdown
 MAX_TOKENS = 160
 SANDBOX_WORKERS = 2
 

@@ -74,7 +74,7 @@ def _load_golden(path: Path) -> dict[str, Any] | None:
 class Greedy(Task):
     name = "greedy"
     description = "32 greedy tokens per prompt, token ids compared with a golden file or a reference"
-    default_items = 12
+    default_items = 8
     metrics = (PairedMetric(Metric("golden_identity", mean("identical")), "identical", binary=True),
                PairedMetric(Metric("golden_prefix_match", mean("prefix_frac")), "prefix_frac"))
     pair_metrics = (Metric("identity", mean("identical")), Metric("prefix_match", mean("prefix_frac")))

@@ -1,8 +1,9 @@
 """Multiple choice by log-likelihood, as lm-evaluation-harness scores it: for each choice, the
-summed logprob of the continuation given the context (one `echo` + `logprobs` request over
-`[prefix] + context + continuation`); `acc` takes the argmax of the sums, `acc_norm` of the sums
-per byte of continuation. Items are generated from a seed: arithmetic, world capitals, and the
-value of short Python expressions.
+summed logprob of the continuation given the context (one `echo` + `logprobs` request over the
+token ids of `context + continuation`, no BOS added: lm-eval's `local-completions` sends exactly
+this); `acc` takes the argmax of the sums, `acc_norm` of the sums per byte of continuation.
+Items are generated from a seed: arithmetic, world capitals, and the value of short Python
+expressions.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def continuation_tokens(backend: Backend, context: str, continuation: str) -> tu
 class MultipleChoice(Task):
     name = "mc"
     description = "4-way multiple choice by log-likelihood (arithmetic, capitals, Python values): acc, acc_norm"
-    default_items = 60
+    default_items = 48
     metrics = (
         PairedMetric(Metric("acc", mean("correct")), "correct", binary=True),
         PairedMetric(Metric("acc_norm", mean("correct_norm")), "correct_norm", binary=True),
@@ -109,16 +110,15 @@ class MultipleChoice(Task):
 
     def run(self, backend: Backend, config: TaskConfig, progress: ProgressBar) -> list[ItemResult]:
         items = questions(config.items(self.default_items), config.seed)
-        prefix = backend.prefix_token()
         prompts: list[list[int]] = []
         lengths: list[int] = []
         for question in items:
             for choice in question.choices:
                 context_ids, cont_ids = continuation_tokens(backend, question.context, choice)
-                prompts.append([prefix, *context_ids, *cont_ids])
+                prompts.append([*context_ids, *cont_ids])
                 lengths.append(len(cont_ids))
         progress.start(len(prompts))
-        scored = backend.score(prompts, top_k=0, progress=progress.advance)
+        scored = backend.score(prompts, top_k=1, progress=progress.advance)  # lm-eval asks for logprobs=1
         results = []
         for i, question in enumerate(items):
             rows = range(i * NUM_CHOICES, (i + 1) * NUM_CHOICES)

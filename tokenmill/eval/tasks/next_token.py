@@ -30,7 +30,7 @@ TOP_K = 20  # the most an OpenAI-compatible server returns
 class NextToken(Task):
     name = "next-token"
     description = "top-k logprobs per position: top-1 accuracy alone; top-1 agreement and KL against a reference"
-    default_items = 16
+    default_items = 12
     top_k: ClassVar[int] = TOP_K
     metrics = (PairedMetric(Metric("top1_acc", ratio("top1_correct", "positions")), "top1_rate"),)
     pair_metrics = (

@@ -39,7 +39,7 @@ def _bpb(cols: Columns) -> float:
 
 class _Perplexity(Task):
     corpus_name: ClassVar[str]
-    default_items = 16
+    default_items = 12
     metrics = (
         PairedMetric(Metric("ppl", _ppl, higher_is_better=False), "nll_per_byte", relative=True),
         PairedMetric(Metric("bits_per_byte", _bpb, higher_is_better=False, unit="bits"), "nll_per_byte",
