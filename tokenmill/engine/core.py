@@ -44,12 +44,15 @@ class EngineCore:
         dtype, device = config.model.torch_dtype(), config.model.torch_device()
         block_size = config.cache.block_size
         kv_spec = kv_cache_spec(config.cache.kv_cache_dtype, dtype)
+        context_limit = self._context_limit()
+        # Weights first, then the memory probe: what the weights take is not free for the KV cache.
+        self.runner = ModelRunner(config.model, arch, tensors, context_limit, block_size, None, kv_spec)
         num_blocks = num_kv_blocks(arch, config.cache, kv_spec, device)
-        self.max_model_len = self._max_model_len(num_blocks * block_size)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.max_model_len = self._max_model_len(context_limit, num_blocks * block_size)
         self.limits = RequestLimits(self.max_model_len, arch.vocab_size)
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.runner = ModelRunner(config.model, arch, tensors, self.max_model_len, block_size, num_blocks, kv_spec)
         self.speculator = build_speculator(config.speculative, config.model, arch, block_size, num_blocks,
                                            self.max_model_len, draft)
         log.info("KV cache: %s, %d tokens in %d blocks of %d, %.1f MiB (%d bytes per token over %d layers)",
@@ -59,15 +62,21 @@ class EngineCore:
         log.info("engine ready: %s, %d KV blocks of %d tokens, context %d, %s on %s",
                  arch.architecture, num_blocks, block_size, self.max_model_len, dtype, device)
 
-    def _max_model_len(self, kv_capacity_tokens: int) -> int:
-        """The model's context, capped so that one request alone always fits in the KV cache
-        (otherwise it would preempt itself forever)."""
+    def _context_limit(self) -> int:
+        """The longest context the model and the scheduler allow, before the KV cache is sized."""
         requested = self.config.model.max_model_len
         natural = min(self.arch.max_position_embeddings, _MAX_DEFAULT_CONTEXT)
-        limit = min(requested or natural, self.arch.max_position_embeddings, kv_capacity_tokens)
+        limit = min(requested or natural, self.arch.max_position_embeddings)
         if not self.config.scheduler.enable_chunked_prefill:
             # Without chunking a whole (re-)prefill must fit one step's budget, or it would wait forever.
             limit = min(limit, self.config.scheduler.max_num_batched_tokens)
+        return limit
+
+    def _max_model_len(self, context_limit: int, kv_capacity_tokens: int) -> int:
+        """The context, capped so that one request alone always fits in the KV cache
+        (otherwise it would preempt itself forever)."""
+        limit = min(context_limit, kv_capacity_tokens)
+        requested = self.config.model.max_model_len
         if requested is not None and limit < requested:
             log.warning("max_model_len %d capped to %d by the model or the KV cache size", requested, limit)
         return limit

@@ -47,7 +47,10 @@ def num_kv_blocks(arch: ArchConfig, cache: CacheConfig, spec: KVCacheSpec, devic
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, arch: ArchConfig, tensors: Mapping[str, torch.Tensor],
-                 max_model_len: int, block_size: int, num_blocks: int, kv_spec: KVCacheSpec | None = None) -> None:
+                 max_model_len: int, block_size: int, num_blocks: int | None,
+                 kv_spec: KVCacheSpec | None = None) -> None:
+        """`num_blocks` None: no KV cache yet; the caller sizes it once the weights are in memory
+        (`allocate_kv_cache`). `max_model_len` bounds the positions the model can take."""
         self.device = model_config.torch_device()
         self.dtype = model_config.torch_dtype()
         self.arch = arch
@@ -57,8 +60,13 @@ class ModelRunner:
             arch, max_model_len, self.dtype, self.device, model_config.gemm_backend, model_config.attention_backend,
             model_config.quantization)
         self.model.load_weights(tensors)
-        self.kv_caches = self._allocate_kv(num_blocks)
+        self.kv_caches: list[LayerKVCache] = []
+        if num_blocks is not None:
+            self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler(self.device, model_config.seed)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = self._allocate_kv(num_blocks)
 
     def _allocate_kv(self, num_blocks: int) -> list[LayerKVCache]:
         return [self.kv_spec.allocate(num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
