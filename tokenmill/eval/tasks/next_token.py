@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from tokenmill.eval.client import Backend, PositionLogprobs
+from tokenmill.eval.client import Backend, EvalError, PositionLogprobs
 from tokenmill.eval.metrics import Metric, top1, topk_kl
 from tokenmill.eval.tasks.base import (
     ItemResult,
@@ -54,6 +54,9 @@ class NextToken(Task):
     def pair(self, reference: ItemResult, candidate: ItemResult) -> dict[str, float]:
         ref: list[PositionLogprobs] = reference.raw
         cand: list[PositionLogprobs] = candidate.raw
+        if ref and cand and isinstance(ref[0].token, int) != isinstance(cand[0].token, int):
+            raise EvalError("one side reports token ids and the other only token text (a server without "
+                            "return_tokens_as_token_ids): compare two servers of the same kind")
         # Positions line up only when both tokenized the passage the same way.
         if [p.token for p in ref] != [p.token for p in cand]:
             return {"agree": 0.0, "kl": 0.0, "aligned": 0.0}
