@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.inputs import fan_out
 from tokenmill.engine.llm_engine import LLMEngine
@@ -28,13 +28,15 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, policy: str = "fcfs",
                  enable_chunked_prefill: bool = True, seed: int = 0, num_threads: int | None = None,
                  gemm_backend: str = "auto", attention_backend: str = "auto", kv_cache_dtype: str = "auto",
-                 quantization: str = "auto") -> None:
+                 quantization: str = "auto", speculative: str | None = None, draft_model: str | None = None,
+                 num_speculative_tokens: int = 4, ngram_min: int = 1, ngram_max: int = 4) -> None:
         self.config = EngineConfig(
             ModelConfig(model, dtype, device, max_model_len, seed, gemm_backend, attention_backend, quantization),
             CacheConfig(block_size, num_kv_blocks, kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
                         kv_cache_dtype=kv_cache_dtype),
             SchedulerConfig(max_num_batched_tokens, max_num_seqs, policy, enable_chunked_prefill),
             num_threads,
+            SpeculativeConfig(speculative, num_speculative_tokens, ngram_min, ngram_max, draft_model),
         )
         self.engine = LLMEngine.from_config(self.config)
         self.loaded = self.engine.loaded

@@ -7,7 +7,12 @@ import sys
 import time
 from typing import Any
 
-from tokenmill.cli.serve import add_kernel_arguments, add_kv_cache_argument
+from tokenmill.cli.serve import (
+    add_kernel_arguments,
+    add_kv_cache_argument,
+    add_speculative_arguments,
+    speculative_kwargs,
+)
 from tokenmill.engine.request import SamplingParams
 from tokenmill.models.catalog import DEFAULT_MODEL
 
@@ -34,6 +39,7 @@ def add_generate_parser(subparsers: Any) -> None:
     parser.add_argument("--quiet-stats", action="store_true", help="do not print timings to stderr")
     add_kv_cache_argument(parser)
     add_kernel_arguments(parser)
+    add_speculative_arguments(parser)
     parser.set_defaults(handler=run_generate)
 
 
@@ -46,7 +52,7 @@ def run_generate(args: argparse.Namespace) -> int:
                             seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     llm = LLM(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               num_threads=args.threads, gemm_backend=args.gemm_backend, attention_backend=args.attention_backend,
-              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, **speculative_kwargs(args))
     tokens: str | list[int] = prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])

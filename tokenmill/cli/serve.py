@@ -36,6 +36,24 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--seed", type=int, default=0)
     add_kernel_arguments(parser)
+    add_speculative_arguments(parser)
+
+
+def add_speculative_arguments(parser: Any) -> None:
+    parser.add_argument("--speculative", default=None, choices=["ngram", "draft"],
+                        help="speculative decoding: ngram = prompt lookup, draft = a smaller model (--draft-model)")
+    parser.add_argument("--draft-model", default=None,
+                        help="draft model sharing the target's tokenizer (catalog name or path)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per request per step")
+    parser.add_argument("--ngram-min", type=int, default=1, help="shortest suffix the n-gram lookup matches")
+    parser.add_argument("--ngram-max", type=int, default=4, help="longest suffix the n-gram lookup matches")
+
+
+def speculative_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The speculative flags as LLM(...) / SpeculativeConfig keyword arguments."""
+    return {"speculative": args.speculative, "draft_model": args.draft_model,
+            "num_speculative_tokens": args.num_speculative_tokens, "ngram_min": args.ngram_min,
+            "ngram_max": args.ngram_max}
 
 
 def add_kv_cache_argument(parser: Any) -> None:
@@ -76,7 +94,14 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+    from tokenmill.config import (
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        SchedulerConfig,
+        ServerConfig,
+        SpeculativeConfig,
+    )
     from tokenmill.server.request_log import configure_logging
     from tokenmill.server.serve import run_server
 
@@ -88,6 +113,8 @@ def run_serve(args: argparse.Namespace) -> int:
         CacheConfig(num_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype),
         SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy),
         num_threads=args.threads,
+        speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.ngram_min, args.ngram_max,
+                                      args.draft_model),
     )
     server_config = ServerConfig(
         host=args.host, port=args.port, served_model_name=args.served_model_name or model_name,

@@ -89,6 +89,7 @@ class ServerMetrics:
         self._build_token_metrics(max_model_len)
         self._build_latency_metrics()
         self._build_server_metrics()
+        self._build_spec_metrics()
         self._create_children()
 
     # ---------------------------------------------------------------- construction
@@ -174,12 +175,25 @@ class ServerMetrics:
         self.requests_rejected = self._counter(
             "requests_rejected", "Requests refused by admission control (HTTP 429).")
 
+    def _build_spec_metrics(self) -> None:
+        # vLLM's speculative-decoding counters; acceptance rate = accepted / draft tokens.
+        self.spec_num_drafts = self._counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_num_draft_tokens = self._counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_num_accepted_tokens = self._counter(
+            "spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            (*LABELS, "position"), registry=self.registry)
+        self.spec_enabled = self._gauge(
+            "spec_decode_enabled", "1 while the speculation controller lets requests propose, else 0.")
+
     # ---------------------------------------------------------------- recording
 
     def on_step(self, stats: StepStats, finished: list[RequestOutput]) -> None:
         """Record one engine step; called from the engine thread after every step."""
         self._record_scheduler(stats)
         self._record_tokens(stats)
+        self._record_spec(stats)
         for output in finished:
             self._record_finished(output)
 
@@ -204,6 +218,17 @@ class ServerMetrics:
         self.prefix_cache_queries.labels(model).inc(queries)
         self.prefix_cache_hits.labels(model).inc(hits)
         self.num_preemptions.labels(model).inc(stats.num_preempted)
+
+    def _record_spec(self, stats: StepStats) -> None:
+        if stats.spec_is_on is None:
+            return  # speculation not configured: the series stay at zero
+        model = self.model_name
+        self.spec_enabled.labels(model).set(1.0 if stats.spec_is_on else 0.0)
+        self.spec_num_drafts.labels(model).inc(stats.spec_num_drafts)
+        self.spec_num_draft_tokens.labels(model).inc(stats.spec_num_draft_tokens)
+        self.spec_num_accepted_tokens.labels(model).inc(stats.spec_num_accepted_tokens)
+        for position, count in enumerate(stats.spec_accepted_per_position):
+            self.spec_accepted_per_pos.labels(model, str(position)).inc(count)
 
     def _record_tokens(self, stats: StepStats) -> None:
         model = self.model_name

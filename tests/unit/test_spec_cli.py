@@ -1,0 +1,38 @@
+"""Speculative-decoding flags on generate/serve and SpeculativeConfig's checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.cli.main import build_parser, main
+from tokenmill.cli.serve import speculative_kwargs
+from tokenmill.config import SpeculativeConfig
+from tokenmill.errors import TokenmillError
+
+
+def test_flags_parse_on_generate_and_serve() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["generate", "m", "hi", "--speculative", "ngram", "--num-speculative-tokens", "6",
+                              "--ngram-min", "2", "--ngram-max", "5"])
+    assert speculative_kwargs(args) == {"speculative": "ngram", "draft_model": None, "num_speculative_tokens": 6,
+                                        "ngram_min": 2, "ngram_max": 5}
+    args = parser.parse_args(["serve", "m", "--speculative", "draft", "--draft-model", "d"])
+    assert (args.speculative, args.draft_model, args.num_speculative_tokens) == ("draft", "d", 4)
+    assert parser.parse_args(["serve"]).speculative is None  # off unless asked
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"method": "draft"}, "needs a draft model"),
+    ({"method": "eagle"}, "not supported"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, "ngram_min"),
+])
+def test_config_rejects_bad_settings(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(TokenmillError, match=message):
+        SpeculativeConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_draft_without_a_model_is_a_one_line_cli_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "smollm2-135m", "hi", "--speculative", "draft"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: speculative method 'draft' needs a draft model: pass --draft-model NAME"]
