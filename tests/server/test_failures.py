@@ -7,6 +7,7 @@ requests pile up in the admission queue), or raise (a crash inside the engine lo
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import threading
@@ -19,6 +20,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import MODEL, NUM_KV_BLOCKS, LiveServer, start_server, wait_until
 from tokenmill.config import ServerConfig
@@ -107,6 +109,42 @@ def test_plain_request_disconnect_aborts_too(live: LiveServer) -> None:
             httpx.post(f"{live.url}/v1/completions", json=LONG, timeout=httpx.Timeout(30, read=0.5))
         wait_until(lambda: _is_idle(engine), timeout_s=8, what="the blocks to return")
     assert live.state.admission.num_in_flight == 0
+
+
+def _metric(live: LiveServer, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(httpx.get(f"{live.url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    raise AssertionError(f"{name} {labels} is not exposed")
+
+
+def test_gauges_fall_to_zero_and_every_abort_counts_when_clients_leave(live: LiveServer) -> None:
+    """24 streams dropped after their first token: once the engine idles (no step runs any
+    more), /metrics must say nothing runs and no KV is held, and count 24 aborts."""
+    engine = live.engine
+    num_clients = 24
+    wait_until(lambda: _is_idle(engine), what="an idle engine")
+    aborts_before = _metric(live, "tokenmill:request_success_total", finished_reason="abort")
+
+    async def first_token_then_leave(client: httpx.AsyncClient) -> None:
+        async with client.stream("POST", f"{live.url}/v1/completions", json={**LONG, "stream": True}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    return
+
+    async def clients() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            await asyncio.gather(*(first_token_then_leave(client) for _ in range(num_clients)))
+
+    with slowed(engine):  # no request could finish on its own meanwhile
+        asyncio.run(clients())
+        wait_until(lambda: _is_idle(engine), timeout_s=15, what="the blocks to return")
+        wait_until(lambda: _metric(live, "tokenmill:num_requests_running") == 0, timeout_s=5,
+                   what="num_requests_running to fall to 0 with the engine idle")
+    assert _metric(live, "tokenmill:num_requests_waiting") == 0
+    assert _metric(live, "tokenmill:kv_cache_usage_perc") == 0
+    assert _metric(live, "tokenmill:request_success_total", finished_reason="abort") - aborts_before == num_clients
 
 
 # ------------------------------------------------------------------------------ crashes
