@@ -45,45 +45,65 @@ def test_prompt_alone_over_the_context_is_400(live: LiveServer) -> None:
     assert "shorten the prompt by 45 tokens" in error["message"]
 
 
-@pytest.mark.parametrize("body", [
-    {"prompt": "hi", "temperature": "hot"},  # wrong type
-    {"prompt": "hi", "max_tokens": -1},  # impossible value
-    {"prompt": "hi", "n": 0},
-    {"prompt": "hi", "stream": 1},  # 1 is not a boolean
-    {"prompt": [1, 2, 100000]},  # token id outside the vocabulary
-    {"prompt": []},
-    {"prompt": ""},
-    {"prompt": "hi", "stop": [""]},
-    {"prompt": "hi", "min_tokens": 5, "max_tokens": 2},
-    {"prompt": "hi", "logit_bias": {"5": 10.0}},
-    {"prompt": "hi", "seed": 2**70},
-    {"prompt": "hi", "stop_token_ids": [99999]},
-    {"max_tokens": 2},  # no prompt
-    [1, 2, 3],  # not an object
+ANY_PARAM = object()  # a check whose error names no field yet (SamplingParams' own cross-field rule)
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"prompt": "hi", "temperature": "hot"}, "temperature", "temperature: Input should be a valid number"),
+    ({"prompt": "hi", "max_tokens": -1}, "max_tokens", "max_tokens: Input should be greater than or equal to 1"),
+    ({"prompt": "hi", "n": 0}, "n", "n: Input should be greater than or equal to 1"),
+    ({"prompt": "hi", "stream": 1}, "stream", "stream: Input should be a valid boolean"),  # 1 is not a boolean
+    ({"prompt": [1, 2, 100000]}, "prompt", "prompt holds token id 100000, outside the vocabulary [0, 263)"),
+    ({"prompt": []}, "prompt", "prompt must not be an empty list"),
+    ({"prompt": ""}, "prompt", "the prompt is empty: send at least one token"),
+    ({"prompt": "hi", "stop": [""]}, "stop", "stop strings must be non-empty"),
+    ({"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, ANY_PARAM, "min_tokens must be <= max_tokens"),
+    ({"prompt": "hi", "logit_bias": {"5": 10.0}}, "logit_bias",
+     "logit_bias is not supported yet: drop it from the request"),
+    ({"prompt": "hi", "seed": 2**70}, "seed", "seed: Input should be less than or equal to 9223372036854775743"),
+    ({"prompt": "hi", "stop_token_ids": [99999]}, "stop_token_ids",
+     "stop_token_ids holds token id 99999, outside the vocabulary [0, 263)"),
+    ({"max_tokens": 2}, "prompt", "prompt: Field required"),  # no prompt
+    ([1, 2, 3], None, "Input should be a valid dictionary or object to extract fields from"),  # not an object
 ])
-def test_bad_completion_bodies_are_400(live: LiveServer, body: Any) -> None:
-    _error(_post(live, "/v1/completions", body), 400)
+def test_bad_completion_bodies_are_400_and_say_what_is_wrong(live: LiveServer, body: Any, param: object,
+                                                             message: str) -> None:
+    error = _error(_post(live, "/v1/completions", body), 400)
+    assert (error["type"], error["code"], error["message"]) == ("invalid_request_error", None, message)
+    if param is not ANY_PARAM:
+        assert error["param"] == param
 
 
 def test_malformed_json_is_400(live: LiveServer) -> None:
     response = httpx.post(f"{live.url}/v1/completions", content=b'{"prompt": "hi",',
                           headers={"Content-Type": "application/json"})
-    _error(response, 400)
+    error = _error(response, 400)
+    assert error["type"] == "invalid_request_error" and error["param"] is None  # no field is at fault
+    assert error["message"] == ("the request body is not valid JSON: "
+                                "Expecting property name enclosed in double quotes (at character 16)")
 
 
 def test_lone_surrogate_is_400_not_500(live: LiveServer) -> None:
     response = httpx.post(f"{live.url}/v1/completions", content=b'{"prompt": "a\\ud800b", "max_tokens": 2}',
                           headers={"Content-Type": "application/json"})
-    assert "UTF-8" in _error(response, 400)["message"]
+    error = _error(response, 400)
+    assert (error["param"], error["message"]) == (
+        "prompt", "prompt is not valid UTF-8 text: surrogates not allowed at position 1")
 
 
 def test_unknown_fields_are_ignored(live: LiveServer) -> None:
     body = {"prompt": "hi", "max_tokens": 2, "user": "me", "some_future_field": {"x": [1]}}
-    assert _post(live, "/v1/completions", body).status_code == 200
+    response = _post(live, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    completion = response.json()
+    assert completion["object"] == "text_completion" and completion["model"] == MODEL
+    assert completion["usage"]["completion_tokens"] == 2 and completion["choices"][0]["finish_reason"] == "length"
+    assert "some_future_field" not in completion and "user" not in completion
 
 
 def test_unknown_route_has_an_openai_error_body(live: LiveServer) -> None:
-    _error(httpx.get(f"{live.url}/v1/nothing-here"), 404)
+    error = _error(httpx.get(f"{live.url}/v1/nothing-here"), 404)
+    assert (error["type"], error["message"], error["param"]) == ("not_found_error", "Not Found", None)
 
 
 # ------------------------------------------------------------------------ request ids
@@ -110,15 +130,20 @@ def guarded(tiny_engine: AsyncEngine) -> Iterator[LiveServer]:
 def test_api_key_is_required_on_v1(guarded: LiveServer) -> None:
     with pytest.raises(openai.AuthenticationError):
         guarded.client(api_key="wrong").completions.create(model=MODEL, prompt="hi", max_tokens=2)
-    _error(httpx.get(f"{guarded.url}/v1/models"), 401)
+    denied = httpx.get(f"{guarded.url}/v1/models")
+    error = _error(denied, 401)
+    assert (error["type"], error["code"], error["message"]) == (
+        "authentication_error", "invalid_api_key", "invalid or missing API key: send 'Authorization: Bearer <key>'")
+    assert denied.headers["www-authenticate"] == "Bearer"
     result = guarded.client(api_key="s3cret").completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert result.choices[0].finish_reason is not None
 
 
 def test_health_and_metrics_stay_open_with_a_key(guarded: LiveServer) -> None:
-    assert httpx.get(f"{guarded.url}/health").status_code == 200
-    assert httpx.get(f"{guarded.url}/ready").status_code == 200
-    assert httpx.get(f"{guarded.url}/metrics").status_code == 200
+    assert httpx.get(f"{guarded.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{guarded.url}/ready").json() == {"status": "ready"}
+    metrics = httpx.get(f"{guarded.url}/metrics")
+    assert metrics.status_code == 200 and 'tokenmill:num_requests_running{model_name="tiny"}' in metrics.text
 
 
 # ---------------------------------------------------------------- tokenizer and models
@@ -129,7 +154,8 @@ def test_tokenize_detokenize_round_trip(live: LiveServer) -> None:
     assert tokenized["count"] == len(tokenized["tokens"]) == len(tokenized["token_strs"])
     assert tokenized["max_model_len"] == 256
     assert _post(live, "/detokenize", {"tokens": tokenized["tokens"]}).json() == {"prompt": "hello world"}
-    _error(_post(live, "/detokenize", {"tokens": [-1]}), 400)
+    error = _error(_post(live, "/detokenize", {"tokens": [-1]}), 400)
+    assert (error["param"], error["message"]) == ("tokens", "tokens holds token id -1, outside the vocabulary [0, 263)")
 
 
 def test_tokenize_chat_messages_uses_the_template(live: LiveServer) -> None:
