@@ -166,7 +166,7 @@ def run_eval(args: argparse.Namespace) -> int:
             raise EvalError("--write-golden needs the greedy task in --tasks")
         model = str(target.get("model"))
         out = Path(args.write_golden) if args.write_golden else golden_path(model, suite.task.golden_dir)
-        print(f"golden: {write_golden(out, model, greedy.items)}")
+        print(f"golden: {write_golden(out, model, greedy.items, {**target, **environment()})}")
     return 0
 
 

@@ -51,12 +51,17 @@ def prompts(count: int) -> list[tuple[str, str]]:
     return items
 
 
-def write_golden(path: Path, model: str, items: list[ItemResult]) -> Path:
-    entries = {item.item_id: {"prompt_sha256": item.detail["prompt_sha256"], "token_ids": item.raw}
-               for item in items}
+def write_golden(path: Path, model: str, items: list[ItemResult], made_with: dict[str, Any] | None = None) -> Path:
+    """One line per prompt, so a diff of two golden files shows which prompts changed."""
+    head = {"task": "greedy", "model": model, "max_tokens": MAX_TOKENS, "made_with": made_with or {}}
+    lines = []
+    for item in items:
+        entry = {"prompt_sha256": item.detail["prompt_sha256"], "token_ids": item.raw}
+        lines.append(f"  {json.dumps(item.item_id)}: {json.dumps(entry)}")
+    text = json.dumps(head, indent=1)[:-2] + ',\n "items": {\n' + ",\n".join(lines) + "\n }\n}\n"
+    json.loads(text)  # the hand-made layout must stay valid JSON
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"task": "greedy", "model": model, "max_tokens": MAX_TOKENS, "items": entries},
-                               indent=1) + "\n")
+    path.write_text(text)
     return path
 
 
