@@ -102,7 +102,7 @@ class SpeculativeConfig:
     """Speculative decoding (engine/spec/). Off unless `method` is set."""
 
     method: str | None = None  # None: off; "ngram" (prompt lookup) or "draft" (a smaller model)
-    num_speculative_tokens: int = 4  # k: proposals per request per step
+    num_speculative_tokens: int = 3  # k: proposals per request per step (1 + k = 4 rows: the skinny GEMM kernel)
     ngram_min: int = 1  # n-gram lookup tries suffixes of ngram_max..ngram_min tokens
     ngram_max: int = 4
     draft_model: str | None = None  # catalog name or path of the draft (same tokenizer as the target)

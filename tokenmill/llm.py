@@ -29,7 +29,7 @@ class LLM:
                  enable_chunked_prefill: bool = True, seed: int = 0, num_threads: int | None = None,
                  gemm_backend: str = "auto", attention_backend: str = "auto", kv_cache_dtype: str = "auto",
                  quantization: str = "auto", speculative: str | None = None, draft_model: str | None = None,
-                 num_speculative_tokens: int = 4, ngram_min: int = 1, ngram_max: int = 4) -> None:
+                 num_speculative_tokens: int = 3, ngram_min: int = 1, ngram_max: int = 4) -> None:
         self.config = EngineConfig(
             ModelConfig(model, dtype, device, max_model_len, seed, gemm_backend, attention_backend, quantization),
             CacheConfig(block_size, num_kv_blocks, kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,

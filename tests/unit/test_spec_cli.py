@@ -17,7 +17,7 @@ def test_flags_parse_on_generate_and_serve() -> None:
     assert speculative_kwargs(args) == {"speculative": "ngram", "draft_model": None, "num_speculative_tokens": 6,
                                         "ngram_min": 2, "ngram_max": 5}
     args = parser.parse_args(["serve", "m", "--speculative", "draft", "--draft-model", "d"])
-    assert (args.speculative, args.draft_model, args.num_speculative_tokens) == ("draft", "d", 4)
+    assert (args.speculative, args.draft_model, args.num_speculative_tokens) == ("draft", "d", 3)
     assert parser.parse_args(["serve"]).speculative is None  # off unless asked
 
 

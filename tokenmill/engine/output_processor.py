@@ -9,7 +9,7 @@ and the request's id comes back in `reqs_to_abort`: the engine core still runs i
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -94,6 +94,21 @@ class OutputProcessor:
         return result, finish_by_text and out.finish_reason is None
 
     def _append(self, state: _RequestState, out: EngineOutput) -> tuple[bool, str | None]:
+        if state.params.stop and len(out.new_token_ids) > 1:
+            # Several tokens in one step (speculative decoding): look for stop strings after each,
+            # as if they had come one per step, so the tokens past the one completing a stop
+            # string are dropped exactly as the engine would never have generated them.
+            last = len(out.new_token_ids) - 1
+            for i, token_id in enumerate(out.new_token_ids):
+                one = replace(out, new_token_ids=[token_id], new_logprobs=out.new_logprobs[i:i + 1],
+                              finish_reason=out.finish_reason if i == last else None)
+                found = self._append_tokens(state, one)
+                if found[0]:
+                    return found
+            return False, None
+        return self._append_tokens(state, out)
+
+    def _append_tokens(self, state: _RequestState, out: EngineOutput) -> tuple[bool, str | None]:
         state.token_ids.extend(out.new_token_ids)
         state.logprobs.extend(out.new_logprobs)
         is_eos_end = out.finish_reason is FinishReason.STOP and not state.params.include_stop_str_in_output

@@ -1,0 +1,74 @@
+"""The speculation controller's decisions: per-request cut-off with probes, and the per-step
+goodput rule from measured step times."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.config import SpeculativeConfig
+from tokenmill.engine.request import Request, SamplingParams
+from tokenmill.engine.spec.controller import SpecController, expected_emitted
+
+
+def _requests(n: int, acceptance: float = 0.8, drafts: int = 10, prefix: str = "r") -> list[Request]:
+    out = []
+    for i in range(n):
+        r = Request(f"{prefix}{i}", [1, 2, 3], SamplingParams())
+        r.spec_stats.num_drafts = drafts
+        r.spec_stats.recent_acceptance = acceptance
+        out.append(r)
+    return out
+
+
+def _controller(**kwargs: object) -> SpecController:
+    return SpecController(SpeculativeConfig("ngram", 3, **kwargs))  # type: ignore[arg-type]
+
+
+def test_expected_emitted_tokens() -> None:
+    assert expected_emitted(1.0, 3) == 4.0
+    assert expected_emitted(0.0, 3) == 1.0
+    assert expected_emitted(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_a_request_with_collapsed_acceptance_stops_and_probes_every_interval() -> None:
+    controller = _controller(min_acceptance=0.3, probe_interval=3)
+    [bad] = _requests(1, acceptance=0.1, prefix="bad")
+    [good] = _requests(1, acceptance=0.9, prefix="good")
+    plans = [controller.plan([bad, good]) for _ in range(8)]
+    assert [p[0] for p in plans] == [0, 0, 0, 3, 0, 0, 0, 3]
+    assert all(p[1] == 3 for p in plans)
+
+
+def test_a_new_request_proposes_before_its_acceptance_is_judged() -> None:
+    [fresh] = _requests(1, acceptance=0.0, drafts=2)
+    assert _controller().plan([fresh]) == [3]
+
+
+def test_without_measurements_large_batches_do_not_speculate() -> None:
+    controller = _controller(max_batch_size=4)
+    assert controller.plan(_requests(4)) == [3] * 4 and controller.is_on
+    assert controller.plan(_requests(5)) == [0] * 5 and not controller.is_on
+
+
+def _feed(controller: SpecController, a: float, b: float) -> None:
+    for n in (1, 2, 4, 8, 16, 32, 64, 128) * 4:
+        controller.observe(n, a + b * n)
+
+
+def test_memory_bound_steps_speculate_even_in_a_large_batch() -> None:
+    controller = _controller(max_batch_size=4)
+    _feed(controller, a=0.05, b=0.0001)  # weights streamed once per step: tokens nearly free
+    assert controller.cost_fit() == pytest.approx((0.05, 0.0001))
+    assert controller.plan(_requests(32, acceptance=0.5)) == [3] * 32
+
+
+def test_compute_bound_steps_do_not_speculate_at_modest_acceptance() -> None:
+    controller = _controller(max_batch_size=64)
+    _feed(controller, a=0.0, b=0.002)  # time proportional to tokens: 4x the tokens for ~1.9x the output
+    assert controller.plan(_requests(8, acceptance=0.5)) == [0] * 8
+    assert not controller.is_on
+
+
+def test_not_adaptive_always_proposes() -> None:
+    controller = _controller(adaptive=False, max_batch_size=1)
+    assert controller.plan(_requests(10, acceptance=0.0)) == [3] * 10
