@@ -135,48 +135,69 @@ void rows_portable(const Weights& w, const Act& a, int64_t M, int64_t n0, int64_
     for (; b < nb; ++b) r += off[b] * s[b];                                                             \
     return r;                                                                                           \
   }                                                                                                     \
-  template <int RM>                                                                                     \
-  void tile_q4(const Weights& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ld) {          \
+  /* Sums of 8 int32x8 vectors, one lane per vector: [sum d0, sum d1, ..., sum d7]. */                  \
+  inline __m256i reduce8(const __m256i* d) {                                                            \
+    const __m256i h01 = _mm256_hadd_epi32(d[0], d[1]), h23 = _mm256_hadd_epi32(d[2], d[3]);             \
+    const __m256i h45 = _mm256_hadd_epi32(d[4], d[5]), h67 = _mm256_hadd_epi32(d[6], d[7]);             \
+    const __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);                   \
+    return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));\
+  }                                                                                                     \
+  /* Block b of a row as the unsigned operand (q4: the nibbles; q8: |q|) and, for q8, its signs. */     \
+  template <bool Q4>                                                                                    \
+  inline void load_block(const uint8_t* row, int64_t b, __m256i& u, __m256i& sign) {                    \
+    if (Q4) {                                                                                           \
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * (QK / 2)));        \
+      u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));      \
+    } else {                                                                                            \
+      sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * QK));                        \
+      u = _mm256_sign_epi8(sign, sign);                                                                 \
+    }                                                                                                   \
+  }                                                                                                     \
+  template <bool Q4>                                                                                    \
+  inline __m256i block_dot(__m256i u, __m256i sign, const int8_t* qa) {                                 \
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa));                         \
+    return dot_u8s8(u, Q4 ? a : _mm256_sign_epi8(a, sign));                                             \
+  }                                                                                                     \
+  /* One weight row n against activation rows m0..m0+RM-1. Blocks go 8 at a time: 8 integer block       \
+     dots are reduced to one vector of 8 block sums, converted once and scaled by the 8 (weight scale   \
+     x activation scale) products in one multiply, so the float work is per 8 blocks, not per block. */ \
+  template <int RM, bool Q4>                                                                            \
+  void tile(const Weights& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ld) {            \
     const uint8_t* row = w.qs + n * w.row_bytes;                                                        \
     const float* sc = w.scale + n * w.nb;                                                               \
-    const __m256i mask = _mm256_set1_epi8(0x0F);                                                        \
     __m256 acc[RM];                                                                                     \
-    for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();                                          \
-    for (int64_t b = 0; b < w.nb; ++b) {                                                                \
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * (QK / 2)));         \
-      const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), mask);          \
-      const float s = sc[b];                                                                            \
+    float tail[RM];                                                                                     \
+    for (int r = 0; r < RM; ++r) { acc[r] = _mm256_setzero_ps(); tail[r] = 0.f; }                       \
+    int64_t b = 0;                                                                                      \
+    for (; b + 8 <= w.nb; b += 8) {                                                                     \
+      __m256i u[8], sign[8];                                                                            \
+      for (int j = 0; j < 8; ++j) load_block<Q4>(row, b + j, u[j], sign[j]);                            \
+      const __m256 sw = _mm256_loadu_ps(sc + b);                                                        \
       for (int r = 0; r < RM; ++r) {                                                                    \
-        const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qa + (m0 + r) * a.K + b * QK)); \
-        const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(q, qa));                                           \
-        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(s * a.d[(m0 + r) * a.nb + b]), acc[r]);              \
+        const int8_t* qa = a.qa + (m0 + r) * a.K + b * QK;                                              \
+        __m256i d[8];                                                                                   \
+        for (int j = 0; j < 8; ++j) d[j] = block_dot<Q4>(u[j], sign[j], qa + j * QK);                   \
+        const __m256 scale = _mm256_mul_ps(sw, _mm256_loadu_ps(a.d + (m0 + r) * a.nb + b));             \
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(d)), scale, acc[r]);                        \
       }                                                                                                 \
     }                                                                                                   \
-    const float* off = w.offset + n * w.nb;                                                             \
-    for (int r = 0; r < RM; ++r)                                                                        \
-      out[(m0 + r) * ld + n] = hsum(acc[r]) + dot_f32(off, a.s + (m0 + r) * a.nb, w.nb);                \
-  }                                                                                                     \
-  template <int RM>                                                                                     \
-  void tile_q8(const Weights& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ld) {          \
-    const uint8_t* row = w.qs + n * w.row_bytes;                                                        \
-    const float* sc = w.scale + n * w.nb;                                                               \
-    __m256 acc[RM];                                                                                     \
-    for (int r = 0; r < RM; ++r) acc[r] = _mm256_setzero_ps();                                          \
-    for (int64_t b = 0; b < w.nb; ++b) {                                                                \
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * QK));             \
-      const __m256i qabs = _mm256_sign_epi8(q, q);                                                      \
-      const float s = sc[b];                                                                            \
+    for (; b < w.nb; ++b) {                                                                             \
+      __m256i u, sign;                                                                                  \
+      load_block<Q4>(row, b, u, sign);                                                                  \
       for (int r = 0; r < RM; ++r) {                                                                    \
-        const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qa + (m0 + r) * a.K + b * QK)); \
-        const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(qabs, _mm256_sign_epi8(qa, q)));                   \
-        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(s * a.d[(m0 + r) * a.nb + b]), acc[r]);              \
+        const float isum = hsum(_mm256_cvtepi32_ps(block_dot<Q4>(u, sign, a.qa + (m0 + r) * a.K + b * QK)));\
+        tail[r] += sc[b] * a.d[(m0 + r) * a.nb + b] * isum;                                             \
       }                                                                                                 \
     }                                                                                                   \
-    for (int r = 0; r < RM; ++r) out[(m0 + r) * ld + n] = hsum(acc[r]);                                 \
+    for (int r = 0; r < RM; ++r) {                                                                      \
+      float y = hsum(acc[r]) + tail[r];                                                                 \
+      if (Q4) y += dot_f32(w.offset + n * w.nb, a.s + (m0 + r) * a.nb, w.nb);                           \
+      out[(m0 + r) * ld + n] = y;                                                                       \
+    }                                                                                                   \
   }                                                                                                     \
   template <int RM>                                                                                     \
-  void tile(const Weights& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ld) {             \
-    if (w.q4) tile_q4<RM>(w, n, a, m0, out, ld); else tile_q8<RM>(w, n, a, m0, out, ld);                \
+  void tile(const Weights& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ld) {            \
+    if (w.q4) tile<RM, true>(w, n, a, m0, out, ld); else tile<RM, false>(w, n, a, m0, out, ld);         \
   }                                                                                                     \
   void rows(const Weights& w, const Act& a, int64_t M, int64_t n0, int64_t n1, float* out, int64_t ld) {  \
     /* Rows in chunks of ~128 KiB of weights, so a chunk stays in L2 while every m-tile passes over it. */ \

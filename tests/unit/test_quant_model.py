@@ -1,0 +1,172 @@
+"""Quantized weights through the loader, the Linear seam and the engine, on tiny GGUF files.
+
+The tiny GGUF here stores its matrices as 4- and 8-bit GGUF types (Q4_0, Q4_1, Q5_0, Q8_0, with
+q/k and v of different widths so the fused q/k/v mixes formats). With `--quantization auto` the
+engine must run those blocks natively and stay close to the dequantized (`none`) reference; a
+wrong RoPE row permutation, scale or offset of packed rows would move the logits far more.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+import tests.fixtures.tiny_models as tiny
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.interfaces import ScheduledRequest, SchedulerOutput
+from tokenmill.engine.request import Request
+from tokenmill.errors import TokenmillError
+from tokenmill.kernels import QUANT_ISA_ENV, available_quant_isas, cpu_flags, isa_key, quant_kernels
+from tokenmill.layers import linear as linear_module
+from tokenmill.layers import quant_formats
+from tokenmill.layers.linear import GgufRowsEmbedding, QuantLinear
+
+T = GGMLQuantizationType
+pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="native quantized kernels cannot be built here")
+
+# Per layer (even, odd): q/k 4-bit with v 8-bit, so every fused q/k/v holds two formats.
+QUANT_LAYER_TYPES = {
+    "attn_q": (T.Q4_0, T.Q4_1), "attn_k": (T.Q4_0, T.Q4_1), "attn_v": (T.Q8_0, T.Q5_0),
+    "attn_output": (T.Q5_0, T.Q4_0), "ffn_gate": (T.Q4_1, T.Q8_0), "ffn_up": (T.Q4_1, T.Q8_0),
+    "ffn_down": (T.Q8_0, T.Q4_1),
+}  # fmt: skip
+EXPECTED_QKV = ["q4+q8", "q4+q8"]
+
+
+@pytest.fixture(scope="module")
+def quant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Path]]:
+    """`quant_gguf(arch)`: the tiny model of `arch` written with 4/8-bit GGUF matrices."""
+    root = tmp_path_factory.mktemp("quant_gguf")
+    made: dict[str, Path] = {}
+    patch = pytest.MonkeyPatch()
+    patch.setattr(tiny, "_LAYER_TYPES", QUANT_LAYER_TYPES)
+
+    def make(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = tiny.make_tiny_gguf(arch, root / f"tiny-{arch}-q.gguf")  # type: ignore[arg-type]
+        return made[arch]
+
+    yield make
+    patch.undo()
+
+
+def _llm(path: Path, quantization: str) -> LLM:
+    return LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=256,
+               quantization=quantization)
+
+
+def _prompt_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    core = llm.core
+    request = Request("q", prompt, SamplingParams(max_tokens=1))
+    assert core.kv.allocate(request, len(prompt))
+    logits = core.runner.logits_for(SchedulerOutput([ScheduledRequest(request, 0, len(prompt),
+                                                                      core.kv.block_tables["q"])]))
+    core.kv.free(request)
+    return logits
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 263, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_auto_runs_gguf_blocks_natively_and_tracks_the_dequantized_path(
+        arch: str, quant_gguf: Callable[[str], Path]) -> None:
+    path = quant_gguf(arch)
+    native, reference = _llm(path, "auto"), _llm(path, "none")
+    model = native.core.runner.model
+    methods = {name: linear.method for name, linear in model.linears().items()}
+    assert [methods[f"layers.{i}.qkv_proj"] for i in range(2)] == EXPECTED_QKV
+    assert methods["layers.0.gate_up_proj"] == "q4" and methods["layers.1.gate_up_proj"] == "q8"
+    # Tied heads pack the Q8_0 embedding; qwen2's separate head is F16 in the file: it stays dense.
+    assert (methods["lm_head"] == "q8") if arch != "qwen2" else not methods["lm_head"].startswith("q")
+    assert isinstance(model.embedding, GgufRowsEmbedding)  # Q8_0 embedding read from the map
+    assert {m.method for m in reference.core.runner.model.linears().values()} <= {"aten", "native+aten"}
+
+    prompt = _prompt(40, seed=3)
+    ours, ref = _prompt_logits(native, prompt), _prompt_logits(reference, prompt)
+    # Only the int8 rounding of activations differs (the weights are the same GGUF values).
+    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert rel < 0.05, f"max relative logit error {rel:.3f}"
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree >= 0.9
+
+    out = native.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 8
+
+
+def test_packed_rows_are_the_gguf_values_in_hf_order(quant_gguf: Callable[[str], Path]) -> None:
+    """llama q/k rows are stored RoPE-interleaved: the packed rows must come back un-interleaved,
+    i.e. equal to the loader's own dequantized (and permuted) float tensor."""
+    from tokenmill.models.loading.weights import load_checkpoint
+
+    tensors = load_checkpoint(quant_gguf("llama"), "gguf").tensors
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        raw = tensors.quantized(name)
+        assert raw is not None
+        packed = quant_formats.from_gguf(raw.data, raw.ggml_type, raw.shape[1], "q4")
+        assert torch.equal(packed.dequantize(), tensors[name])
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_safetensors_quantize_at_load(fmt: str, tiny_hf_dir: Callable[[str], Path]) -> None:
+    llm, reference = _llm(tiny_hf_dir("qwen2"), fmt), _llm(tiny_hf_dir("qwen2"), "none")
+    assert {linear.method for linear in llm.core.runner.model.linears().values()} == {fmt}
+    prompt = _prompt(24, seed=5)
+    ours, ref = _prompt_logits(llm, prompt), _prompt_logits(reference, prompt)
+    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert rel < (0.05 if fmt == "q8" else 0.3)
+    assert _llm(tiny_hf_dir("qwen2"), "auto").core.runner.model.lm_head.method.startswith(("aten", "native"))
+
+
+def test_unsupported_type_names_itself_and_falls_back_once(
+        quant_gguf: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    mapping = {t: v for t, v in quant_formats.GGUF_MAPPING.items() if t != T.Q4_1}
+    monkeypatch.setattr(quant_formats, "GGUF_MAPPING", mapping)
+    monkeypatch.setattr(linear_module, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="tokenmill.layers.linear"):
+        llm = _llm(quant_gguf("llama"), "auto")
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and r.name == "tokenmill.layers.linear"]
+    assert len(warnings) == 1 and "Q4_1" in warnings[0] and "dequantized" in warnings[0]
+    methods = {name: lin.method for name, lin in llm.core.runner.model.linears().items()}
+    assert not methods["layers.1.qkv_proj"].startswith("q")  # its q/k are Q4_1: the fused matrix goes dense
+    assert methods["layers.0.qkv_proj"] == "q4+q8"
+
+
+def test_forced_isa_env(quant_gguf: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(QUANT_ISA_ENV, "portable")
+    linear = _llm(quant_gguf("qwen2"), "auto").core.runner.model.layers[0].qkv_proj
+    assert isinstance(linear, QuantLinear) and linear.isa == 0
+    monkeypatch.setenv(QUANT_ISA_ENV, "sse9")
+    with pytest.raises(TokenmillError, match="not a quant ISA"):
+        _llm(quant_gguf("qwen2"), "auto")
+    missing = [isa for isa in ("avx2", "avx512vnni") if isa not in available_quant_isas()]
+    if missing:
+        monkeypatch.setenv(QUANT_ISA_ENV, missing[-1])
+        with pytest.raises(TokenmillError, match="this CPU runs only"):
+            _llm(quant_gguf("qwen2"), "auto")
+
+
+def test_bad_quantization_is_a_clear_error() -> None:
+    from tokenmill.config import ModelConfig
+
+    with pytest.raises(TokenmillError, match="quantization 'q3' is not supported"):
+        ModelConfig("smollm2-135m", quantization="q3")
+
+
+def test_build_cache_is_keyed_by_instruction_set() -> None:
+    """A home folder shared between CPUs must not hand one CPU's -march=native object to another."""
+    avx2 = "processor : 0\nflags\t\t: fpu sse2 avx avx2 fma f16c bmi2 hypervisor\n"
+    avx512 = avx2.replace("bmi2", "bmi2 avx512f avx512bw avx512vl avx512_vnni")
+    assert cpu_flags(avx2) == {"sse2", "avx", "avx2", "fma", "f16c", "bmi2"}  # non-ISA flags ignored
+    assert isa_key(cpu_flags(avx2), "x86_64") != isa_key(cpu_flags(avx512), "x86_64")
+    assert isa_key(cpu_flags(avx2), "x86_64") == isa_key(cpu_flags(avx2 + "extra: hypervisor\n"), "x86_64")
+    assert isa_key(cpu_flags(avx2), "x86_64") != isa_key(cpu_flags(avx2), "aarch64")
+    module = quant_kernels()
+    assert module is not None and isa_key() in module.__name__
