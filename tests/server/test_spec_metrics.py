@@ -27,3 +27,20 @@ def test_without_speculation_the_series_stay_at_zero() -> None:
     samples = _samples(metrics)
     assert _value(samples, "tokenmill:spec_decode_num_drafts_total") == 0
     assert _value(samples, "tokenmill:spec_decode_enabled") == 0
+
+
+def test_the_request_log_line_carries_the_mean_accepted_length() -> None:
+    from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from tokenmill.engine.request import FinishReason, RequestTimes, SpecRequestStats
+    from tokenmill.server.request_log import request_fields
+
+    spec = SpecRequestStats(num_drafts=4, num_draft_tokens=12, num_accepted_tokens=6)
+    times = RequestTimes(arrival=1.0, first_scheduled=1.1, first_token=1.5, finished=2.0)
+    completion = CompletionOutput(0, "x", [1, 2], None, FinishReason.STOP)
+
+    def fields(stats: SpecRequestStats | None) -> dict[str, object]:
+        output = RequestOutput("r", "p", [1], [completion], True, RequestMetrics.from_times(times, 0, stats))
+        return request_fields(output, request_id="r", model=MODEL, mode="meta")
+
+    assert fields(spec)["spec_mean_accepted_length"] == 2.5  # 1 + 6 / 4
+    assert "spec_mean_accepted_length" not in fields(None)

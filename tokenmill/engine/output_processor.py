@@ -83,7 +83,7 @@ class OutputProcessor:
         if finished:
             del self.states[out.request_id]
         delta = self._emit(state, finished)
-        metrics = None if out.times is None else RequestMetrics.from_times(out.times, out.num_cached_tokens)
+        metrics = None if out.times is None else RequestMetrics.from_times(out.times, out.num_cached_tokens, out.spec)
         completion = CompletionOutput(state.index, state.text[:state.num_emitted_chars], list(state.token_ids),
                                       state.logprobs if state.params.logprobs is not None else None,
                                       finish, stop_reason, delta, len(out.new_token_ids))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.engine.request import FinishReason, RequestTimes, TokenLogprob
+from tokenmill.engine.request import FinishReason, RequestTimes, SpecRequestStats, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -32,10 +32,13 @@ class RequestMetrics:
     first_token: float | None
     finished: float | None
     num_cached_tokens: int = 0
+    spec_mean_accepted_length: float | None = None  # tokens per verified draft; None without speculation
 
     @classmethod
-    def from_times(cls, t: RequestTimes, num_cached_tokens: int) -> RequestMetrics:
-        return cls(t.arrival, t.first_scheduled, t.first_token, t.finished, num_cached_tokens)
+    def from_times(cls, t: RequestTimes, num_cached_tokens: int,
+                   spec: SpecRequestStats | None = None) -> RequestMetrics:
+        return cls(t.arrival, t.first_scheduled, t.first_token, t.finished, num_cached_tokens,
+                   None if spec is None else spec.mean_accepted_length)
 
     @property
     def queue_s(self) -> float | None:

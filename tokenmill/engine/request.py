@@ -175,6 +175,7 @@ class EngineOutput:
     num_cached_tokens: int
     times: RequestTimes | None = None  # the request's timeline (shared, updated in place)
     prompt_logprobs: list[TokenLogprob] | None = None  # with the first token, when asked for
+    spec: SpecRequestStats | None = None  # the request's speculation so far (shared, updated in place)
 
     @property
     def finished(self) -> bool:

@@ -218,8 +218,9 @@ class Scheduler:
                 self._finish(request, reason)
                 break
         prompt_logprobs = request.prompt_logprobs if is_first and request.params.prompt_logprobs is not None else None
-        return EngineOutput(request.request_id, new_ids, new_logprobs, reason,
-                            request.num_prompt_tokens, request.num_cached_tokens, request.times, prompt_logprobs)
+        spec = request.spec_stats if request.spec_stats.num_drafts else None
+        return EngineOutput(request.request_id, new_ids, new_logprobs, reason, request.num_prompt_tokens,
+                            request.num_cached_tokens, request.times, prompt_logprobs, spec)
 
     def _record_spec(self, request: Request, num_proposed: int, num_accepted: int) -> None:
         stats, step = request.spec_stats, self.step_stats

@@ -57,6 +57,8 @@ def request_fields(output: RequestOutput, *, request_id: str, model: str, mode: 
     }
     if output.metrics is not None:
         fields.update(_timings(output.metrics, received))
+        if output.metrics.spec_mean_accepted_length is not None:
+            fields["spec_mean_accepted_length"] = round(output.metrics.spec_mean_accepted_length, 3)
     if mode in ("ids", "ids+text"):
         fields["prompt_token_ids"] = output.prompt_token_ids
     if mode == "ids+text":
