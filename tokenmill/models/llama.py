@@ -21,6 +21,7 @@ from tokenmill.layers.linear import Embedding, Linear, LinearConfig, build_embed
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig
+from tokenmill.models.loading.weights import LazyTensors
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -138,6 +139,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.load(tensors, config)
+        if isinstance(tensors, LazyTensors):
+            tensors.release_pages()
 
     def linears(self) -> dict[str, Linear]:
         """Every linear layer by name (lm_head included): for benchmarks and tests."""

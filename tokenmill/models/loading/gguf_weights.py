@@ -32,7 +32,7 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape
 from tokenmill.errors import ModelFormatError, ModelNotFoundError
 from tokenmill.layers.quant_formats import RawBlocks
 from tokenmill.models.arch import ArchConfig
-from tokenmill.models.loading.weights import Checkpoint, TensorSource, select_tensors
+from tokenmill.models.loading.weights import Checkpoint, LazyTensors, TensorSource, select_tensors
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 _GGUF_MAGIC = b"GGUF"
@@ -417,4 +417,12 @@ def load_gguf(path: Path) -> Checkpoint:
     arch = gguf_arch_config(header, path)
     if "rope_freqs.weight" in header.tensors:
         raise ModelFormatError(f"{path}: Llama-3-style RoPE frequency scaling is not supported")
-    return Checkpoint(arch, select_tensors(arch, _tensor_sources(header, arch, path), path))
+    tensors = select_tensors(arch, _tensor_sources(header, arch, path), path)
+    return Checkpoint(arch, LazyTensors(dict(tensors.sources()), partial(_drop_pages, header.buffer)))
+
+
+def _drop_pages(buffer: mmap.mmap) -> None:
+    # The map is private and never written, so dropped pages re-read the file on the next access:
+    # after the model packed its weights, resident memory stops counting the file a second time.
+    if hasattr(mmap, "MADV_DONTNEED"):
+        buffer.madvise(mmap.MADV_DONTNEED)

@@ -50,10 +50,11 @@ class LazyTensors(Mapping[str, torch.Tensor]):
     dtype (float32, float16 or bfloat16); dequantized ones are float32. Consumers cast.
     """
 
-    __slots__ = ("_sources",)
+    __slots__ = ("_release", "_sources")
 
-    def __init__(self, sources: Mapping[str, TensorSource]) -> None:
+    def __init__(self, sources: Mapping[str, TensorSource], release: Callable[[], None] | None = None) -> None:
         self._sources = dict(sources)
+        self._release = release
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._sources[name].load()
@@ -64,8 +65,17 @@ class LazyTensors(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._sources)
 
+    def sources(self) -> Mapping[str, TensorSource]:
+        return self._sources
+
     def shape_of(self, name: str) -> tuple[int, ...]:
         return self._sources[name].shape
+
+    def release_pages(self) -> None:
+        """The consumer has built its own copies: let the OS drop the file pages read so far (GGUF:
+        they stay mapped and fault back in on access, e.g. embedding rows read from the map)."""
+        if self._release is not None:
+            self._release()
 
     def quantized(self, name: str) -> RawBlocks | None:
         """The tensor's stored quantized blocks, without dequantizing (None when stored as floats)."""
