@@ -177,3 +177,21 @@ def test_greedy_identity_against_a_golden_file(tmp_path) -> None:  # type: ignor
     hot = run_task(get_task("greedy"), FakeBackend(FakeModel(temperature_bug=1.0), name="fake"), config)
     assert hot.metrics["golden_identity"] == 0.0
     assert hot.metrics["golden_prefix_match"] < 0.5
+
+
+def test_shipped_golden_files_cover_todays_prompts() -> None:
+    """A changed corpus or prompt cut would silently turn every golden score into NaN: catch it here."""
+    import hashlib
+    import json
+
+    from tokenmill.eval.tasks.greedy import GOLDEN_DIR, MAX_TOKENS, prompts
+
+    files = sorted(GOLDEN_DIR.glob("*.json"))
+    assert files, "no golden files shipped"
+    want = {item_id: hashlib.sha256(text.encode()).hexdigest()[:16]
+            for item_id, text in prompts(get_task("greedy").default_items)}
+    for path in files:
+        data = json.loads(path.read_text())
+        assert data["max_tokens"] == MAX_TOKENS and data["model"] == path.stem
+        assert {k: v["prompt_sha256"] for k, v in data["items"].items()} == want, path.name
+        assert all(len(v["token_ids"]) <= MAX_TOKENS for v in data["items"].values())
