@@ -112,14 +112,14 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    async def generate(self, prompt: str | list[int] | EncodedPrompt, params: SamplingParams,
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (each carries the cumulative text and the new delta).
 
         Validation errors raise before the first item; the request is aborted if the consumer
         stops early.
         """
-        encoded = prompt if isinstance(prompt, EncodedPrompt) else self.engine.encode(prompt)
+        encoded = self.engine.encode(prompt)
         self.limits.check_request(encoded.token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop())
