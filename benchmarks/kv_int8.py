@@ -2,9 +2,11 @@
 
   capacity    sequences of --seq-len tokens that fit a fixed KV budget (--budget-mib), from the
               engine's own sizing (bytes per block, scales included)
-  kernel      native decode attention over --seqs sequences x --context keys with the model's head
-              layout: fp32 cache, bf16 cache (fp32 queries) and int8 cache, best of 3 interleaved
-              rounds; the gather + SDPA path over the int8 cache for reference
+  kernel      native decode attention over --seqs sequences x --contexts keys with the model's head
+              layout: fp32 cache, bf16 cache (fp32 queries) and int8 cache, called in turn (order
+              alternating) --calls times; the best time of each and the median of the per-call
+              fp32/int8 ratios (a neighbour's burst hits both calls of a pair); gather + SDPA over
+              the int8 cache once for reference
   perplexity  prompt-logprob perplexity through the engine on local prose and code
               (tokenmill.bench.corpus), model-dtype cache against int8 and bf16
 
@@ -32,24 +34,26 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--budget-mib", type=int, default=1024, help="KV budget for the capacity table")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence for the capacity table")
     p.add_argument("--seqs", type=int, default=64, help="decode batch of the kernel timing")
-    p.add_argument("--context", type=int, default=256, help="keys per sequence of the kernel timing")
+    p.add_argument("--contexts", default="256,1024", help="keys per sequence of the kernel timing")
+    p.add_argument("--calls", type=int, default=40, help="calls per cache type and context")
     p.add_argument("--windows", type=int, default=3, help="perplexity windows per text kind")
     p.add_argument("--window-tokens", type=int, default=768)
     p.add_argument("--skip-perplexity", action="store_true")
     return p.parse_args()
 
 
-def best_ms(fns: list[Callable[[], Any]], calls: int = 20, rounds: int = 3) -> list[float]:
+def alternating_ms(fns: list[Callable[[], Any]], calls: int) -> list[list[float]]:
+    """Each function called once per turn, the order reversed every other turn; every call's ms."""
     for fn in fns:
         fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
+    times: list[list[float]] = [[] for _ in fns]
+    for turn in range(calls):
+        order = range(len(fns)) if turn % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
             start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best[i] = min(best[i], (time.perf_counter() - start) / calls * 1e3)
-    return best
+            fns[i]()
+            times[i].append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 def capacity(arch: Any, budget: int, seq_len: int) -> list[dict[str, Any]]:
@@ -73,7 +77,9 @@ def capacity(arch: Any, budget: int, seq_len: int) -> list[dict[str, Any]]:
     return rows
 
 
-def kernel_times(arch: Any, seqs: int, context: int) -> dict[str, Any]:
+def kernel_times(arch: Any, seqs: int, context: int, calls: int) -> dict[str, Any]:
+    import statistics
+
     import torch
 
     from tokenmill.layers.attention import GroupMetadata, PagedAttention, decode_kernel
@@ -99,11 +105,13 @@ def kernel_times(arch: Any, seqs: int, context: int) -> dict[str, Any]:
         caches[name].write(slots, k, v)
     ref = native._group(q, caches["fp32"], group, False)
     fns = [partial(native._group, q, caches[n], group, False) for n in ("fp32", "bf16", "int8")]
-    fns.append(partial(sdpa._group, q, caches["int8"], group, False))
-    fp32, bf16, int8, int8_sdpa = best_ms(fns)
-    return {"seqs": seqs, "context": context, "heads": h, "kv_heads": kvh, "head_dim": hd,
-            "fp32_ms": fp32, "bf16_ms": bf16, "int8_ms": int8, "int8_sdpa_ms": int8_sdpa,
-            "int8_speedup_vs_fp32": fp32 / int8, "int8_speedup_vs_bf16": bf16 / int8,
+    fp32, bf16, int8 = alternating_ms(fns, calls)
+    int8_sdpa = min(alternating_ms([partial(sdpa._group, q, caches["int8"], group, False)], 3)[0])
+    return {"seqs": seqs, "context": context, "heads": h, "kv_heads": kvh, "head_dim": hd, "calls": calls,
+            "fp32_ms": min(fp32), "bf16_ms": min(bf16), "int8_ms": min(int8), "int8_sdpa_ms": int8_sdpa,
+            "int8_speedup_vs_fp32": statistics.median(a / b for a, b in zip(fp32, int8, strict=True)),
+            "int8_speedup_vs_bf16": statistics.median(a / b for a, b in zip(bf16, int8, strict=True)),
+            "kv_mib": {n: c.nbytes / 2**20 for n, c in caches.items()},
             "int8_max_abs_diff_vs_fp32": float((native._group(q, caches["int8"], group, False) - ref).abs().max())}
 
 
@@ -142,18 +150,19 @@ def main() -> None:
     arch = gguf_arch_config(read_gguf_header(path), path)
     noise = common.NoiseMeter()
     cap = capacity(arch, args.budget_mib << 20, args.seq_len)
-    kern = kernel_times(arch, args.seqs, args.context)
+    kern = [kernel_times(arch, args.seqs, int(c), args.calls) for c in args.contexts.split(",")]
     ppl = [] if args.skip_perplexity else perplexities(args.model, args.windows, args.window_tokens)
     others = noise.others_cores()
     print(f"\n{args.model}: KV capacity in {args.budget_mib} MiB, sequences of {args.seq_len} tokens")
     common.print_table(["kv cache", "bytes/token", "blocks", "tokens", "sequences", "int8 gain"],
                        [[c["kv_cache_dtype"], c["bytes_per_token"], c["blocks"], c["tokens"], c["sequences"],
                          c["int8_gain"]] for c in cap])
-    print(f"\ndecode attention, {kern['seqs']} seqs x {kern['context']} keys, {kern['heads']}/{kern['kv_heads']} "
-          f"heads x {kern['head_dim']} (native kernel; last column gather + SDPA over int8)")
-    common.print_table(["fp32 ms", "bf16 ms", "int8 ms", "int8 vs fp32", "int8 vs bf16", "int8 sdpa ms"],
-                       [[kern["fp32_ms"], kern["bf16_ms"], kern["int8_ms"], kern["int8_speedup_vs_fp32"],
-                         kern["int8_speedup_vs_bf16"], kern["int8_sdpa_ms"]]])
+    k0 = kern[0]
+    print(f"\ndecode attention, {k0['seqs']} seqs, {k0['heads']}/{k0['kv_heads']} heads x {k0['head_dim']}, "
+          f"{args.threads} threads (native kernel: best ms, median per-call ratio; last: gather + SDPA, int8)")
+    common.print_table(["keys", "fp32 ms", "bf16 ms", "int8 ms", "int8 vs fp32", "int8 vs bf16", "int8 sdpa ms"],
+                       [[k["context"], k["fp32_ms"], k["bf16_ms"], k["int8_ms"], k["int8_speedup_vs_fp32"],
+                         k["int8_speedup_vs_bf16"], k["int8_sdpa_ms"]] for k in kern])
     if ppl:
         print(f"\nperplexity through the engine ({args.windows} x {args.window_tokens}-token windows per text)")
         common.print_table(["text", "positions", "model-dtype kv", "bf16 kv", "int8 kv", "int8 delta %",

@@ -53,7 +53,58 @@ inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the upper half of an f
 #if defined(__F16C__)
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
+
+// exp on 8 lanes (Cephes expf): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-7 polynomial,
+// 2^n through the exponent bits; ~1 ulp. Inputs are clamped to [-87.3, 88.3], where 2^n stays normal.
+// The softmax spends most of its time in scalar expf otherwise (one per key and query head).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
 #endif
+
+// Softmax numerators in place: s_t ← exp(s_t - max_t s_t); returns Σ_t of them.
+inline float softmax_numerators(float* s, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+#if defined(TM_AVX2)
+  __m256 vmax = _mm256_set1_ps(mx);
+  for (; t + 8 <= n; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (float l : lanes) mx = std::max(mx, l);
+#endif
+  for (; t < n; ++t) mx = std::max(mx, s[t]);
+  float sum = 0.f;
+  t = 0;
+#if defined(TM_AVX2)
+  const __m256 vm = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+    _mm256_storeu_ps(s + t, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  sum = hsum(vsum);
+#endif
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  return sum;
+}
 
 // Whether load8 exists for T on this build (else the scalar loops below, which the compiler vectorises
 // where it can).
@@ -197,14 +248,7 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
           const float c = static_cast<float>(softcap), sc = static_cast<float>(scale);
           for (int64_t t = 0; t < n; ++t) sh[t] = c * std::tanh(sh[t] * sc / c);
         }
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sh[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-          sh[t] = std::exp(sh[t] - mx);
-          sum += sh[t];
-        }
-        inv_sum[h] = 1.f / sum;
+        inv_sum[h] = 1.f / softmax_numerators(sh, n);
       }
       acc.assign(nh * head_dim, 0.f);
       for (int64_t t = 0; t < n; ++t) {
