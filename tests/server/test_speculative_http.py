@@ -1,0 +1,43 @@
+"""A server with --speculative ngram through the official openai client: greedy completions equal
+the plain server's, and /metrics counts the drafts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MODEL, LiveServer, start_server, tiny_engine_config
+from tokenmill.config import ServerConfig, SpeculativeConfig
+from tokenmill.engine.async_engine import AsyncEngine
+
+PROMPTS = ["the the the the the the", "abc abc abc abc", "hello world, hello world, hello"]
+
+
+@pytest.fixture(scope="module")
+def spec_live(tiny_model_dir: Path) -> Iterator[LiveServer]:
+    config = replace(tiny_engine_config(tiny_model_dir), speculative=SpeculativeConfig("ngram", 3, adaptive=False))
+    engine = AsyncEngine.from_config(config)
+    server = start_server(engine, ServerConfig(served_model_name=MODEL))
+    yield server
+    server.stop()
+    engine.shutdown()
+
+
+def _completions(client: openai.OpenAI, **kwargs: object) -> list[str]:
+    return [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0.0,  # type: ignore[call-overload]
+                                      **kwargs).choices[0].text for p in PROMPTS]
+
+
+def test_greedy_completions_match_the_plain_server_and_drafts_are_counted(
+        spec_live: LiveServer, client: openai.OpenAI) -> None:
+    spec_client = spec_live.client()
+    assert _completions(spec_client) == _completions(client)
+    assert _completions(spec_client, stop=["o"]) == _completions(client, stop=["o"])
+    metrics = httpx.get(f"{spec_live.url}/metrics").text
+    drafts = [line for line in metrics.splitlines() if line.startswith("tokenmill:spec_decode_num_drafts_total")]
+    assert drafts and float(drafts[0].split()[-1]) > 0
