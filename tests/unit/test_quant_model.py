@@ -84,7 +84,7 @@ def test_auto_runs_gguf_blocks_natively_and_tracks_the_dequantized_path(
     assert [methods[f"layers.{i}.qkv_proj"] for i in range(2)] == EXPECTED_QKV
     assert methods["layers.0.gate_up_proj"] == "q4" and methods["layers.1.gate_up_proj"] == "q8"
     # Tied heads pack the Q8_0 embedding; qwen2's separate head is F16 in the file: it stays dense.
-    assert (methods["lm_head"] == "q8") if arch != "qwen2" else not methods["lm_head"].startswith("q")
+    assert (methods["lm_head"] == "q8(2-pass)") if arch != "qwen2" else not methods["lm_head"].startswith("q")
     assert isinstance(model.embedding, GgufRowsEmbedding)  # Q8_0 embedding read from the map
     assert {m.method for m in reference.core.runner.model.linears().values()} <= {"aten", "native+aten"}
 
@@ -116,7 +116,7 @@ def test_packed_rows_are_the_gguf_values_in_hf_order(quant_gguf: Callable[[str],
 @pytest.mark.parametrize("fmt", ["q8", "q4"])
 def test_safetensors_quantize_at_load(fmt: str, tiny_hf_dir: Callable[[str], Path]) -> None:
     llm, reference = _llm(tiny_hf_dir("qwen2"), fmt), _llm(tiny_hf_dir("qwen2"), "none")
-    assert {linear.method for linear in llm.core.runner.model.linears().values()} == {fmt}
+    assert {linear.method for linear in llm.core.runner.model.linears().values()} == {fmt, f"{fmt}(2-pass)"}
     prompt = _prompt(24, seed=5)
     ours, ref = _prompt_logits(llm, prompt), _prompt_logits(reference, prompt)
     rel = ((ours - ref).abs().max() / ref.abs().max()).item()
@@ -170,3 +170,26 @@ def test_build_cache_is_keyed_by_instruction_set() -> None:
     assert isa_key(cpu_flags(avx2), "x86_64") != isa_key(cpu_flags(avx2), "aarch64")
     module = quant_kernels()
     assert module is not None and isa_key() in module.__name__
+
+
+def test_gateway_replicas_get_the_quantization_flag() -> None:
+    from tokenmill.gateway.config import LocalReplicaConfig
+    from tokenmill.gateway.local import LocalLauncher
+
+    command = LocalLauncher(LocalReplicaConfig("m", ("--threads", "2"), quantization="q4")).command(9000)
+    assert command[command.index("--quantization") + 1] == "q4" and command[-2:] == ["--threads", "2"]
+    assert "--quantization" not in LocalLauncher(LocalReplicaConfig("m")).command(9000)
+    with pytest.raises(TokenmillError, match="quantization 'q5' is not supported"):
+        LocalReplicaConfig("m", quantization="q5")
+
+
+def test_two_pass_activations_nearly_remove_the_rounding() -> None:
+    module = quant_kernels()
+    mat = quant_formats.quantize(torch.randn(48, 256), "q8")
+    x = torch.randn(5, 256)
+    exact = x.double() @ mat.dequantize().double().T
+    errors = []
+    for precise in (False, True):
+        y = QuantLinear([mat], None, torch.float32, module, available_quant_isas()[-1], precise)(x)
+        errors.append((y.double() - exact).abs().max().item())
+    assert errors[1] < errors[0] / 20

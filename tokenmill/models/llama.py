@@ -132,9 +132,10 @@ class LlamaForCausalLM(nn.Module):
         self.embedding = build_embedding(tensors, embed_name, config)
         if self.arch.tie_word_embeddings or "lm_head.weight" not in tensors:
             # Tied: a dense head shares the embedding's table; a quantized one packs the same rows.
-            self.lm_head = build_linear(tensors, [embed_name], None, config, dense=self.embedding.dense_weight)
+            self.lm_head = build_linear(tensors, [embed_name], None, config, dense=self.embedding.dense_weight,
+                                        precise=True)
         else:
-            self.lm_head = build_linear(tensors, ["lm_head.weight"], None, config)
+            self.lm_head = build_linear(tensors, ["lm_head.weight"], None, config, precise=True)
         self.norm.load(_take(tensors, "model.norm.weight").to(self.device), self.dtype)
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
