@@ -273,8 +273,9 @@ def build_linear(tensors: Mapping[str, torch.Tensor], names: Sequence[str], bias
 
     `dense`: the float weight when the caller already holds it (one name only). `precise`: quantized
     kernels take two-pass activations (see QuantLinear)."""
-    parts = [WeightPart(name, tensors, raw_blocks(tensors, name), dense) for name in names]
-    shapes = [tuple(p.raw.shape) if p.raw is not None else tuple(p.float_weight().shape) for p in parts]
+    wants_raw = config.quantization != "none"
+    parts = [WeightPart(name, tensors, raw_blocks(tensors, name) if wants_raw else None, dense) for name in names]
+    shapes = [_shape(p) for p in parts]
     methods = [choose_method(p, s, config) for p, s in zip(parts, shapes, strict=True)]
     bias = None
     if bias_names:
@@ -288,6 +289,16 @@ def build_linear(tensors: Mapping[str, torch.Tensor], names: Sequence[str], bias
     # Mixed formats (e.g. q/k Q4_K with v Q6_K): one segment per format run, one native call for all.
     packed = [_method(m).pack(p) for m, p in zip(methods, parts, strict=True)]
     return QuantLinear(qf.concat(packed), bias, config.dtype, quant_kernels(), quant_isa(), precise)
+
+
+def _shape(part: WeightPart) -> tuple[int, ...]:
+    # Without reading the tensor where the mapping knows shapes (the loader's LazyTensors).
+    if part.raw is not None:
+        return tuple(part.raw.shape)
+    shape_of = getattr(part.tensors, "shape_of", None)
+    if part.dense is None and shape_of is not None:
+        return tuple(shape_of(part.name))
+    return tuple(part.float_weight().shape)
 
 
 def _method(name: str) -> QuantMethod:
