@@ -28,6 +28,7 @@ from tokenmill.engine.loader import LoadedEngine, load_engine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import SamplingParams
 from tokenmill.engine.stats import StepStats
+from tokenmill.engine.structured.manager import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,11 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.limits.max_model_len
+
+    @property
+    def structured(self) -> StructuredOutputs:
+        """Grammar compiles (thread-safe, cached): the server checks a request's grammar before queueing."""
+        return self.engine.structured
 
     @property
     def core(self) -> EngineCore:

@@ -22,6 +22,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import SamplingParams
 from tokenmill.engine.stats import StepStats
+from tokenmill.engine.structured.manager import StructuredOutputs
 from tokenmill.models.loading.tokenizer import Tokenizer
 
 
@@ -42,6 +43,9 @@ class LLMEngine:
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.eos_token_ids = eos_ids(loaded)
         self.processor = OutputProcessor(self.tokenizer)
+        # Grammars (structured outputs): compiled on first use, masks only rows that carry one.
+        self.structured = StructuredOutputs(self.tokenizer, self.core.arch.vocab_size, self.eos_token_ids)
+        self.core.runner.sampler.logits_processor = self.structured
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -59,6 +63,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: EncodedPrompt, params: SamplingParams, *, index: int = 0,
                     priority: int = 0) -> None:
         """Queue one engine request (`params.n == 1`; see `inputs.fan_out`); `index` is its choice index."""
+        if params.structured is not None:
+            self.structured.compile(params.structured)  # GrammarError before queueing; then a cache hit
         self.core.add_request(request_id, prompt.token_ids, params, self.eos_token_ids, priority)
         self.processor.add(request_id, prompt.text, prompt.token_ids, params, index)
 
@@ -95,3 +101,5 @@ class LLMEngine:
         """Drop every request (after a failed step); weights and KV tensors stay."""
         self.core.reset()
         self.processor = OutputProcessor(self.tokenizer)
+        self.structured.reset()
+        self.core.runner.sampler.logits_processor = self.structured

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tokenmill.engine.structured.params import StructuredOutputParams
 from tokenmill.errors import RequestValidationError
 
 
@@ -44,6 +45,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token (0: only the sampled one)
     prompt_logprobs: int | None = None  # top-n logprobs per prompt token (disables prefix-cache hits)
     skip_special_tokens: bool = True
+    structured: StructuredOutputParams | None = None  # a grammar the output must match (engine/structured)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -19,7 +19,9 @@ sample from p with d removed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -39,9 +41,20 @@ class SamplerBatch:
     generators: list[torch.Generator | None]
 
 
+class LogitsProcessor(Protocol):
+    """Masks rows of processed logits in place before sampling (structured outputs): it picks its
+    own rows (requests with a grammar) and leaves the others alone. `extra` as in `_apply_penalties`."""
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
+                 extra: Sequence[Sequence[int]] | None = None) -> torch.Tensor: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
+        self.logits_processor: LogitsProcessor | None = None
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
@@ -59,12 +72,16 @@ class Sampler:
 
     def forget(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
+        if self.logits_processor is not None:
+            self.logits_processor.forget(request_id)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
         """logits: float32 [N, vocab], one row per request. Returns the token (and logprob) per row."""
         raw = logits
         logits = self._apply_penalties(logits.clone(), requests)
         logits = _mask_early_stop(logits, requests)
+        if self.logits_processor is not None:
+            logits = self.logits_processor(logits, requests)
         token_ids = self._pick(logits, requests)
         ids = token_ids.tolist()
         logprobs = token_logprobs(raw, token_ids, [r.params.logprobs for r in requests])
@@ -81,6 +98,8 @@ class Sampler:
         extra = [d[:j] for d in drafts for j in range(len(d) + 1)]
         processed = self._apply_penalties(logits.clone(), row_requests, extra)
         processed = _mask_early_stop(processed, row_requests, extra)
+        if self.logits_processor is not None:
+            processed = self.logits_processor(processed, row_requests, extra)
         starts = [sum(counts[:i]) for i in range(len(counts))]
         emitted = self._verify_greedy(processed, requests, drafts, starts)
         random_ids = [i for i, r in enumerate(requests) if not r.params.is_greedy]

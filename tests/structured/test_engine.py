@@ -1,0 +1,141 @@
+"""Grammars inside the engine, on the tiny random model (263-token byte-level BPE vocabulary): its
+unconstrained samples are garbage, so every output that parses proves the mask did the work."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.request import FinishReason, SamplingParams
+from tokenmill.engine.structured import GrammarError, StructuredOutputParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+        "inner": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                  "required": ["n"]},
+    },
+    "required": ["name", "ok", "kind", "inner"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_hf_dir: Callable[[str], Path]) -> LLMEngine:
+    config = EngineConfig(ModelConfig(str(tiny_hf_dir("llama")), dtype="float32", device="cpu"),
+                          CacheConfig(block_size=4, num_blocks=512))
+    return LLMEngine.from_config(config)
+
+
+def _run(engine: LLMEngine, jobs: dict[str, SamplingParams], prompt: str = "hello there",
+         counts: dict[str, int] | None = None) -> dict[str, tuple[str, object]]:
+    for request_id, params in jobs.items():
+        engine.add_request(request_id, engine.encode(prompt), params)
+    done: dict[str, tuple[str, object]] = {}
+    while engine.has_unfinished:
+        step = engine.step()
+        if counts is not None:
+            counts["drafted"] = counts.get("drafted", 0) + step.stats.spec_num_draft_tokens
+            counts["accepted"] = counts.get("accepted", 0) + step.stats.spec_num_accepted_tokens
+        for output in step.outputs:
+            if output.finished:
+                done[output.request_id] = (output.outputs[0].text, output.outputs[0].finish_reason)
+    return done
+
+
+def test_json_schema_outputs_always_validate(engine: LLMEngine) -> None:
+    structured = StructuredOutputParams.json(SCHEMA)
+    jobs = {f"s{seed}": SamplingParams(max_tokens=120, temperature=1.0, seed=seed, structured=structured)
+            for seed in range(24)}
+    done = _run(engine, jobs)
+    assert len(done) == 24
+    for text, reason in done.values():
+        assert reason is FinishReason.STOP, text  # the grammar completed and allowed only EOS
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len({text for text, _ in done.values()}) > 1  # sampled, not one forced string
+
+
+def test_unconstrained_output_is_not_json_and_is_unchanged_by_grammar_neighbours(engine: LLMEngine) -> None:
+    plain = SamplingParams(max_tokens=40, temperature=1.0, seed=7, ignore_eos=True)
+    alone = _run(engine, {"plain": plain})["plain"][0]
+    with pytest.raises(ValueError):
+        json.loads(alone)
+    structured = StructuredOutputParams.json(SCHEMA)
+    mixed = _run(engine, {"p2": plain, **{f"g{i}": SamplingParams(max_tokens=60, seed=i, structured=structured)
+                                          for i in range(4)}})
+    assert mixed["p2"][0] == alone
+
+
+def test_choice_regex_and_json_object(engine: LLMEngine) -> None:
+    choices = ["yes", "no", "maybe not"]
+    jobs = {f"c{i}": SamplingParams(max_tokens=20, seed=i, structured=StructuredOutputParams.choice(choices))
+            for i in range(12)}
+    jobs |= {f"r{i}": SamplingParams(max_tokens=30, seed=i, structured=StructuredOutputParams.regex(r"[a-c]{2,4}-\d\d"))
+             for i in range(12)}
+    jobs |= {f"o{i}": SamplingParams(max_tokens=200, seed=i, top_k=20, structured=StructuredOutputParams.json_object())
+             for i in range(4)}
+    done = _run(engine, jobs)
+    assert {done[f"c{i}"][0] for i in range(12)} <= set(choices)
+    for i in range(12):
+        assert re.fullmatch(r"[a-c]{2,4}-\d\d", done[f"r{i}"][0]), done[f"r{i}"]
+    for i in range(4):
+        text, reason = done[f"o{i}"]
+        if reason is FinishReason.STOP:  # a free JSON object may still be open at max_tokens
+            assert isinstance(json.loads(text), dict)
+        else:
+            assert text.startswith("{")
+
+
+def test_greedy_and_penalties_stay_inside_the_grammar(engine: LLMEngine) -> None:
+    structured = StructuredOutputParams.json(SCHEMA)
+    jobs = {"greedy": SamplingParams(max_tokens=120, temperature=0.0, structured=structured),
+            "pen": SamplingParams(max_tokens=120, seed=3, repetition_penalty=1.5, presence_penalty=1.0,
+                                  top_p=0.9, min_p=0.05, logprobs=2, structured=structured)}
+    for text, _ in _run(engine, jobs).values():
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_a_bad_schema_is_refused_before_queueing(engine: LLMEngine) -> None:
+    with pytest.raises(GrammarError, match="cannot be compiled"):
+        engine.add_request("bad", engine.encode("x"), SamplingParams(
+            structured=StructuredOutputParams.json({"type": "object", "properties": {"a": {"type": "nonsense"}}})))
+    with pytest.raises(GrammarError, match="regex cannot be compiled"):
+        engine.add_request("bad2", engine.encode("x"), SamplingParams(structured=StructuredOutputParams.regex("(")))
+    assert not engine.has_unfinished
+
+
+def test_compiles_are_cached_by_spec(engine: LLMEngine) -> None:
+    a = engine.structured.compile(StructuredOutputParams.json(SCHEMA))
+    b = engine.structured.compile(StructuredOutputParams.json(json.dumps(SCHEMA, indent=2)))
+    assert a is b
+
+
+def test_speculative_proposals_outside_the_grammar_are_rejected(engine: LLMEngine,
+                                                                 tiny_hf_dir: Callable[[str], Path]) -> None:
+    """n-gram proposals copied from a prompt full of near-JSON: verification masks every row with the
+    grammar state after the proposals before it, so greedy output equals the non-speculative one."""
+    config = EngineConfig(ModelConfig(str(tiny_hf_dir("llama")), dtype="float32", device="cpu"),
+                          CacheConfig(block_size=4, num_blocks=512),
+                          speculative=SpeculativeConfig(method="ngram", adaptive=False, ngram_min=1))
+    spec = LLMEngine.from_config(config)
+    prompt = '{"name": "ab", "ok": tru, "kind": "cat", "inner": {"n": 5}} {"name": "ab", "ok": tru, "kind": ' * 2
+    structured = StructuredOutputParams.json(SCHEMA)
+    jobs = {"greedy": SamplingParams(max_tokens=120, temperature=0.0, structured=structured),
+            **{f"s{i}": SamplingParams(max_tokens=120, seed=i, structured=structured) for i in range(6)}}
+    counts: dict[str, int] = {}
+    with_spec = _run(spec, jobs, prompt, counts)
+    assert counts["drafted"] > 50 and 0 < counts["accepted"] < counts["drafted"], counts
+    plain = _run(engine, {"greedy": jobs["greedy"]}, prompt)
+    assert with_spec["greedy"] == plain["greedy"]
+    for text, _ in with_spec.values():
+        jsonschema.validate(json.loads(text), SCHEMA)

@@ -1,0 +1,152 @@
+"""Grammars inside the engine: compile (cached by spec), one matcher per request, batched masks.
+
+`StructuredOutputs` is the sampler's logits processor. For the rows of requests whose params carry
+`structured`, it brings the request's matcher up to date with the output tokens, fills one bitmask
+row per such row and sets disallowed logits to -inf before penalties' successors (temperature,
+top-k/p, min-p, sampling) see them. Rows of other requests are not touched (no cost beyond one
+attribute check per row).
+
+The matcher lives in a side table keyed by request id and is advanced lazily from
+`request.output_token_ids`: tokens only ever get appended (preemption recomputes KV, never drops
+generated tokens), so the state is never lost and nothing needs a hook where tokens are appended.
+n > 1 children have their own ids, hence their own matchers.
+
+Speculative verification (`extra` rows): row j of a request scores the token after its first j
+proposals, so the matcher accepts those j proposals tentatively, fills the row and rolls back. A
+proposal the grammar refuses is masked out of the row before it, so verification rejects it there
+(greedy: it is not the argmax; sampled: p(d) = 0); later rows are then never reached.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tokenmill.engine.request import Request
+from tokenmill.engine.structured.backend import GrammarBackend, GrammarMatcher, Vocabulary, build_backend
+from tokenmill.engine.structured.params import StructuredOutputParams
+from tokenmill.models.loading.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BACKEND = "xgrammar"
+DEFAULT_CACHE_SIZE = 256
+
+
+@dataclass(slots=True)
+class _State:
+    matcher: GrammarMatcher
+    num_consumed: int = 0  # output tokens the matcher has accepted
+    broken: bool = False  # a token the grammar refused got in (cannot happen under the mask; logged)
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class StructuredOutputs:
+    """Compile cache + per-request matchers for one model's vocabulary. Thread-safe compile (the
+    server validates on its event loop while the engine thread samples)."""
+
+    def __init__(self, tokenizer: Tokenizer, logits_size: int, stop_token_ids: Sequence[int],
+                 backend: str = DEFAULT_BACKEND, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        self._tokenizer = tokenizer
+        self._logits_size = max(logits_size, tokenizer.vocab_size)
+        self._stop_token_ids = tuple(stop_token_ids)
+        self._backend_name = backend
+        self._backend: GrammarBackend | None = None
+        self._cache: OrderedDict[StructuredOutputParams, Any] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._states: dict[str, _State] = {}
+        self.mask_time_s = 0.0  # total time spent advancing matchers and masking (benchmarks read it)
+
+    @property
+    def backend(self) -> GrammarBackend:
+        with self._lock:
+            if self._backend is None:  # built on first use: the vocabulary scan takes 60-250 ms
+                tokens = [""] * self._tokenizer.vocab_size
+                for text, token_id in self._tokenizer.backend.get_vocab(with_added_tokens=True).items():
+                    if token_id < len(tokens):
+                        tokens[token_id] = text
+                vocab = Vocabulary(self._tokenizer.backend.to_str(), tokens, self._logits_size, self._stop_token_ids)
+                self._backend = build_backend(self._backend_name, vocab)
+            return self._backend
+
+    def compile(self, params: StructuredOutputParams) -> Any:
+        """The compiled grammar for `params` (LRU-cached by spec); GrammarError if it cannot compile."""
+        with self._lock:
+            hit = self._cache.get(params)
+            if hit is not None:
+                self._cache.move_to_end(params)
+                return hit
+        compiled = self.backend.compile(params)
+        with self._lock:
+            self._cache[params] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)
+
+    def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def reset(self) -> None:
+        """Drop every request's matcher (the engine dropped its requests); compiled grammars stay."""
+        self._states.clear()
+
+    def _state(self, request: Request, params: StructuredOutputParams) -> _State:
+        state = self._states.get(request.request_id)
+        if state is None:
+            state = _State(self.backend.new_matcher(self.compile(params)))
+            self._states[request.request_id] = state
+        if state.num_consumed < request.num_output_tokens:
+            for token in request.output_token_ids[state.num_consumed:]:
+                if not state.broken and not state.matcher.accept(token):
+                    state.broken = True
+                    log.warning("request %s: token %d is outside its grammar; it is no longer constrained",
+                                request.request_id, token)
+            state.num_consumed = request.num_output_tokens
+        return state
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
+                 extra: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """Mask `logits` [rows, vocab] in place for the rows whose request has a grammar.
+        `extra[row]`: proposals to treat as accepted before that row (speculative verification)."""
+        rows = [i for i, r in enumerate(requests) if r.params.structured is not None]
+        if not rows:
+            return logits
+        started = time.perf_counter()
+        backend = self.backend
+        bitmask = backend.allocate_bitmask(logits.shape[0])
+        applied = []
+        for row in rows:
+            request = requests[row]
+            structured = request.params.structured
+            assert structured is not None
+            state = self._state(request, structured)
+            if state.broken:
+                continue
+            more = extra[row] if extra is not None else ()
+            accepted = 0
+            for token in more:
+                if not state.matcher.accept(token):
+                    break
+                accepted += 1
+            # A terminated matcher accepted a stop token: the request ends there (rows after it are
+            # never reached in verification), so its row stays as it is.
+            if accepted == len(more) and not state.matcher.is_terminated:
+                state.matcher.fill_bitmask(bitmask, row)
+                applied.append(row)
+            state.matcher.rollback(accepted)
+        if applied:
+            backend.apply_bitmask(logits, bitmask, applied)
+        self.mask_time_s += time.perf_counter() - started
+        return logits
