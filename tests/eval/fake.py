@@ -91,6 +91,9 @@ class FakeBackend(Backend):
     def max_length(self) -> int:
         return self.max_len
 
+    def prompt_bos(self) -> int | None:
+        return None
+
     def score(self, prompts: Sequence[list[int]], top_k: int,
               progress: Progress | None = None) -> list[list[PositionLogprobs]]:
         assert all(len(p) <= self.max_len for p in prompts)

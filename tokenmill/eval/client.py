@@ -65,6 +65,10 @@ class Backend(ABC):
         """A token to put before a text so that its first token is scored too (BOS, else EOS)."""
 
     @abstractmethod
+    def prompt_bos(self) -> int | None:
+        """The BOS id when the model's tokenizer puts BOS before every prompt (Gemma, Llama), else None."""
+
+    @abstractmethod
     def max_length(self) -> int:
         """The longest prompt (in tokens) `score` takes: the model's context less one generated token."""
 

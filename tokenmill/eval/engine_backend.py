@@ -64,6 +64,9 @@ class EngineBackend(Backend):
             raise EvalError(f"model {self.model} has neither a BOS nor an EOS token")
         return token
 
+    def prompt_bos(self) -> int | None:
+        return self.tokenizer.bos_token_id if self.tokenizer.add_bos_token else None
+
     def max_length(self) -> int:
         return int(self.llm.core.max_model_len) - 1
 

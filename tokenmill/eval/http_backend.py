@@ -90,6 +90,11 @@ class HttpBackend(Backend):
             raise EvalError(f"{self.root}/tokenize returned no token list")
         return [int(t) for t in tokens]
 
+    def prompt_bos(self) -> int | None:
+        info = self._tokenizer_info()
+        bos = info.get("bos_token_id")
+        return int(bos) if info.get("add_bos_token") and bos is not None else None
+
     def max_length(self) -> int:
         if self._max_len is None:
             cards = self._request("GET", "/v1/models").get("data") or []

@@ -1,9 +1,10 @@
 """Multiple choice by log-likelihood, as lm-evaluation-harness scores it: for each choice, the
 summed logprob of the continuation given the context (one `echo` + `logprobs` request over the
-token ids of `context + continuation`, no BOS added: lm-eval's `local-completions` sends exactly
-this); `acc` takes the argmax of the sums, `acc_norm` of the sums per byte of continuation.
-Items are generated from a seed: arithmetic, world capitals, and the value of short Python
-expressions.
+token ids of `context + continuation`, what lm-eval's `local-completions` sends; BOS goes first
+only for a model whose tokenizer puts it before every prompt, as lm-eval's `add_bos_token` does:
+Gemma without its BOS is near chance); `acc` takes the argmax of the sums, `acc_norm` of the
+sums per byte of continuation. Items are generated from a seed: arithmetic, world capitals, and
+the value of short Python expressions.
 """
 
 from __future__ import annotations
@@ -110,12 +111,14 @@ class MultipleChoice(Task):
 
     def run(self, backend: Backend, config: TaskConfig, progress: ProgressBar) -> list[ItemResult]:
         items = questions(config.items(self.default_items), config.seed)
+        bos = backend.prompt_bos()
+        start = [] if bos is None else [bos]
         prompts: list[list[int]] = []
         lengths: list[int] = []
         for question in items:
             for choice in question.choices:
                 context_ids, cont_ids = continuation_tokens(backend, question.context, choice)
-                prompts.append([*context_ids, *cont_ids])
+                prompts.append([*start, *context_ids, *cont_ids])
                 lengths.append(len(cont_ids))
         progress.start(len(prompts))
         scored = backend.score(prompts, top_k=1, progress=progress.advance)  # lm-eval asks for logprobs=1
