@@ -230,3 +230,18 @@ def test_allocation_counts_the_scales() -> None:
     cache = spec.allocate(10, 16, 3, 64, torch.device("cpu"))
     assert cache.nbytes == 10 * 16 * spec.bytes_per_token(3, 64)
     assert all(not t.any() for t in cache.tensors())  # zeroed: masked keys meet 0 * V
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "hi"], ["batch", "in.jsonl", "-o", "out.jsonl"]])
+def test_every_engine_command_takes_the_flag(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from tokenmill.cli.batch import _engine_kwargs
+    from tokenmill.cli.main import build_parser
+
+    args = build_parser().parse_args([*command, "--kv-cache-dtype", "int8"])
+    assert args.kv_cache_dtype == "int8"
+    if command[0] == "batch":
+        assert _engine_kwargs(args)["kv_cache_dtype"] == "int8"
+    assert build_parser().parse_args(command).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*command, "--kv-cache-dtype", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
