@@ -100,7 +100,7 @@ def _suite(args: argparse.Namespace, tasks: tuple[str, ...] | None = None) -> Su
 
 
 def _run_spec(args: argparse.Namespace) -> TargetSpec:
-    from tokenmill.eval.client import EvalError, TargetSpec, _coerce
+    from tokenmill.eval.client import EvalError, TargetSpec, coerce_value
 
     if args.target:
         options: dict[str, Any] = {"concurrency": args.concurrency}
@@ -112,7 +112,7 @@ def _run_spec(args: argparse.Namespace) -> TargetSpec:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise EvalError(f"--engine-arg takes KEY=VALUE, got {item!r}")
-        options[key.strip().replace("-", "_")] = _coerce(value.strip())
+        options[key.strip().replace("-", "_")] = coerce_value(value.strip())
     for key in ("quantization", "kv_cache_dtype", "dtype"):
         if getattr(args, key) is not None:  # passed only when given: engines without the option still work
             options[key] = getattr(args, key)

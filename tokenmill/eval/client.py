@@ -121,14 +121,15 @@ def parse_spec(text: str) -> TargetSpec:
         key, sep, value = part.partition("=")
         if not sep or not key:
             raise EvalError(f"bad spec item {part!r} in {text!r}: expected key=value")
-        options[key.strip().replace("-", "_")] = _coerce(value.strip())
+        options[key.strip().replace("-", "_")] = coerce_value(value.strip())
     model = options.pop("model", None)
     if url is None and model is None:
         raise EvalError(f"spec {text!r} names neither a URL nor model=NAME")
     return TargetSpec(url, None if model is None else str(model), options)
 
 
-def _coerce(value: str) -> Any:
+def coerce_value(value: str) -> Any:
+    """A spec value as the engine wants it: "8" → 8, "0.5" → 0.5, "true" → True, else the string."""
     lowered = value.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
