@@ -310,6 +310,20 @@ def test_file_replaced_in_place_is_not_served_the_old_cache(tmp_path: Path, cach
     assert Tokenizer.from_gguf(path).encode("hello world") != old
 
 
+def test_entries_of_files_that_are_gone_are_pruned(tmp_path: Path, cache_home: Path) -> None:
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "kept").mkdir()
+    gone, kept = write_bpe_gguf(tmp_path / "gone"), spm_gguf(tmp_path / "kept", "llama")
+    Tokenizer.from_gguf(gone)
+    Tokenizer.from_gguf(kept)
+    assert len(_entries(cache_home)) == 4
+    gone.unlink()
+    Tokenizer.from_gguf(write_bpe_gguf(tmp_path))  # a cache miss: the write prunes
+    names = _entries(cache_home)
+    assert len(names) == 4 and sum(n.startswith("tiny-spm-llama-") for n in names) == 2
+    assert not any(n.startswith(gguf_tokenizer._path_prefix(gone)) for n in names)
+
+
 def test_unwritable_cache_home_still_loads(bpe_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")

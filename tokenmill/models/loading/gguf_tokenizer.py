@@ -4,7 +4,8 @@ A GGUF carries no tokenizer.json, only llama.cpp's `tokenizer.ggml.*` arrays. We
 tokenizer the way transformers' GGUF integration does, with llama.cpp's pre-tokenizer regex per
 `tokenizer.ggml.pre`. `GGUFReader` spends seconds parsing those arrays, so the result is cached
 under `$TOKENMILL_HOME/tokenizers/` (never beside the model: that can be site-packages or read-only),
-one entry per file identity (absolute path, size, mtime, inode).
+one entry per file identity (absolute path, size, mtime, inode); entries of files that are gone are
+pruned whenever a new one is written.
 """
 
 from __future__ import annotations
@@ -383,7 +384,7 @@ def _read_cache(json_path: Path, meta_path: Path, stamp: dict[str, int]) -> tupl
 def _write_cache(gguf_path: Path, tokenizer: Tokenizer, meta: TokenizerMeta, stamp: dict[str, int]) -> None:
     """Best effort: an unwritable home costs the next load a rebuild, nothing else."""
     json_path, meta_path = _cache_paths(gguf_path, stamp)
-    payload = json.dumps({"stamp": stamp, "meta": meta.to_json()}, ensure_ascii=False)
+    payload = json.dumps({"stamp": stamp, "meta": meta.to_json(), "gguf_path": str(gguf_path)}, ensure_ascii=False)
     try:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         # The meta file is the commit marker: written last, so a reader never pairs it with old JSON.
@@ -391,11 +392,25 @@ def _write_cache(gguf_path: Path, tokenizer: Tokenizer, meta: TokenizerMeta, sta
         _atomic_write(meta_path, payload)
     except OSError:
         return
-    prefix = _path_prefix(gguf_path) + "-"
-    for old in json_path.parent.iterdir():
-        if old.name.startswith(prefix) and old not in (json_path, meta_path):  # earlier versions of this file
+    _prune(json_path.parent, keep=_path_prefix(gguf_path), fresh=(json_path, meta_path))
+
+
+def _prune(folder: Path, keep: str, fresh: tuple[Path, Path]) -> None:
+    """Drop entries of earlier versions of this file, and of files that no longer exist (models
+    removed, temporary test models): a cache miss is rare, so the scan costs nothing that matters."""
+    for meta_path in folder.glob("*.tokenizer_meta.json"):
+        if meta_path in fresh:
+            continue
+        if not meta_path.name.startswith(keep + "-"):
+            try:
+                source = json.loads(meta_path.read_text(encoding="utf-8")).get("gguf_path")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if not isinstance(source, str) or Path(source).exists():
+                continue
+        for stale in (meta_path, meta_path.with_name(meta_path.name.replace("_meta.json", ".json"))):
             with contextlib.suppress(OSError):
-                old.unlink()
+                stale.unlink()
 
 
 def _atomic_write(path: Path, text: str) -> None:
