@@ -8,7 +8,8 @@
               fp32/int8 ratios (a neighbour's burst hits both calls of a pair); gather + SDPA over
               the int8 cache once for reference
   perplexity  prompt-logprob perplexity through the engine on local prose and code
-              (tokenmill.bench.corpus), model-dtype cache against int8 and bf16
+              (tokenmill.bench.corpus), model-dtype cache against int8 and bf16, and the top-1
+              next-token agreement with the model-dtype cache at every prompt position
 
 Run it under the shared lock (one benchmark at a time on this machine):
 
@@ -122,22 +123,31 @@ def perplexities(model: str, windows: int, window_tokens: int) -> list[dict[str,
     rows = []
     for kind in (TextKind.PROSE, TextKind.CODE):
         ppl: dict[str, float] = {}
+        top1: dict[str, list[int]] = {}
         for kv in ("auto", "bf16", "int8"):
             llm = LLM(model, device="cpu", max_model_len=max(1024, window_tokens + 16),
                       num_kv_blocks=windows * (window_tokens // 16 + 1) + 16, max_num_batched_tokens=1024,
                       kv_cache_dtype=kv)
             tokens = llm.tokenizer.encode(corpus_text(kind))
             chunks = [tokens[i * window_tokens:(i + 1) * window_tokens] for i in range(windows)]
-            outs = llm.generate(chunks, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
-            lps = [lp.logprob for o in outs for lp in (o.prompt_logprobs or [])[1:] if lp is not None]
+            outs = llm.generate(chunks, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+            entries = [lp for o in outs for lp in (o.prompt_logprobs or [])[1:] if lp is not None]
+            lps = [lp.logprob for lp in entries]
             ppl[kv] = math.exp(-sum(lps) / len(lps))
+            top1[kv] = [lp.top[0][0] for lp in entries]
             model_dtype = str(llm.core.runner.dtype).removeprefix("torch.")
             del llm
         rows.append({"text": kind.value, "positions": len(lps), "model_dtype": model_dtype,
                      "ppl_model_dtype_kv": ppl["auto"], "ppl_bf16_kv": ppl["bf16"], "ppl_int8_kv": ppl["int8"],
+                     "int8_top1_agreement": _agreement(top1["auto"], top1["int8"]),
+                     "bf16_top1_agreement": _agreement(top1["auto"], top1["bf16"]),
                      "int8_delta_pct": 100 * (ppl["int8"] / ppl["auto"] - 1),
                      "bf16_delta_pct": 100 * (ppl["bf16"] / ppl["auto"] - 1)})
     return rows
+
+
+def _agreement(a: list[int], b: list[int]) -> float:
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
 
 
 def main() -> None:
@@ -166,9 +176,10 @@ def main() -> None:
     if ppl:
         print(f"\nperplexity through the engine ({args.windows} x {args.window_tokens}-token windows per text)")
         common.print_table(["text", "positions", "model-dtype kv", "bf16 kv", "int8 kv", "int8 delta %",
-                            "bf16 delta %"],
+                            "bf16 delta %", "int8 top-1 agree", "bf16 top-1 agree"],
                            [[p["text"], p["positions"], p["ppl_model_dtype_kv"], p["ppl_bf16_kv"], p["ppl_int8_kv"],
-                             p["int8_delta_pct"], p["bf16_delta_pct"]] for p in ppl])
+                             p["int8_delta_pct"], p["bf16_delta_pct"], p["int8_top1_agreement"],
+                             p["bf16_top1_agreement"]] for p in ppl])
     print(f"others_cores during the run: {others:.2f}")
     common.save_json("kv_int8", args.model, {"config": vars(args), "capacity": cap, "kernel": kern,
                                              "perplexity": ppl, "others_cores": others})
