@@ -72,3 +72,29 @@ def test_compute_bound_steps_do_not_speculate_at_modest_acceptance() -> None:
 def test_not_adaptive_always_proposes() -> None:
     controller = _controller(adaptive=False, max_batch_size=1)
     assert controller.plan(_requests(10, acceptance=0.0)) == [3] * 10
+
+
+def test_the_k_with_the_most_tokens_per_second_is_chosen() -> None:
+    controller = _controller(max_batch_size=1)
+    for n in (1, 2, 3, 4) * 8:
+        controller.observe(n, 0.024 + 0.014 * n)  # rows cost (integer-quantized weights): 38 ms for 1, 80 for 4
+    # acceptance 0.68: k=1 → 1.68 / 52 ms, k=2 → 2.14 / 66 ms (best), k=3 → 2.46 / 80 ms, plain → 1 / 38 ms
+    assert controller.plan(_requests(1, acceptance=0.68)) == [2]
+    assert controller.plan(_requests(1, acceptance=0.95)) == [3]
+    assert controller.plan(_requests(1, acceptance=0.3, prefix="low")) == [0]
+
+
+def test_only_decode_only_steps_feed_the_cost_fit() -> None:
+    from tokenmill.engine.request import RequestStatus
+    from tokenmill.engine.spec.ngram import NgramProposer
+    from tokenmill.engine.spec.speculator import Speculator
+
+    speculator = Speculator(SpeculativeConfig("ngram", 3), NgramProposer(1, 2), max_model_len=100)
+    [r] = _requests(1)
+    r.token_ids = [1, 2, 3, 1, 2]
+    r.num_computed_tokens, r.status = 4, RequestStatus.RUNNING
+    speculator.propose([r])
+    assert r.spec_token_ids == [3, 1, 2]
+    speculator.observe(4, 0.05)  # the decode token and its three proposals
+    speculator.observe(40, 0.2)  # a prefill chunk joined the step
+    assert list(speculator.controller.samples) == [(4, 0.05)]

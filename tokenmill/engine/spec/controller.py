@@ -4,13 +4,14 @@ Two rules, both about goodput (tokens emitted per second), not acceptance:
   * per request: a request whose recent acceptance (a moving average the scheduler keeps) falls
     below min_acceptance stops proposing; it probes again with one draft every probe_interval steps.
   * per step: emitted tokens per second with and without speculation, from a linear fit of the
-    measured step time against the step's token count, T(n) = a + b n. Request i proposing k_i
-    tokens at acceptance a_i emits E_i = (1 - a_i^(k_i + 1)) / (1 - a_i) tokens (accepted run plus
-    the target's own token), so the step speculates iff
-        sum E_i / T(n + sum k_i)  >  n / T(n)          (n decoding requests)
-    A memory-bound step (batch 1 on CPU: every weight streamed once) has b ≈ 0 and speculation
-    wins; a compute-bound one (large batches) has a ≈ 0 and it loses unless nearly all is accepted.
-    Until the fit has seen a spread of token counts, the step speculates iff n <= max_batch_size.
+    measured time of decode-only steps against their token count, T(n) = a + b n. Request i
+    proposing k tokens at acceptance a_i emits E_i = (1 - a_i^(k + 1)) / (1 - a_i) tokens (accepted
+    run plus the target's own token); the step proposes the k in 0..K with the most
+        sum E_i / T(n + m k)        (n decoding requests, m of them proposing; k = 0: n / T(n))
+    A memory-bound step (dense weights at batch 1 on CPU: every weight streamed once) has b ≈ 0 and
+    the largest k wins; where extra rows cost (integer-quantized weights, large batches) a smaller k
+    or none. Until the fit has seen a spread of token counts, the step proposes K iff
+    n <= max_batch_size.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ class SpecController:
         if not self.config.adaptive:
             return [self.config.num_speculative_tokens] * len(requests)
         ks = [self._k_for(r) for r in requests]
-        self.is_on = any(ks) and self._pays(requests, ks)
-        return ks if self.is_on else [0] * len(ks)
+        best = self._best_k(requests, ks) if any(ks) else 0
+        self.is_on = best > 0
+        return [min(k, best) for k in ks]
 
     def _k_for(self, request: Request) -> int:
         stats, rid = request.spec_stats, request.request_id
@@ -61,15 +63,21 @@ class SpecController:
         self._cooldown[rid] = left - 1
         return 0
 
-    def _pays(self, requests: list[Request], ks: list[int]) -> bool:
+    def _best_k(self, requests: list[Request], ks: list[int]) -> int:
+        """The number of proposals per proposing request that maximises emitted tokens per second."""
         n = len(requests)
         fit = self.cost_fit()
         if fit is None:
-            return n <= self.config.max_batch_size
+            return self.config.num_speculative_tokens if n <= self.config.max_batch_size else 0
         a, b = fit
-        emitted = sum(expected_emitted(r.spec_stats.recent_acceptance, k) if k else 1.0
-                      for r, k in zip(requests, ks, strict=True))
-        return emitted / max(a + b * (n + sum(ks)), 1e-9) > n / max(a + b * n, 1e-9)
+        proposing = [r.spec_stats.recent_acceptance for r, k in zip(requests, ks, strict=True) if k]
+        best_k, best_rate = 0, n / max(a + b * n, 1e-9)
+        for k in range(1, self.config.num_speculative_tokens + 1):
+            emitted = n - len(proposing) + sum(expected_emitted(alpha, k) for alpha in proposing)
+            rate = emitted / max(a + b * (n + k * len(proposing)), 1e-9)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
 
     def cost_fit(self) -> tuple[float, float] | None:
         """Least-squares (a, b) of step time = a + b * tokens; None until the samples spread."""

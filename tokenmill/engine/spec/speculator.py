@@ -24,6 +24,7 @@ class Speculator:
         self.proposer = proposer
         self.controller = SpecController(config)
         self.max_model_len = max_model_len
+        self._decode_tokens = 0  # tokens the last step needed for its decoding requests and proposals
 
     def propose(self, running: Iterable[Request]) -> None:
         """Proposals for every running request about to decode (its next step scores one token)."""
@@ -31,6 +32,7 @@ class Speculator:
         self.proposer.retain(r.request_id for r in running)
         decoding = [r for r in running
                     if r.status is RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1]
+        self._decode_tokens = len(decoding)
         if not decoding:
             return
         ks = [min(k, self._room(r)) for r, k in zip(decoding, self.controller.plan(decoding), strict=True)]
@@ -40,6 +42,7 @@ class Speculator:
         proposals = self.proposer.propose([r for r, _ in chosen], [k for _, k in chosen])
         for (request, k), tokens in zip(chosen, proposals, strict=True):
             request.spec_token_ids = tokens[:k]
+            self._decode_tokens += len(request.spec_token_ids)
 
     def _room(self, request: Request) -> int:
         """Proposals that could still be used: the step emits up to k + 1 tokens."""
@@ -49,7 +52,10 @@ class Speculator:
         return max(room, 0)
 
     def observe(self, num_tokens: int, step_time_s: float) -> None:
-        self.controller.observe(num_tokens, step_time_s)
+        """Feed the controller's cost fit with decode-only steps: a prefill chunk's tokens cost far
+        less each than decode rows, and would bend the fit."""
+        if num_tokens == self._decode_tokens:
+            self.controller.observe(num_tokens, step_time_s)
 
     def forget(self, request_id: str) -> None:
         self.proposer.forget(request_id)
