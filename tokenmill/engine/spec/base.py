@@ -22,7 +22,6 @@ class Proposer(abc.ABC):
         """Drop state of every request not in `request_ids` (those the engine still holds)."""
 
 
-ProposerFactory = Callable[..., Proposer]
 PROPOSERS: dict[str, type[Proposer]] = {}
 
 
