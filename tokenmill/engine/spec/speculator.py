@@ -33,6 +33,8 @@ class Speculator:
         decoding = [r for r in running
                     if r.status is RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1]
         self._decode_tokens = len(decoding)
+        for request in decoding:
+            request.spec_token_ids = []  # a request the budget skipped last step keeps no stale guesses
         if not decoding:
             return
         ks = [min(k, self._room(r)) for r, k in zip(decoding, self.controller.plan(decoding), strict=True)]
