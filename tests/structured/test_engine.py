@@ -11,6 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from tests.server.conftest import flattened_copy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.request import FinishReason, SamplingParams
@@ -23,7 +24,7 @@ SCHEMA = {
         "ok": {"type": "boolean"},
         "kind": {"enum": ["cat", "dog", "bird"]},
         "inner": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
-                  "required": ["n"]},
+                  "required": ["n"], "additionalProperties": False},
     },
     "required": ["name", "ok", "kind", "inner"],
     "additionalProperties": False,
@@ -31,8 +32,14 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_hf_dir: Callable[[str], Path]) -> LLMEngine:
-    config = EngineConfig(ModelConfig(str(tiny_hf_dir("llama")), dtype="float32", device="cpu"),
+def model_dir(tiny_hf_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Flattened logits (the server tests' copy): seeds then sample different text.
+    return flattened_copy(tiny_hf_dir("llama"), tmp_path_factory.mktemp("structured_engine") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> LLMEngine:
+    config = EngineConfig(ModelConfig(str(model_dir), dtype="float32", device="cpu"),
                           CacheConfig(block_size=4, num_blocks=512))
     return LLMEngine.from_config(config)
 
@@ -120,11 +127,10 @@ def test_compiles_are_cached_by_spec(engine: LLMEngine) -> None:
     assert a is b
 
 
-def test_speculative_proposals_outside_the_grammar_are_rejected(engine: LLMEngine,
-                                                                 tiny_hf_dir: Callable[[str], Path]) -> None:
+def test_speculative_proposals_outside_the_grammar_are_rejected(engine: LLMEngine, model_dir: Path) -> None:
     """n-gram proposals copied from a prompt full of near-JSON: verification masks every row with the
     grammar state after the proposals before it, so greedy output equals the non-speculative one."""
-    config = EngineConfig(ModelConfig(str(tiny_hf_dir("llama")), dtype="float32", device="cpu"),
+    config = EngineConfig(ModelConfig(str(model_dir), dtype="float32", device="cpu"),
                           CacheConfig(block_size=4, num_blocks=512),
                           speculative=SpeculativeConfig(method="ngram", adaptive=False, ngram_min=1))
     spec = LLMEngine.from_config(config)

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from tokenmill.engine.inputs import ChildRequest, EncodedPrompt, RequestLimits
 from tokenmill.engine.outputs import CompletionOutput
+from tokenmill.engine.structured.manager import StructuredOutputs
 from tokenmill.errors import RequestValidationError, TokenmillError
 from tokenmill.models.loading.tokenizer import Tokenizer
 from tokenmill.server.openai_inputs import chat_inputs, completion_inputs
@@ -102,16 +103,16 @@ def _endpoint_and_body(record: dict[str, Any]) -> tuple[Endpoint, dict[str, Any]
 
 
 def build_request(custom_id: str, endpoint: Endpoint, body: dict[str, Any], tokenizer: Tokenizer,
-                  limits: RequestLimits) -> BatchRequest:
+                  limits: RequestLimits, grammars: StructuredOutputs | None = None) -> BatchRequest:
     try:
         if endpoint is Endpoint.CHAT:
             chat = _parse(ChatRequest, body)
             _refuse_logprobs({"logprobs": chat.logprobs, "top_logprobs": chat.top_logprobs})
-            inputs = chat_inputs(chat, tokenizer, limits)
+            inputs = chat_inputs(chat, tokenizer, limits, grammars)
         else:
             completion = _parse(CompletionRequest, body)
             _refuse_logprobs({"logprobs": completion.logprobs, "echo": completion.echo})
-            inputs = completion_inputs(completion, tokenizer, limits)
+            inputs = completion_inputs(completion, tokenizer, limits, grammars)
         return BatchRequest(custom_id, endpoint, inputs.prompts, inputs.children)
     except RequestValidationError as exc:
         raise BatchLineError(str(exc), param=exc.param) from exc

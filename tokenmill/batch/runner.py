@@ -159,7 +159,8 @@ class BatchJob:
         done.add(key)  # a repeated custom_id later in the file is skipped, not answered twice
         try:
             checked_id, endpoint, body = read_envelope(line)
-            request = build_request(checked_id, endpoint, body, self.engine.tokenizer, self.engine.limits)
+            request = build_request(checked_id, endpoint, body, self.engine.tokenizer, self.engine.limits,
+                                    self.engine.structured)
         except BatchLineError as error:
             self._write(error_line(custom_id, error, line_no))
             self.summary.num_failed += 1

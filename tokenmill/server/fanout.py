@@ -13,7 +13,7 @@ running in the engine: a client that goes away frees its KV blocks within one st
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 from tokenmill.engine.inputs import ChildRequest
@@ -39,6 +39,16 @@ class ChoiceUpdate:
     @property
     def is_finished(self) -> bool:
         return self.output.finish_reason is not None
+
+
+def cached_prompt_tokens(updates: Iterable[ChoiceUpdate]) -> int:
+    """Prompt tokens served from the prefix cache (usage.prompt_tokens_details.cached_tokens): once
+    per prompt, whose n children share it, the most any of them got; finishing updates carry it."""
+    best: dict[int, int] = {}
+    for u in updates:
+        if u.metrics is not None:
+            best[u.child.prompt_index] = max(best.get(u.child.prompt_index, 0), u.metrics.num_cached_tokens)
+    return sum(best.values())
 
 
 @dataclass(slots=True)

@@ -15,9 +15,10 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.request import TokenLogprob
-from tokenmill.server.fanout import ChoiceUpdate
+from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens
 from tokenmill.server.logprob_format import chat_logprobs
 from tokenmill.server.openai_inputs import chat_inputs
+from tokenmill.server.openai_tools import ToolPlan, ToolStream, parse_tool_calls, tool_calls_out
 from tokenmill.server.pipeline import collect, get_state, now_s, start_run
 from tokenmill.server.protocol import (
     ChatChoice,
@@ -28,6 +29,7 @@ from tokenmill.server.protocol import (
     ChatRequest,
     ChatResponse,
     ChatStreamChoice,
+    ToolCallDelta,
     Usage,
 )
 from tokenmill.server.sse import sse_response
@@ -42,17 +44,18 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     state = get_state(request)
     state.check_model(body.model)
     engine = state.require_engine()
-    inputs = chat_inputs(body, engine.tokenizer, engine.limits)
+    inputs = chat_inputs(body, engine.tokenizer, engine.limits, engine.structured)
     (prompt,) = inputs.prompts
     texts = state.require_texts()
     # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
     run, response_id = start_run(state, request, inputs.children, "chatcmpl", body.priority)
-    ctx = _Context(body, prompt, texts, response_id, state.config.served_model_name, now_s())
+    ctx = _Context(body, prompt, texts, response_id, state.config.served_model_name, now_s(), inputs.tools)
     if body.stream:
         return sse_response(run, _ChatChunks(ctx), state)
     last = await collect(run, request)
     choices = [_choice(ctx, last[i]) for i in sorted(last)]
-    usage = Usage.of(len(prompt.token_ids), sum(len(u.output.token_ids) for u in last.values()))
+    usage = Usage.of(len(prompt.token_ids), sum(len(u.output.token_ids) for u in last.values()),
+                     cached_prompt_tokens(last.values()))
     response = ChatResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage,
                             tokenmill=Timings.of(last.values()).extension())
     return JSONResponse(response.model_dump(mode="json"))
@@ -66,6 +69,7 @@ class _Context:
     response_id: str
     model: str
     created: int
+    tools: ToolPlan | None = None  # the answer may hold tool calls: parse them out
 
     def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
         if not self.body.logprobs:
@@ -75,9 +79,20 @@ class _Context:
 
 def _choice(ctx: _Context, update: ChoiceUpdate) -> ChatChoice:
     out = update.output
-    return ChatChoice(index=update.child.index, message=ChatMessageOut(content=out.text),
-                      logprobs=ctx.logprobs(out.token_ids, out.logprobs), finish_reason=update.finish_reason,
+    message, finish_reason = ChatMessageOut(content=out.text), update.finish_reason
+    if ctx.tools is not None:
+        content, calls = parse_tool_calls(ctx.tools, out.text)
+        if calls:
+            message = ChatMessageOut(content=content, tool_calls=tool_calls_out(calls))
+            finish_reason = _tool_finish(finish_reason)
+    return ChatChoice(index=update.child.index, message=message,
+                      logprobs=ctx.logprobs(out.token_ids, out.logprobs), finish_reason=finish_reason,
                       stop_reason=out.stop_reason)
+
+
+def _tool_finish(reason: str | None) -> str | None:
+    # OpenAI: "tool_calls" when the model stopped to call tools; a cut-off answer stays "length".
+    return "tool_calls" if reason == "stop" else reason
 
 
 @dataclass(slots=True)
@@ -85,6 +100,8 @@ class _ChatChunks:
     ctx: _Context
     num_sent_tokens: dict[int, int] = field(default_factory=dict)
     timings: Timings = field(default_factory=Timings)
+    finished: list[ChoiceUpdate] = field(default_factory=list)  # finishing updates: their cached tokens
+    tool_streams: dict[int, ToolStream] = field(default_factory=dict)
 
     def opening(self) -> Iterable[ChatChunk]:
         return [self._chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
@@ -92,22 +109,35 @@ class _ChatChunks:
 
     def render(self, update: ChoiceUpdate) -> Iterable[ChatChunk]:
         self.timings.note(update)
+        if update.metrics is not None:
+            self.finished.append(update)
         index, out = update.child.index, update.output
         sent = self.num_sent_tokens.get(index, 0)
         self.num_sent_tokens[index] = len(out.token_ids)
         new_ids = out.token_ids[sent:]
-        if not (out.text_delta or update.is_finished or (self.ctx.body.logprobs and new_ids)):
+        content, finish_reason = out.text_delta, update.finish_reason
+        calls: list[ToolCallDelta] = []
+        if self.ctx.tools is not None:
+            stream = self.tool_streams.setdefault(index, ToolStream(self.ctx.tools))
+            content, calls = stream.feed(out.text_delta)
+            if update.is_finished:
+                more, last_calls = stream.finish()
+                content, calls = content + more, calls + last_calls
+                if stream.num_calls:
+                    finish_reason = _tool_finish(finish_reason)
+        if not (content or calls or update.is_finished or (self.ctx.body.logprobs and new_ids)):
             return []  # nothing new to say yet (held-back text or an unfinished character)
         new_lps = out.logprobs[sent:] if out.logprobs is not None else None
-        choice = ChatStreamChoice(index=index, delta=ChatDelta(content=out.text_delta or None),
-                                  logprobs=self.ctx.logprobs(new_ids, new_lps), finish_reason=update.finish_reason,
+        choice = ChatStreamChoice(index=index, delta=ChatDelta(content=content or None, tool_calls=calls or None),
+                                  logprobs=self.ctx.logprobs(new_ids, new_lps), finish_reason=finish_reason,
                                   stop_reason=out.stop_reason)
         return [self._chunk([choice])]
 
     def closing(self) -> Iterable[ChatChunk]:
         if not self.ctx.body.include_usage:
             return []
-        usage = Usage.of(len(self.ctx.prompt.token_ids), sum(self.num_sent_tokens.values()))
+        usage = Usage.of(len(self.ctx.prompt.token_ids), sum(self.num_sent_tokens.values()),
+                         cached_prompt_tokens(self.finished))
         return [self._chunk([], usage).model_copy(update={"tokenmill": self.timings.extension()})]
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None) -> ChatChunk:

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.request import TokenLogprob
-from tokenmill.server.fanout import ChoiceUpdate
+from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens
 from tokenmill.server.logprob_format import completion_logprobs
 from tokenmill.server.openai_inputs import completion_inputs
 from tokenmill.server.pipeline import collect, get_state, now_s, start_run
@@ -32,7 +32,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = get_state(request)
     state.check_model(body.model)
     engine = state.require_engine()
-    inputs = completion_inputs(body, engine.tokenizer, engine.limits)
+    inputs = completion_inputs(body, engine.tokenizer, engine.limits, engine.structured)
     texts = state.require_texts()
     # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
     run, response_id = start_run(state, request, inputs.children, "cmpl", body.priority)
@@ -42,7 +42,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     last = await collect(run, request)
     choices = [_choice(ctx, last[i], last[i].output.text, last[i].output.token_ids, last[i].output.logprobs)
                for i in sorted(last)]
-    usage = Usage.of(ctx.num_prompt_tokens, sum(len(u.output.token_ids) for u in last.values()))
+    usage = Usage.of(ctx.num_prompt_tokens, sum(len(u.output.token_ids) for u in last.values()),
+                     cached_prompt_tokens(last.values()))
     response = CompletionResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage,
                                   tokenmill=Timings.of(last.values()).extension())
     return JSONResponse(response.model_dump(mode="json"))
@@ -92,12 +93,15 @@ class _CompletionChunks:
     num_sent_tokens: dict[int, int] = field(default_factory=dict)
     text_offsets: dict[int, int] = field(default_factory=dict)
     timings: Timings = field(default_factory=Timings)
+    finished: list[ChoiceUpdate] = field(default_factory=list)  # finishing updates: their cached tokens
 
     def opening(self) -> Iterable[CompletionResponse]:
         return []
 
     def render(self, update: ChoiceUpdate) -> Iterable[CompletionResponse]:
         self.timings.note(update)
+        if update.metrics is not None:
+            self.finished.append(update)
         index, out = update.child.index, update.output
         sent = self.num_sent_tokens.get(index, 0)
         new_ids = out.token_ids[sent:]
@@ -114,7 +118,8 @@ class _CompletionChunks:
     def closing(self) -> Iterable[CompletionResponse]:
         if not self.ctx.body.include_usage:
             return []
-        usage = Usage.of(self.ctx.num_prompt_tokens, sum(self.num_sent_tokens.values()))
+        usage = Usage.of(self.ctx.num_prompt_tokens, sum(self.num_sent_tokens.values()),
+                         cached_prompt_tokens(self.finished))
         return [self._chunk([], usage).model_copy(update={"tokenmill": self.timings.extension()})]
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:

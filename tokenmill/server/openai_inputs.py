@@ -10,13 +10,16 @@ job with an error line. Nothing that could fail inside the engine loop gets past
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenmill.engine.inputs import ChildRequest, EncodedPrompt, RequestLimits, fan_out
 from tokenmill.engine.request import SamplingParams
+from tokenmill.engine.structured import StructuredOutputParams
+from tokenmill.engine.structured.manager import StructuredOutputs
 from tokenmill.errors import RequestValidationError, TokenmillError
 from tokenmill.models.loading.tokenizer import Tokenizer
+from tokenmill.server.openai_tools import ToolPlan, template_messages, tool_plan
 from tokenmill.server.protocol import ChatMessage, ChatRequest, CompletionRequest, GenerationRequest
 
 _GREEDY_BELOW = 1e-5  # vLLM's threshold: smaller temperatures overflow the logits, so run greedy
@@ -28,26 +31,100 @@ class EngineInputs:
 
     prompts: list[EncodedPrompt]  # chat: exactly one
     children: list[ChildRequest]  # prompt-major: choice index = prompt_index × n + sample
+    tools: ToolPlan | None = None  # chat: the tools the model may call (the answer is parsed for calls)
 
 
-def completion_inputs(body: CompletionRequest, tokenizer: Tokenizer, limits: RequestLimits) -> EngineInputs:
+def completion_inputs(body: CompletionRequest, tokenizer: Tokenizer, limits: RequestLimits,
+                      grammars: StructuredOutputs | None = None) -> EngineInputs:
+    """`grammars`: where a requested grammar is compiled now (a 400 before queueing); without it the
+    engine compiles it when the request is added."""
     _refuse_unsupported_completion(body)
+    structured = _compiled(structured_params(body), grammars)
     prompts = completion_prompts(tokenizer, limits, body.prompt)
     children: list[ChildRequest] = []
     prompt_logprobs = body.logprobs if body.echo else None
     for i, prompt in enumerate(prompts):
         max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_tokens)
         params = sampling_params(body, limits, max_tokens, body.logprobs, prompt_logprobs)
-        children.extend(fan_out(i, prompt, params))
+        children.extend(fan_out(i, prompt, replace(params, structured=structured)))
     return EngineInputs(prompts, children)
 
 
-def chat_inputs(body: ChatRequest, tokenizer: Tokenizer, limits: RequestLimits) -> EngineInputs:
+def chat_inputs(body: ChatRequest, tokenizer: Tokenizer, limits: RequestLimits,
+                grammars: StructuredOutputs | None = None) -> EngineInputs:
     _refuse_unsupported_chat(body)
-    prompt = chat_prompt(tokenizer, body.messages, body.add_generation_prompt)
+    plan = tool_plan(body)
+    structured = structured_params(body)
+    forced = plan.structured() if plan is not None else None
+    if forced is not None:
+        if structured is not None:
+            raise RequestValidationError("tool_choice required or a named function already fixes the output's "
+                                         "format: drop response_format (or the guided_* field)", "tool_choice")
+        structured = forced
+    structured = _compiled(structured, grammars)
+    prompt = chat_prompt(tokenizer, body.messages, body.add_generation_prompt, body.tools)
     max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_output_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return EngineInputs([prompt], fan_out(0, prompt, sampling_params(body, limits, max_tokens, logprobs, None)))
+    params = replace(sampling_params(body, limits, max_tokens, logprobs, None), structured=structured)
+    return EngineInputs([prompt], fan_out(0, prompt, params), plan)
+
+
+def structured_params(body: GenerationRequest) -> StructuredOutputParams | None:
+    """The one grammar a body asks for: response_format, structured_outputs or a guided_* field."""
+    found: list[tuple[str, StructuredOutputParams]] = []
+    fmt = body.response_format
+    if fmt is not None:
+        if fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise RequestValidationError("response_format json_schema needs json_schema.schema", "response_format")
+            found.append(("response_format", _guard(StructuredOutputParams.json, fmt.json_schema.schema_,
+                                                    "response_format")))
+        elif fmt.type == "json_object":
+            found.append(("response_format", StructuredOutputParams.json_object()))
+        elif fmt.type != "text":
+            raise RequestValidationError(
+                f"response_format type {fmt.type!r} is not supported: use 'text', 'json_object' or 'json_schema'",
+                "response_format")
+    so = body.structured_outputs
+    guided: list[tuple[str, Any, Any]] = [
+        ("guided_json", body.guided_json, StructuredOutputParams.json),
+        ("guided_regex", body.guided_regex, StructuredOutputParams.regex),
+        ("guided_choice", body.guided_choice, StructuredOutputParams.choice),
+        ("guided_grammar", body.guided_grammar, StructuredOutputParams.grammar)]
+    if so is not None:
+        guided += [("structured_outputs", so.json_, StructuredOutputParams.json),
+                   ("structured_outputs", so.regex, StructuredOutputParams.regex),
+                   ("structured_outputs", so.choice, StructuredOutputParams.choice),
+                   ("structured_outputs", so.grammar, StructuredOutputParams.grammar)]
+        if so.json_object:
+            found.append(("structured_outputs", StructuredOutputParams.json_object()))
+    for param, value, make in guided:
+        if value is not None:
+            found.append((param, _guard(make, value, param)))
+    if len(found) > 1:
+        raise RequestValidationError(
+            f"ask for one output format, not several ({', '.join(dict.fromkeys(p for p, _ in found))})", found[1][0])
+    return found[0][1] if found else None
+
+
+def _guard(make: Any, value: Any, param: str) -> StructuredOutputParams:
+    try:
+        result: StructuredOutputParams = make(value)
+    except RequestValidationError as exc:
+        raise RequestValidationError(str(exc), param) from exc
+    return result
+
+
+def _compiled(structured: StructuredOutputParams | None,
+              grammars: StructuredOutputs | None) -> StructuredOutputParams | None:
+    if structured is not None and grammars is not None:
+        try:
+            grammars.compile(structured)
+        except RequestValidationError as exc:
+            param = {"json": "response_format", "json_object": "response_format", "regex": "guided_regex",
+                     "choice": "guided_choice", "grammar": "guided_grammar"}[structured.kind]
+            raise RequestValidationError(str(exc), exc.param or param) from exc
+    return structured
 
 
 def encode_text(tokenizer: Tokenizer, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
@@ -77,10 +154,12 @@ def completion_prompts(tokenizer: Tokenizer, limits: RequestLimits, prompt: str 
     return encoded
 
 
-def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> EncodedPrompt:
-    plain = [message.as_template_input() for message in messages]
+def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> EncodedPrompt:
+    plain = template_messages([message.as_template_input() for message in messages])
+    extra: dict[str, Any] = {"tools": tools} if tools else {}  # templates test `tools` for being defined
     try:
-        text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, **extra)
     except TokenmillError:
         raise
     except Exception as exc:  # templates are code from the model: any error there is about these messages
@@ -96,12 +175,6 @@ def _refuse_unsupported_completion(body: CompletionRequest) -> None:
 
 
 def _refuse_unsupported_chat(body: ChatRequest) -> None:
-    if body.response_format is not None and body.response_format.type != "text":
-        raise RequestValidationError(
-            f"response_format {body.response_format.type!r} is not supported yet: leave response_format out (or "
-            "send type 'text') and ask for JSON in the prompt", "response_format")
-    if body.tools:
-        raise RequestValidationError("tool calling is not supported yet: send the request without tools", "tools")
     if body.top_logprobs and not body.logprobs:
         raise RequestValidationError("top_logprobs needs logprobs: true", "top_logprobs")
 

@@ -55,6 +55,28 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsSpec(_Body):
+    """vLLM's `structured_outputs` object: exactly one of the fields."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class GenerationRequest(_Body):
     """Fields both endpoints share: the model, sampling knobs, streaming and scheduling."""
 
@@ -78,6 +100,13 @@ class GenerationRequest(_Body):
     stream_options: StreamOptions | None = None
     priority: int = Field(default=0, ge=_INT32_MIN, le=_INT32_MAX)  # lower runs first, as in vLLM
     logit_bias: dict[str, float] | None = None
+    # Structured outputs (engine/structured): OpenAI's response_format, or vLLM's extra fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsSpec | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -110,13 +139,11 @@ class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result answers this call
 
     def as_template_input(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
-
-
-class ResponseFormat(_Body):
-    type: str
 
 
 class ChatRequest(GenerationRequest):
@@ -125,8 +152,9 @@ class ChatRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "auto" (default with tools), "none", "required", named
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
     @property
@@ -157,15 +185,21 @@ class DetokenizeRequest(_Body):
 # ---------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class PhaseTimes(BaseModel):
@@ -232,9 +266,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprobOut] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatChoice(BaseModel):
@@ -255,9 +301,22 @@ class ChatResponse(BaseModel):
     tokenmill: TokenmillExtension | None = Field(default=None, exclude_if=_omit_none)
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -41,6 +41,16 @@ class GrammarMatcher(abc.ABC):
     def accept(self, token_id: int) -> bool:
         """Advance by one token; False (and no change) if the grammar does not allow it."""
 
+    def count_valid(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids`, in order, the grammar allows from here (the state is unchanged)."""
+        n = 0
+        for token in token_ids:
+            if not self.accept(token):
+                break
+            n += 1
+        self.rollback(n)
+        return n
+
     @abc.abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (speculative proposals being verified)."""
@@ -66,11 +76,24 @@ class GrammarBackend(abc.ABC):
     def new_matcher(self, compiled: Any) -> GrammarMatcher: ...
 
     @abc.abstractmethod
-    def allocate_bitmask(self, rows: int) -> torch.Tensor: ...
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        """int32 [rows, ceil(vocab / 32)], all tokens allowed."""
 
-    @abc.abstractmethod
+    def fill_bitmasks(self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:
+        """Fill row `row` of `bitmask` for each (matcher, row); backends may do it in parallel."""
+        for matcher, row in matchers:
+            matcher.fill_bitmask(bitmask, row)
+
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-        """In place: logits[rows[i]] = -inf wherever bitmask row i disallows a token."""
+        """In place: logits[row] = -inf wherever bitmask row `row` disallows a token."""
+        index = torch.tensor(list(rows), device=logits.device)
+        words = bitmask[list(rows)].to(logits.device)
+        shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+        allowed = ((words.unsqueeze(-1) >> shifts) & 1).reshape(len(rows), -1)[:, :logits.shape[1]]
+        if allowed.shape[1] < logits.shape[1]:  # ids past the mask's vocabulary: never allowed
+            pad = torch.zeros(len(rows), logits.shape[1] - allowed.shape[1], dtype=allowed.dtype, device=logits.device)
+            allowed = torch.cat([allowed, pad], dim=1)
+        logits[index] = logits[index].masked_fill(allowed == 0, float("-inf"))
 
 
 BackendFactory = Callable[[Vocabulary], GrammarBackend]
@@ -86,7 +109,7 @@ def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
 
 def build_backend(name: str, vocab: Vocabulary) -> GrammarBackend:
     # Importing the module registers its backend; the libraries load only when first used.
-    from tokenmill.engine.structured import xgrammar_backend  # noqa: F401
+    from tokenmill.engine.structured import llguidance_backend, xgrammar_backend  # noqa: F401
 
     if name not in BACKENDS:
         raise RequestValidationError(f"unknown structured-output backend {name!r}: choose from {sorted(BACKENDS)}")

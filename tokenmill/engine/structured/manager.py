@@ -36,7 +36,7 @@ from tokenmill.models.loading.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BACKEND = "xgrammar"
+DEFAULT_BACKEND = "llguidance"
 DEFAULT_CACHE_SIZE = 256
 
 
@@ -126,7 +126,8 @@ class StructuredOutputs:
         started = time.perf_counter()
         backend = self.backend
         bitmask = backend.allocate_bitmask(logits.shape[0])
-        applied = []
+        fills: list[tuple[GrammarMatcher, int]] = []
+        filled: list[int] = []
         for row in rows:
             request = requests[row]
             structured = request.params.structured
@@ -134,19 +135,40 @@ class StructuredOutputs:
             state = self._state(request, structured)
             if state.broken:
                 continue
-            more = extra[row] if extra is not None else ()
-            accepted = 0
-            for token in more:
-                if not state.matcher.accept(token):
-                    break
-                accepted += 1
-            # A terminated matcher accepted a stop token: the request ends there (rows after it are
-            # never reached in verification), so its row stays as it is.
-            if accepted == len(more) and not state.matcher.is_terminated:
-                state.matcher.fill_bitmask(bitmask, row)
-                applied.append(row)
-            state.matcher.rollback(accepted)
-        if applied:
-            backend.apply_bitmask(logits, bitmask, applied)
+            if extra is None:
+                if state.matcher.is_terminated:
+                    _allow_only(bitmask, row, request.eos_token_ids)
+                    filled.append(row)
+                else:
+                    fills.append((state.matcher, row))  # one batched fill below
+                continue
+            # Verification: a request owns several rows, each after a different number of its
+            # proposals, so each row is filled at once and the proposals rolled back. A proposal the
+            # grammar refuses is masked out of the row before it, so rows after it are never reached.
+            more = extra[row]
+            valid = state.matcher.count_valid(more) if more else 0
+            for token in more[:valid]:
+                state.matcher.accept(token)
+            if valid == len(more):
+                if state.matcher.is_terminated:
+                    _allow_only(bitmask, row, request.eos_token_ids)
+                else:
+                    state.matcher.fill_bitmask(bitmask, row)
+                filled.append(row)
+            state.matcher.rollback(valid)
+        if fills:
+            backend.fill_bitmasks(fills, bitmask)
+            filled += [row for _, row in fills]
+        if filled:
+            backend.apply_bitmask(logits, bitmask, filled)
         self.mask_time_s += time.perf_counter() - started
         return logits
+
+
+def _allow_only(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
+    """The grammar is complete (nothing may follow): only the request's stop tokens."""
+    bitmask[row].zero_()
+    for token in token_ids:
+        word, bit = divmod(token, 32)
+        if word < bitmask.shape[1]:
+            bitmask[row, word] |= (1 << bit) if bit < 31 else -(1 << 31)  # int32: bit 31 is the sign

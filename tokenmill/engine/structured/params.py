@@ -13,7 +13,7 @@ GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutputParams:
-    """`spec`: the JSON schema (canonical JSON text), the regex, the JSON list of choices, or the EBNF
+    """`spec`: the JSON schema (compact JSON text), the regex, the JSON list of choices, or the EBNF
     grammar; empty for `json_object`. Frozen and hashable: `(kind, spec)` keys the compile cache."""
 
     kind: GrammarKind
@@ -28,7 +28,8 @@ class StructuredOutputParams:
                 raise RequestValidationError(f"the JSON schema is not valid JSON: {exc}") from exc
         if not isinstance(schema, (dict, bool)):
             raise RequestValidationError("the JSON schema must be a JSON object")
-        return cls("json", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        # Key order kept: it is the order properties are generated in (a model writes "name" first).
+        return cls("json", json.dumps(schema, separators=(",", ":")))
 
     @classmethod
     def json_object(cls) -> StructuredOutputParams:

@@ -1,0 +1,255 @@
+"""Tool calling in chat completions: what the request asks (`ToolPlan`), the grammar that enforces
+`required` and named functions, and the parsers that turn the model's text back into `tool_calls`.
+
+Modes, as vLLM implements them for OpenAI's `tool_choice`:
+- `auto`: the tools go into the chat template (Qwen/Hermes: a `<tools>` block in the system
+  prompt); the model answers in text or with `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+  blocks, which are parsed out of the text (free decoding: the model decides).
+- `required`: the output is constrained to a JSON array of `{"name", "arguments"}` objects, one
+  schema per tool (`maxItems: 1` without parallel calls), so arguments always match their schema.
+- named function: the output is constrained to that function's parameters schema; it is the call's
+  arguments.
+- `none` (or no tools): plain chat; the tools are still shown to the template only if given.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tokenmill.engine.structured import StructuredOutputParams
+from tokenmill.errors import RequestValidationError
+from tokenmill.server.protocol import ChatRequest, FunctionCallDelta, FunctionCallOut, ToolCallDelta, ToolCallOut
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    mode: Literal["auto", "required", "named"]
+    functions: dict[str, dict[str, Any]]  # name → the tool's `function` object
+    named: str | None = None
+    parallel: bool = True
+
+    def structured(self) -> StructuredOutputParams | None:
+        if self.mode == "named":
+            assert self.named is not None
+            return StructuredOutputParams.json(_parameters(self.functions[self.named]))
+        if self.mode == "required":
+            items = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _parameters(fn)},
+                      "required": ["name", "arguments"], "additionalProperties": False}
+                     for name, fn in self.functions.items()]
+            schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                      "items": items[0] if len(items) == 1 else {"anyOf": items}}
+            if not self.parallel:
+                schema["maxItems"] = 1
+            return StructuredOutputParams.json(schema)
+        return None
+
+
+def tool_plan(body: ChatRequest) -> ToolPlan | None:
+    """The request's tools checked (400 naming the field), or None when no tool may be called."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none", "auto"):
+            raise RequestValidationError("tool_choice needs tools: send the tools it may call", "tool_choice")
+        return None
+    functions: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(body.tools):
+        fn = tool.get("function")
+        if (tool.get("type", "function") != "function" or not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str)):
+            raise RequestValidationError(
+                f"tools.{i} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., \"parameters\": ...}}}}",
+                "tools")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise RequestValidationError(f"tools.{i}.function.parameters must be a JSON schema object", "tools")
+        functions[fn["name"]] = fn
+    if choice is None or choice == "auto":
+        return ToolPlan("auto", functions, parallel=body.parallel_tool_calls)
+    if choice == "none":
+        return None
+    if choice == "required":
+        return ToolPlan("required", functions, parallel=body.parallel_tool_calls)
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise RequestValidationError(
+                'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+                "tool_choice")
+        if name not in functions:
+            raise RequestValidationError(
+                f"tool_choice names function {name!r}, which is not in tools ({', '.join(functions)})", "tool_choice")
+        return ToolPlan("named", functions, named=name, parallel=False)
+    raise RequestValidationError(
+        f'tool_choice {choice!r} is not supported: use "none", "auto", "required" or a named function', "tool_choice")
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: a call's arguments as an object, not JSON text
+    (Qwen's and Hermes' templates write `arguments | tojson`)."""
+    result = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = dict(message)
+            message["tool_calls"] = [_template_call(c) for c in calls]
+        result.append(message)
+    return result
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            return call
+        return {**call, "function": {**fn, "arguments": args}}
+    return call
+
+
+def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
+    params = fn.get("parameters")
+    return params if isinstance(params, dict) and params else {"type": "object"}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call_of(obj: Any, name: str | None = None) -> FunctionCallOut | None:
+    """{"name", "arguments"} (or "parameters") → a call; with `name`, `obj` is the arguments."""
+    if name is not None:
+        return FunctionCallOut(name=name, arguments=json.dumps(obj, ensure_ascii=False))
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return FunctionCallOut(name=obj["name"], arguments=args if isinstance(args, str)
+                           else json.dumps(args, ensure_ascii=False))
+
+
+def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[FunctionCallOut]]:
+    """The message's content and its calls. Text that does not parse stays content."""
+    if plan.mode in ("named", "required"):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return text, []
+        if plan.mode == "named":
+            call = _call_of(value, plan.named)
+            return (None, [call]) if call is not None else (text, [])
+        found = [c for c in (_call_of(v) for v in (value if isinstance(value, list) else [value])) if c is not None]
+        return (None, found) if found else (text, [])
+    calls: list[FunctionCallOut] = []
+    kept: list[str] = []
+    at = 0
+    for match in _BLOCK.finditer(text):
+        try:
+            call = _call_of(json.loads(match.group(1)))
+        except ValueError:
+            call = None
+        if call is None:
+            continue
+        kept.append(text[at:match.start()])
+        at = match.end()
+        calls.append(call)
+    kept.append(text[at:])
+    content = "".join(kept).strip() if calls else text
+    return (content or None), calls
+
+
+def tool_calls_out(calls: list[FunctionCallOut]) -> list[ToolCallOut]:
+    return [ToolCallOut(id=new_call_id(), function=c) for c in calls]
+
+
+@dataclass(slots=True)
+class ToolStream:
+    """Splits one choice's streamed text into content deltas and whole tool-call deltas.
+
+    `auto`: content flows until `<tool_call>` (a partial tag and trailing whitespace are held
+    back); each block becomes one `delta.tool_calls` entry (id, name and all arguments) when it
+    closes, or at the end. `required`/named: everything is held and parsed at the end (the text is
+    one JSON value). Streamed and non-streamed answers carry the same calls and the same content.
+    """
+
+    plan: ToolPlan
+    text: str = ""
+    emitted: int = 0  # characters of `text` already sent as content or consumed by calls
+    in_call: bool = False
+    num_calls: int = 0
+    _seen_content: bool = field(default=False)
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
+        self.text += delta
+        if self.plan.mode != "auto":
+            return "", []
+        content, calls = "", []
+        while True:
+            rest = self.text[self.emitted:]
+            if self.in_call:
+                end = rest.find(_CLOSE)
+                if end < 0:
+                    break
+                call = self._parse(rest[:end])
+                self.emitted += end + len(_CLOSE)
+                self.in_call = False
+                if call is not None:
+                    calls.append(call)
+                continue
+            start = rest.find(_OPEN)
+            if start >= 0:
+                content += rest[:start].rstrip()
+                self.emitted += start + len(_OPEN)
+                self.in_call = True
+                continue
+            hold = _partial_suffix(rest, _OPEN)
+            safe = rest[:len(rest) - hold].rstrip()  # trailing whitespace waits: it may end the content
+            content += safe
+            self.emitted += len(safe)
+            break
+        return self._content(content), calls
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        if self.plan.mode != "auto":
+            content, calls = parse_tool_calls(self.plan, self.text)
+            return content or "", [self._delta(c) for c in calls]
+        rest = self.text[self.emitted:]
+        if self.in_call:
+            call = self._parse(rest)
+            if call is not None:
+                return "", [call]
+            return self._content(_OPEN + rest), []
+        return self._content(rest.strip() if self.num_calls else rest.rstrip()), []
+
+    def _content(self, text: str) -> str:
+        if not self._seen_content:
+            text = text.lstrip()
+        if text:
+            self._seen_content = True
+        return text
+
+    def _parse(self, block: str) -> ToolCallDelta | None:
+        try:
+            call = _call_of(json.loads(block))
+        except ValueError:
+            return None
+        return None if call is None else self._delta(call)
+
+    def _delta(self, call: FunctionCallOut) -> ToolCallDelta:
+        delta = ToolCallDelta(index=self.num_calls, id=new_call_id(), type="function",
+                              function=FunctionCallDelta(name=call.name, arguments=call.arguments))
+        self.num_calls += 1
+        return delta
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
