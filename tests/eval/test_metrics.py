@@ -195,3 +195,27 @@ def test_shipped_golden_files_cover_todays_prompts() -> None:
         assert data["max_tokens"] == MAX_TOKENS and data["model"] == path.stem
         assert {k: v["prompt_sha256"] for k, v in data["items"].items()} == want, path.name
         assert all(len(v["token_ids"]) <= MAX_TOKENS for v in data["items"].values())
+
+
+class _Recorder(FakeBackend):
+    def __init__(self, bos: int | None) -> None:
+        super().__init__()
+        self.bos = bos
+        self.prompts: list[list[int]] = []
+
+    def prompt_bos(self) -> int | None:
+        return self.bos
+
+    def score(self, prompts, top_k, progress=None):  # type: ignore[no-untyped-def]
+        self.prompts.extend(prompts)
+        return super().score(prompts, top_k, progress)
+
+
+def test_multiple_choice_puts_bos_first_only_for_models_that_want_it() -> None:
+    config = SuiteConfig(task=TaskConfig(num_items=3))
+    gemma_like, llama_like = _Recorder(BOS), _Recorder(None)
+    run_task(get_task("mc"), gemma_like, config)
+    run_task(get_task("mc"), llama_like, config)
+    assert all(p[0] == BOS for p in gemma_like.prompts)
+    assert [p[1:] for p in gemma_like.prompts] == llama_like.prompts  # lm-eval's request, BOS aside
+    assert not any(p[0] == BOS for p in llama_like.prompts)
