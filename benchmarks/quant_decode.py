@@ -145,7 +145,7 @@ def main() -> None:
     if args.memory:
         result["memory"] = measure_memory(args)
     report(result)
-    common.save_json("quant_decode", "+".join(models) or args.memory or "none", result)
+    common.save_json("quant_decode", f"{'+'.join(models) or args.memory or 'none'}_t{args.threads}", result)
 
 
 def report(result: dict[str, Any]) -> None:

@@ -133,7 +133,15 @@ def from_gguf(blocks: np.ndarray, ggml_type: GGMLQuantizationType, cols: int, fm
     mapped = GGUF_MAPPING.get(ggml_type)
     if mapped is not None and mapped == (fmt, True):
         return _EXACT[ggml_type](np.ascontiguousarray(blocks), cols)
-    return quantize(gguf_dequantize(blocks, ggml_type, cols), fmt)
+    # Through float in slices of rows: a vocabulary-sized Q6_K head would otherwise need a few GB of
+    # float32 temporaries at once (the load's peak resident memory).
+    rows = blocks.shape[0]
+    step = max(1, _REQUANT_ROW_ELEMENTS // cols)
+    parts = [quantize(gguf_dequantize(blocks[i:i + step], ggml_type, cols), fmt) for i in range(0, rows, step)]
+    return concat(parts)[0]
+
+
+_REQUANT_ROW_ELEMENTS = 1 << 22  # 16 MB of float32 per slice
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
