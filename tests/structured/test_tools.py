@@ -1,0 +1,96 @@
+"""Tool-call plans, parsing and streaming split (exact decisions), and the real Qwen template with tools."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenmill.errors import RequestValidationError
+from tokenmill.server.openai_tools import ToolStream, parse_tool_calls, template_messages, tool_plan
+from tokenmill.server.protocol import ChatRequest
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                     "properties": {"x": {"type": "integer"}}}}}
+
+
+def _body(**kwargs: Any) -> ChatRequest:
+    return ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL], **kwargs})
+
+
+def test_plans() -> None:
+    assert tool_plan(_body()).mode == "auto"  # type: ignore[union-attr]
+    assert tool_plan(_body(tool_choice="none")) is None
+    required = tool_plan(_body(tool_choice="required", parallel_tool_calls=False))
+    assert required is not None and required.structured() is not None
+    schema = json.loads(required.structured().spec)  # type: ignore[union-attr]
+    assert schema["maxItems"] == 1 and schema["items"]["properties"]["name"] == {"const": "f"}
+    named = tool_plan(_body(tool_choice={"type": "function", "function": {"name": "f"}}))
+    assert named is not None and json.loads(named.structured().spec)["properties"] == {"x": {"type": "integer"}}  # type: ignore[union-attr]
+    with pytest.raises(RequestValidationError, match="not in tools"):
+        tool_plan(_body(tool_choice={"type": "function", "function": {"name": "g"}}))
+    with pytest.raises(RequestValidationError, match="not supported"):
+        tool_plan(_body(tool_choice="sometimes"))
+
+
+TEXT = ('Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "f", "arguments": {"x": 2}}\n</tool_call>')
+
+
+def test_auto_parsing_and_streaming_agree() -> None:
+    plan = tool_plan(_body())
+    assert plan is not None
+    content, calls = parse_tool_calls(plan, TEXT)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1}), ("f", {"x": 2})]
+    for size in (1, 3, 7, len(TEXT)):
+        stream = ToolStream(plan)
+        streamed, deltas = "", []
+        for at in range(0, len(TEXT), size):
+            text, more = stream.feed(TEXT[at:at + size])
+            streamed += text
+            deltas += more
+        text, more = stream.finish()
+        streamed += text
+        deltas += more
+        assert streamed == content, size
+        assert [(d.index, d.function.name, d.function.arguments) for d in deltas if d.function] == \
+            [(i, c.name, c.arguments) for i, c in enumerate(calls)]
+
+
+def test_plain_text_and_broken_calls_stay_content() -> None:
+    plan = tool_plan(_body())
+    assert plan is not None
+    assert parse_tool_calls(plan, "just text < not a tag") == ("just text < not a tag", [])
+    assert parse_tool_calls(plan, "<tool_call>{oops</tool_call>")[1] == []
+    stream = ToolStream(plan)
+    out = stream.feed("a <tool")[0] + stream.feed("kit> b")[0] + stream.finish()[0]
+    assert out == "a <toolkit> b"
+
+
+def test_arguments_strings_become_objects_for_templates() -> None:
+    messages = [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                      "function": {"name": "f", "arguments": '{"x": 1}'}}]}]
+    assert template_messages(messages)[0]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+
+
+def test_qwen_template_renders_tools_and_tool_results() -> None:
+    from tokenmill.models.loading.tokenizer import Tokenizer
+    from tokenmill.models.resolve import resolve_model
+
+    try:
+        path = resolve_model("qwen2.5-coder-0.5b").path
+    except Exception:
+        pytest.skip("qwen2.5-coder-0.5b is not installed")
+    tokenizer = Tokenizer.from_gguf(Path(path))
+    messages = template_messages([
+        {"role": "user", "content": "x?"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "42"}])
+    text = tokenizer.apply_chat_template(messages, tools=[TOOL])
+    assert "<tools>" in text and '"name": "f"' in text
+    assert '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>' in text
+    assert "<tool_response>\n42\n</tool_response>" in text
