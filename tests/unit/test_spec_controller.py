@@ -98,3 +98,10 @@ def test_only_decode_only_steps_feed_the_cost_fit() -> None:
     speculator.observe(4, 0.05)  # the decode token and its three proposals
     speculator.observe(40, 0.2)  # a prefill chunk joined the step
     assert list(speculator.controller.samples) == [(4, 0.05)]
+
+
+def test_without_a_fit_smaller_k_are_tried_now_and_then_so_step_sizes_spread() -> None:
+    controller = _controller()
+    ks = [controller.plan(_requests(1, acceptance=0.9))[0] for _ in range(64)]
+    assert sorted(set(ks)) == [0, 1, 2, 3]
+    assert ks.count(3) == 60

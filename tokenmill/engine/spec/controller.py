@@ -23,6 +23,7 @@ from tokenmill.engine.request import Request
 
 _MIN_DRAFTS_TO_JUDGE = 4  # drafts before a request's acceptance is trusted
 _MIN_SAMPLES = 16  # steps before the cost fit is trusted
+_EXPLORE_EVERY = 16  # without a fit, every so many steps try a smaller k, so token counts spread
 
 
 def expected_emitted(acceptance: float, k: int) -> float:
@@ -38,6 +39,7 @@ class SpecController:
         self.samples: deque[tuple[int, float]] = deque(maxlen=256)  # (tokens in the step, step time s)
         self.is_on = True  # the last step's decision, for the stats
         self._cooldown: dict[str, int] = {}
+        self._num_plans = 0
 
     def observe(self, num_tokens: int, step_time_s: float) -> None:
         if num_tokens > 0:
@@ -68,6 +70,11 @@ class SpecController:
         n = len(requests)
         fit = self.cost_fit()
         if fit is None:
+            # A draft model always proposes K, so step sizes never vary and the fit never forms:
+            # cycle through the smaller k now and then to measure what they cost.
+            self._num_plans += 1
+            if n <= self.config.max_batch_size and self._num_plans % _EXPLORE_EVERY == 0:
+                return (self._num_plans // _EXPLORE_EVERY) % self.config.num_speculative_tokens
             return self.config.num_speculative_tokens if n <= self.config.max_batch_size else 0
         a, b = fit
         proposing = [r.spec_stats.recent_acceptance for r, k in zip(requests, ks, strict=True) if k]
