@@ -94,3 +94,15 @@ def test_qwen_template_renders_tools_and_tool_results() -> None:
     assert "<tools>" in text and '"name": "f"' in text
     assert '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>' in text
     assert "<tool_response>\n42\n</tool_response>" in text
+
+
+def test_a_bare_call_object_is_a_call_in_auto_mode() -> None:
+    plan = tool_plan(_body())
+    assert plan is not None
+    bare = '{"name": "f", "arguments": {"x": 3}}'
+    assert [(c.name, c.arguments) for c in parse_tool_calls(plan, bare)[1]] == [("f", '{"x": 3}')]
+    assert parse_tool_calls(plan, '{"name": "g", "arguments": {}}')[1] == []  # not a tool: content
+    stream = ToolStream(plan)
+    assert stream.feed(bare[:10]) == ("", []) and stream.feed(bare[10:]) == ("", [])
+    content, deltas = stream.finish()
+    assert content == "" and [d.function.name for d in deltas if d.function] == ["f"]

@@ -145,6 +145,9 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[Functi
             return (None, [call]) if call is not None else (text, [])
         found = [c for c in (_call_of(v) for v in (value if isinstance(value, list) else [value])) if c is not None]
         return (None, found) if found else (text, [])
+    bare = _bare_call(plan, text)
+    if bare is not None:
+        return None, [bare]
     calls: list[FunctionCallOut] = []
     kept: list[str] = []
     at = 0
@@ -161,6 +164,18 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[Functi
     kept.append(text[at:])
     content = "".join(kept).strip() if calls else text
     return (content or None), calls
+
+
+def _bare_call(plan: ToolPlan, text: str) -> FunctionCallOut | None:
+    """A whole answer that is one `{"name": <a tool>, "arguments": ...}` object, without the tags
+    (small Qwen2.5-Coder models answer so)."""
+    if not text.lstrip().startswith("{"):
+        return None
+    try:
+        call = _call_of(json.loads(text))
+    except ValueError:
+        return None
+    return call if call is not None and call.name in plan.functions else None
 
 
 def tool_calls_out(calls: list[FunctionCallOut]) -> list[ToolCallOut]:
@@ -186,8 +201,8 @@ class ToolStream:
 
     def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
         self.text += delta
-        if self.plan.mode != "auto":
-            return "", []
+        if self.plan.mode != "auto" or (not self._seen_content and self.text.lstrip().startswith("{")):
+            return "", []  # the whole text is parsed at the end (one JSON value, maybe a bare call)
         content, calls = "", []
         while True:
             rest = self.text[self.emitted:]
@@ -215,9 +230,9 @@ class ToolStream:
         return self._content(content), calls
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        if self.plan.mode != "auto":
-            content, calls = parse_tool_calls(self.plan, self.text)
-            return content or "", [self._delta(c) for c in calls]
+        if self.plan.mode != "auto" or (not self._seen_content and self.text.lstrip().startswith("{")):
+            content, calls = parse_tool_calls(self.plan, self.text[self.emitted:])
+            return self._content(content or ""), [self._delta(c) for c in calls]
         rest = self.text[self.emitted:]
         if self.in_call:
             call = self._parse(rest)

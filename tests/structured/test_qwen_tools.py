@@ -1,0 +1,63 @@
+"""Tool calling and JSON schema with Qwen2.5-Coder-0.5B through the `openai` client (slow, real weights)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import pytest
+
+from tests.server.conftest import LiveServer, start_server
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.errors import ModelNotInstalledError
+
+MODEL = "qwen2.5-coder-0.5b"
+pytestmark = pytest.mark.slow
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris, in celsius? Use the tool."}]
+
+
+@pytest.fixture(scope="module")
+def qwen() -> Iterator[LiveServer]:
+    try:
+        engine = AsyncEngine.from_config(EngineConfig(ModelConfig(MODEL), CacheConfig(num_blocks=512)))
+    except ModelNotInstalledError:
+        pytest.skip(f"{MODEL} is not installed")
+    server = start_server(engine, ServerConfig(served_model_name=MODEL))
+    yield server
+    server.stop()
+    engine.shutdown()
+
+
+def test_auto_and_required_tool_calls_then_a_final_answer(qwen: LiveServer) -> None:
+    client = qwen.client()
+    for choice in ("auto", "required"):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice,
+                                           max_tokens=80, temperature=0.0)
+        (call,) = r.choices[0].message.tool_calls or []
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, WEATHER["function"]["parameters"])
+        assert "paris" in args["city"].lower()
+    messages = [*ASK, r.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "sunny"}'}]
+    final = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=40,
+                                           temperature=0.0)
+    assert "21" in (final.choices[0].message.content or "")
+
+
+def test_json_schema_answers_validate(qwen: LiveServer) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    for seed in range(3):
+        r = qwen.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Invent a person as JSON."}], max_tokens=60, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+        jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
