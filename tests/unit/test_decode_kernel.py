@@ -5,28 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.fixtures.attention import paged_attention_reference
 from tokenmill.kernels import cpu_kernels
 
 kernels = cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the native CPU kernel cannot be built here")
-
-
-def _reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-               lens: torch.Tensor, scale: float, window: int, softcap: float) -> torch.Tensor:
-    num_heads, block_size = q.shape[1], k_cache.shape[1]
-    rep = num_heads // k_cache.shape[2]
-    out = torch.empty(q.shape, dtype=torch.float32)
-    for s in range(q.shape[0]):
-        n = int(lens[s])
-        pos = torch.arange(max(0, n - window) if window else 0, n)
-        slots = table[s, pos // block_size] * block_size + pos % block_size
-        k = k_cache.view(-1, *k_cache.shape[2:])[slots].float().repeat_interleave(rep, dim=1)  # [n, H, hd]
-        v = v_cache.view(-1, *v_cache.shape[2:])[slots].float().repeat_interleave(rep, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[s].float(), k) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        out[s] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v)
-    return out
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 32), (6, 6, 20), (16, 2, 8)])
@@ -45,7 +28,7 @@ def test_matches_reference_fp32(num_heads: int, num_kv_heads: int, head_dim: int
     scale = head_dim**-0.5
     assert kernels is not None
     out = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, window, softcap)
-    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, table, lens, scale, window, softcap),
+    torch.testing.assert_close(out, paged_attention_reference(q, k_cache, v_cache, table, lens, scale, window, softcap),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -60,7 +43,7 @@ def test_half_precision_caches_accumulate_in_fp32(dtype: torch.dtype) -> None:
     assert kernels is not None
     out = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.25, 0, 0.0)
     assert out.dtype == dtype
-    ref = _reference(q, k_cache, v_cache, table, lens, 0.25, 0, 0.0)
+    ref = paged_attention_reference(q, k_cache, v_cache, table, lens, 0.25, 0, 0.0)
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
 
 

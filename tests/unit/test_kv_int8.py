@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.fixtures.attention import paged_attention_reference
 from tokenmill.config import CacheConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.kernels import cpu_kernels
@@ -21,25 +22,6 @@ from tokenmill.layers.kv_cache import (
 
 kernels = cpu_kernels()
 needs_kernel = pytest.mark.skipif(kernels is None, reason="the native CPU kernel cannot be built here")
-
-
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
-               scale: float, window: int, softcap: float) -> torch.Tensor:
-    """Plain attention math in fp64 over dense caches k, v [num_blocks, bs, KVH, hd]."""
-    num_heads, block_size = q.shape[1], k.shape[1]
-    rep = num_heads // k.shape[2]
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for s in range(q.shape[0]):
-        n = int(lens[s])
-        pos = torch.arange(max(0, n - window) if window else 0, n)
-        slots = table[s, pos // block_size] * block_size + pos % block_size
-        ks = k.reshape(-1, *k.shape[2:])[slots].double().repeat_interleave(rep, dim=1)  # [n, H, hd]
-        vs = v.reshape(-1, *v.shape[2:])[slots].double().repeat_interleave(rep, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[s].double(), ks) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        out[s] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), vs)
-    return out
 
 
 def _int8_cache(num_blocks: int, block_size: int, kvh: int, hd: int, g: torch.Generator) -> Int8KVCache:
@@ -101,7 +83,8 @@ def test_int8_kernel_matches_attention_on_dequantized_values(num_heads: int, num
     assert kernels is not None
     out = kernels.paged_decode_attention_int8(q, cache.k, cache.v, cache.k_scale, cache.v_scale, table, lens,
                                               scale, window, softcap)
-    ref = _reference(q, *_dequantized(cache), table, lens, scale, window, softcap)
+    ref = paged_attention_reference(q, *_dequantized(cache), table, lens, scale, window, softcap,
+                                    dtype=torch.float64)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
 
 
@@ -117,7 +100,7 @@ def test_int8_kernel_under_half_precision_queries(q_dtype: torch.dtype) -> None:
     out = kernels.paged_decode_attention_int8(q, cache.k, cache.v, cache.k_scale, cache.v_scale, table, lens,
                                               0.25, 0, 0.0)
     assert out.dtype == q_dtype
-    ref = _reference(q, *_dequantized(cache), table, lens, 0.25, 0, 0.0)
+    ref = paged_attention_reference(q, *_dequantized(cache), table, lens, 0.25, 0, 0.0, dtype=torch.float64)
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
 
 
@@ -134,7 +117,8 @@ def test_dense_half_caches_under_fp32_queries(cache_dtype: torch.dtype) -> None:
     assert kernels is not None
     out = kernels.paged_decode_attention(q, k, v, table, lens, 0.125, 0, 0.0)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), _reference(q, k, v, table, lens, 0.125, 0, 0.0), rtol=1e-5, atol=1e-5)
+    ref = paged_attention_reference(q, k, v, table, lens, 0.125, 0, 0.0, dtype=torch.float64)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
