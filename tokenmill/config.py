@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.errors import TokenmillError
-from tokenmill.kernels import ATTENTION_BACKENDS, GEMM_BACKENDS, QUANTIZATIONS
+from tokenmill.kernels import ATTENTION_BACKENDS, DEFAULT_QUANTIZATION, GEMM_BACKENDS, QUANTIZATIONS
 from tokenmill.layers import KV_CACHE_DTYPES
 from tokenmill.platform import auto_dtype
 
@@ -35,8 +35,8 @@ class ModelConfig:
     attention_backend: str = "auto"
     # Weights: "auto" keeps a GGUF's own bit width (8-bit types run as q8, 4-bit as q4, natively);
     # "none" dequantizes to `dtype` (the reference path); "q8" / "q4" quantize every matrix at load,
-    # safetensors too. See layers/linear.py.
-    quantization: str = "auto"
+    # safetensors too. The default is DEFAULT_QUANTIZATION (why: tokenmill/kernels). See layers/linear.py.
+    quantization: str = DEFAULT_QUANTIZATION
 
     def __post_init__(self) -> None:
         _require(self.quantization in QUANTIZATIONS,

@@ -15,6 +15,7 @@ from tokenmill.engine.inputs import fan_out
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.engine.request import SamplingParams, TokenLogprob
+from tokenmill.kernels import DEFAULT_QUANTIZATION
 from tokenmill.models.catalog import DEFAULT_MODEL
 
 Prompt = str | list[int]
@@ -28,7 +29,8 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, policy: str = "fcfs",
                  enable_chunked_prefill: bool = True, seed: int = 0, num_threads: int | None = None,
                  gemm_backend: str = "auto", attention_backend: str = "auto", kv_cache_dtype: str = "auto",
-                 quantization: str = "auto", speculative: str | None = None, draft_model: str | None = None,
+                 quantization: str = DEFAULT_QUANTIZATION, speculative: str | None = None,
+                 draft_model: str | None = None,
                  num_speculative_tokens: int = 3, ngram_min: int = 1, ngram_max: int = 4) -> None:
         self.config = EngineConfig(
             ModelConfig(model, dtype, device, max_model_len, seed, gemm_backend, attention_backend, quantization),

@@ -8,10 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.server.conftest import LiveServer, start_server
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
-from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.errors import ModelNotInstalledError
+from tests.server.conftest import LiveServer, serve_real_model
 from tokenmill.eval.client import TargetSpec, open_backend
 from tokenmill.eval.compare import compare_runs, gate_set
 from tokenmill.eval.runner import DEFAULT_TASKS, SuiteConfig, run_suite
@@ -23,14 +20,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def real() -> Iterator[LiveServer]:
-    try:
-        engine = AsyncEngine.from_config(EngineConfig(ModelConfig(MODEL), CacheConfig(num_blocks=512)))
-    except ModelNotInstalledError:
-        pytest.skip(f"{MODEL} is not installed: run `tokenmill pull {MODEL}`")
-    server = start_server(engine, ServerConfig(served_model_name=MODEL))
-    yield server
-    server.stop()
-    engine.shutdown()
+    yield from serve_real_model(MODEL, num_blocks=512)
 
 
 def test_every_task_agrees_between_the_server_and_the_in_process_engine(real: LiveServer) -> None:

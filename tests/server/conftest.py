@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.errors import ModelNotInstalledError
 from tokenmill.server.app import EngineLoader
 from tokenmill.server.serve import DrainingServer, make_server
 from tokenmill.server.state import ServerState
@@ -75,6 +76,19 @@ def start_server(engine: AsyncEngine | EngineLoader, config: ServerConfig) -> Li
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
     return LiveServer(server, thread, f"http://127.0.0.1:{config.port}")
+
+
+def serve_real_model(model: str, num_blocks: int) -> Iterator[LiveServer]:
+    """A live server on an installed catalog model for a module fixture; skips the module when the
+    model is not installed."""
+    try:
+        engine = AsyncEngine.from_config(EngineConfig(ModelConfig(model), CacheConfig(num_blocks=num_blocks)))
+    except ModelNotInstalledError:
+        pytest.skip(f"{model} is not installed: run `tokenmill pull {model}`")
+    server = start_server(engine, ServerConfig(served_model_name=model))
+    yield server
+    server.stop()
+    engine.shutdown()
 
 
 def tiny_engine_config(model_dir: Path) -> EngineConfig:

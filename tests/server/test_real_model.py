@@ -6,25 +6,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.server.conftest import LiveServer, start_server
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
-from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.errors import ModelNotInstalledError
+from tests.server.conftest import LiveServer, serve_real_model
 
 MODEL = "smollm2-135m"
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    try:
-        engine = AsyncEngine.from_config(EngineConfig(ModelConfig(MODEL), CacheConfig(num_blocks=256)))
-    except ModelNotInstalledError:
-        pytest.skip(f"{MODEL} is not installed: run `tokenmill pull {MODEL}`")
-    server = start_server(engine, ServerConfig(served_model_name=MODEL))
-    yield server
-    server.stop()
-    engine.shutdown()
+def real() -> Iterator[LiveServer]:
+    yield from serve_real_model(MODEL, num_blocks=256)
 
 
 def test_chat_answers_a_factual_question(real: LiveServer) -> None:

@@ -9,10 +9,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from tests.server.conftest import LiveServer, start_server
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
-from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.errors import ModelNotInstalledError
+from tests.server.conftest import LiveServer, serve_real_model
 
 MODEL = "qwen2.5-coder-0.5b"
 pytestmark = pytest.mark.slow
@@ -26,14 +23,7 @@ ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris, in 
 
 @pytest.fixture(scope="module")
 def qwen() -> Iterator[LiveServer]:
-    try:
-        engine = AsyncEngine.from_config(EngineConfig(ModelConfig(MODEL), CacheConfig(num_blocks=512)))
-    except ModelNotInstalledError:
-        pytest.skip(f"{MODEL} is not installed")
-    server = start_server(engine, ServerConfig(served_model_name=MODEL))
-    yield server
-    server.stop()
-    engine.shutdown()
+    yield from serve_real_model(MODEL, num_blocks=512)
 
 
 def test_auto_and_required_tool_calls_then_a_final_answer(qwen: LiveServer) -> None:
