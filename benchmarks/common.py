@@ -206,6 +206,15 @@ def weight_bytes(model: Any) -> dict[str, Any]:
             "dtypes": sorted({linear.method for linear in linears.values()})}
 
 
+def gguf_arch(model: str) -> Any:
+    """The ArchConfig of an installed GGUF model, from its header alone (no weights read)."""
+    from tokenmill.models.loading.gguf_weights import gguf_arch_config, read_gguf_header
+    from tokenmill.models.resolve import resolve_model
+
+    path = resolve_model(model).path
+    return gguf_arch_config(read_gguf_header(path), path)
+
+
 def kv_bytes_per_token(arch: Any, dtype: Any) -> int:
     import torch
 

@@ -119,11 +119,7 @@ def attention_rows(arch: Any, seqs: list[int], context: int) -> list[dict[str, A
 def main() -> None:
     args = parse_args()
     common.pin_threads(args.threads)
-    from tokenmill.models.loading.gguf_weights import gguf_arch_config, read_gguf_header
-    from tokenmill.models.resolve import resolve_model
-
-    path = resolve_model(args.model).path
-    arch = gguf_arch_config(read_gguf_header(path), path)
+    arch = common.gguf_arch(args.model)
     noise = common.NoiseMeter()
     gemm = gemm_rows(arch, [int(r) for r in args.rows.split(",")])
     attention = attention_rows(arch, [int(s) for s in args.seqs.split(",")], args.context)

@@ -153,11 +153,7 @@ def _agreement(a: list[int], b: list[int]) -> float:
 def main() -> None:
     args = parse_args()
     common.pin_threads(args.threads)
-    from tokenmill.models.loading.gguf_weights import gguf_arch_config, read_gguf_header
-    from tokenmill.models.resolve import resolve_model
-
-    path = resolve_model(args.model).path
-    arch = gguf_arch_config(read_gguf_header(path), path)
+    arch = common.gguf_arch(args.model)
     noise = common.NoiseMeter()
     cap = capacity(arch, args.budget_mib << 20, args.seq_len)
     kern = [kernel_times(arch, args.seqs, int(c), args.calls) for c in args.contexts.split(",")]

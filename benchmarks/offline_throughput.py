@@ -156,17 +156,10 @@ def run_hf(hf: Any, name: str, prompts: list[list[int]], batch_size: int, new_to
     return phase, outputs
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, float]:
     """Greedy agreement: how many leading tokens match (rounding may fork a greedy path late)."""
+    from tokenmill.eval.metrics import common_prefix
+
     prefixes = [common_prefix(a, b) for a, b in zip(ours, theirs, strict=False)]
     return {"num_compared": len(prefixes), "median_matching_prefix": common.Stats.of(prefixes).median,
             "fully_identical": sum(a == b for a, b in zip(ours, theirs, strict=False))}

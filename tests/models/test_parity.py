@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.fixtures.engine_logits import engine_prompt_logits
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.interfaces import ScheduledRequest, SchedulerOutput
-from tokenmill.engine.request import Request
 
 ARCHS = ["llama", "qwen2", "gemma3"]
 NUM_STEPS = 32
@@ -31,17 +30,6 @@ def _hf_model(path: Path, fmt: str, arch: str) -> torch.nn.Module:
 def _prompt(vocab_size: int, length: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab_size, (length,), generator=g).tolist()
-
-
-def _engine_prompt_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    """Logits of every prompt position, computed through the paged-attention path."""
-    core = llm.core
-    request = Request("parity", prompt, SamplingParams(max_tokens=1))
-    assert core.kv.allocate(request, len(prompt))
-    scheduled = ScheduledRequest(request, 0, len(prompt), core.kv.block_tables["parity"])
-    logits = core.runner.logits_for(SchedulerOutput([scheduled]))
-    core.kv.free(request)
-    return logits
 
 
 def _hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
@@ -72,7 +60,7 @@ def pair(request: pytest.FixtureRequest, tiny_hf_dir: Callable[[str], Path],
 def test_prompt_logits_match_transformers(pair: tuple[LLM, torch.nn.Module]) -> None:
     llm, hf = pair
     prompt = _prompt(llm.core.arch.vocab_size, 40, seed=1)
-    ours = _engine_prompt_logits(llm, prompt)
+    ours = engine_prompt_logits(llm, prompt)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()
     rel = (ours - ref).abs().max() / ref.abs().max()

@@ -17,10 +17,9 @@ import math
 import pytest
 import torch
 
-from tokenmill import LLM, SamplingParams
+from tests.fixtures.engine_logits import engine_prompt_logits
+from tokenmill import LLM
 from tokenmill.bench.corpus import TextKind, corpus_text
-from tokenmill.engine.interfaces import ScheduledRequest, SchedulerOutput
-from tokenmill.engine.request import Request
 from tokenmill.errors import ModelNotInstalledError
 from tokenmill.models.resolve import resolve_model
 
@@ -35,21 +34,11 @@ def _chunks(llm: LLM) -> list[list[int]]:
     return [ids[i * CHUNK:(i + 1) * CHUNK + 1] for i in range(NUM_CHUNKS)]
 
 
-def _logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    core = llm.core
-    request = Request("q", prompt, SamplingParams(max_tokens=1))
-    assert core.kv.allocate(request, len(prompt))
-    logits = core.runner.logits_for(SchedulerOutput([ScheduledRequest(request, 0, len(prompt),
-                                                                      core.kv.block_tables["q"])]))
-    core.kv.free(request)
-    return logits
-
-
 def _score(llm: LLM, chunks: list[list[int]]) -> tuple[list[torch.Tensor], float]:
     """Top-1 predictions of every position and the mean negative log-likelihood of the next token."""
     preds, nll, count = [], 0.0, 0
     for chunk in chunks:
-        logits = _logits(llm, chunk[:-1])
+        logits = engine_prompt_logits(llm, chunk[:-1])
         targets = torch.tensor(chunk[1:])
         nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
         count += len(targets)

@@ -17,9 +17,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 import tests.fixtures.tiny_models as tiny
+from tests.fixtures.engine_logits import engine_prompt_logits
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.interfaces import ScheduledRequest, SchedulerOutput
-from tokenmill.engine.request import Request
 from tokenmill.errors import TokenmillError
 from tokenmill.kernels import QUANT_ISA_ENV, available_quant_isas, cpu_flags, isa_key, quant_kernels
 from tokenmill.layers import linear as linear_module
@@ -60,16 +59,6 @@ def _llm(path: Path, quantization: str) -> LLM:
                quantization=quantization)
 
 
-def _prompt_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    core = llm.core
-    request = Request("q", prompt, SamplingParams(max_tokens=1))
-    assert core.kv.allocate(request, len(prompt))
-    logits = core.runner.logits_for(SchedulerOutput([ScheduledRequest(request, 0, len(prompt),
-                                                                      core.kv.block_tables["q"])]))
-    core.kv.free(request)
-    return logits
-
-
 def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 263, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -89,7 +78,7 @@ def test_auto_runs_gguf_blocks_natively_and_tracks_the_dequantized_path(
     assert {m.method for m in reference.core.runner.model.linears().values()} <= {"aten", "native+aten"}
 
     prompt = _prompt(40, seed=3)
-    ours, ref = _prompt_logits(native, prompt), _prompt_logits(reference, prompt)
+    ours, ref = engine_prompt_logits(native, prompt), engine_prompt_logits(reference, prompt)
     # Only the int8 rounding of activations differs (the weights are the same GGUF values).
     rel = ((ours - ref).abs().max() / ref.abs().max()).item()
     assert rel < 0.05, f"max relative logit error {rel:.3f}"
@@ -118,7 +107,7 @@ def test_safetensors_quantize_at_load(fmt: str, tiny_hf_dir: Callable[[str], Pat
     llm, reference = _llm(tiny_hf_dir("qwen2"), fmt), _llm(tiny_hf_dir("qwen2"), "none")
     assert {linear.method for linear in llm.core.runner.model.linears().values()} == {fmt, f"{fmt}(2-pass)"}
     prompt = _prompt(24, seed=5)
-    ours, ref = _prompt_logits(llm, prompt), _prompt_logits(reference, prompt)
+    ours, ref = engine_prompt_logits(llm, prompt), engine_prompt_logits(reference, prompt)
     rel = ((ours - ref).abs().max() / ref.abs().max()).item()
     assert rel < (0.05 if fmt == "q8" else 0.3)
     assert _llm(tiny_hf_dir("qwen2"), "auto").core.runner.model.lm_head.method.startswith(("aten", "native"))

@@ -199,3 +199,13 @@ def _percentiles(values: np.ndarray, confidence: float) -> Interval:
     tail = (1.0 - confidence) / 2.0 * 100.0
     low, high = np.percentile(values, [tail, 100.0 - tail])
     return Interval(float(low), float(high))
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share (a greedy path may fork late on a rounding near-tie)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

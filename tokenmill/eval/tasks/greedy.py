@@ -16,22 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.eval.client import Backend, EvalError, GenerateOptions
-from tokenmill.eval.metrics import Metric
+from tokenmill.eval.metrics import Metric, common_prefix
 from tokenmill.eval.tasks.base import ItemResult, PairedMetric, ProgressBar, Task, TaskConfig, mean, register
 from tokenmill.eval.texts import corpus, passages
 
 MAX_TOKENS = 32
 PROMPT_CHARS = 300
 GOLDEN_DIR = Path(__file__).resolve().parent.parent / "golden"
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def golden_path(model: str, golden_dir: Path | None = None) -> Path:
