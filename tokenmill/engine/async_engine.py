@@ -27,6 +27,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.loader import LoadedEngine, load_engine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import SamplingParams
+from tokenmill.engine.service_class import ServiceClass
 from tokenmill.engine.stats import StepStats
 from tokenmill.engine.structured.manager import StructuredOutputs
 
@@ -43,6 +44,7 @@ class AddRequest:
     prompt: EncodedPrompt
     params: SamplingParams
     priority: int
+    service_class: ServiceClass = ServiceClass.STANDARD
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +121,8 @@ class AsyncEngine:
         return len(self._streams)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       service_class: ServiceClass = ServiceClass.STANDARD) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (each carries the cumulative text and the new delta).
 
         Validation errors raise before the first item; the request is aborted if the consumer
@@ -130,7 +133,7 @@ class AsyncEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._send(AddRequest(request_id, encoded, params, priority))
+        self._send(AddRequest(request_id, encoded, params, priority, service_class))
         finished = False
         try:
             while not finished:
@@ -197,7 +200,8 @@ class AsyncEngine:
         if c.request_id not in self._streams:
             return  # aborted before it reached the engine
         try:
-            self.engine.add_request(c.request_id, c.prompt, c.params, priority=c.priority)
+            self.engine.add_request(c.request_id, c.prompt, c.params, priority=c.priority,
+                                    service_class=c.service_class)
         except Exception as exc:  # report to the one client, keep the engine alive
             self._streams[c.request_id].put(exc)
 

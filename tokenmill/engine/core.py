@@ -17,6 +17,7 @@ from tokenmill.engine.model_runner import ModelRunner, num_kv_blocks
 from tokenmill.engine.request import EngineOutput, FinishReason, Request, SamplingParams
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler, StepTokenStats
+from tokenmill.engine.service_class import ServiceClass
 from tokenmill.engine.spec.speculator import DraftWeights, build_speculator
 from tokenmill.engine.stats import StepStats
 from tokenmill.errors import RequestValidationError
@@ -82,12 +83,13 @@ class EngineCore:
         return limit
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    eos_token_ids: tuple[int, ...], priority: int = 0, arrival_time: float | None = None) -> Request:
+                    eos_token_ids: tuple[int, ...], priority: int = 0, arrival_time: float | None = None,
+                    service_class: ServiceClass = ServiceClass.STANDARD) -> Request:
         self.limits.check_request(prompt_token_ids, params)
         if request_id in self.scheduler.requests:
             raise RequestValidationError(f"request id '{request_id}' is already in flight: use a unique id")
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids, priority,
-                          arrival_time if arrival_time is not None else time.monotonic())
+                          arrival_time if arrival_time is not None else time.monotonic(), service_class)
         self.scheduler.add(request)
         return request
 

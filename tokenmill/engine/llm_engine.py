@@ -21,6 +21,7 @@ from tokenmill.engine.loader import LoadedEngine, eos_ids, load_engine
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import SamplingParams
+from tokenmill.engine.service_class import ServiceClass
 from tokenmill.engine.stats import StepStats
 from tokenmill.engine.structured.manager import StructuredOutputs
 from tokenmill.models.loading.tokenizer import Tokenizer
@@ -61,11 +62,12 @@ class LLMEngine:
         return EncodedPrompt(None, list(prompt))
 
     def add_request(self, request_id: str, prompt: EncodedPrompt, params: SamplingParams, *, index: int = 0,
-                    priority: int = 0) -> None:
+                    priority: int = 0, service_class: ServiceClass = ServiceClass.STANDARD) -> None:
         """Queue one engine request (`params.n == 1`; see `inputs.fan_out`); `index` is its choice index."""
         if params.structured is not None:
             self.structured.compile(params.structured)  # GrammarError before queueing; then a cache hit
-        self.core.add_request(request_id, prompt.token_ids, params, self.eos_token_ids, priority)
+        self.core.add_request(request_id, prompt.token_ids, params, self.eos_token_ids, priority,
+                              service_class=service_class)
         self.processor.add(request_id, prompt.text, prompt.token_ids, params, index)
 
     def abort(self, request_id: str) -> RequestOutput | None:

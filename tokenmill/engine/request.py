@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tokenmill.engine.service_class import ServiceClass
 from tokenmill.engine.structured.params import StructuredOutputParams
 from tokenmill.errors import RequestValidationError
 
@@ -123,8 +124,9 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
-    priority: int = 0  # lower runs first, as in vLLM
+    priority: int = 0  # lower runs first, as in vLLM (within a service class)
     arrival_time: float = field(default_factory=time.monotonic)
+    service_class: ServiceClass = ServiceClass.STANDARD
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0
