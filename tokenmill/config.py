@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.engine.service_class import SERVICE_TIERS
 from tokenmill.errors import TokenmillError
 from tokenmill.kernels import ATTENTION_BACKENDS, DEFAULT_QUANTIZATION, GEMM_BACKENDS, QUANTIZATIONS
 from tokenmill.layers import KV_CACHE_DTYPES
@@ -150,8 +151,18 @@ class ServerConfig:
     retry_after_s: int = 1
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
     log_requests: str = "off"  # off, meta (timings), ids (+ token ids), ids+text: a JSON line per request
+    # Service classes (docs/workload_classes.md): the share of both queue bounds that only interactive
+    # requests may fill, so a flood of standard/batch submissions is refused before it blocks a chat user.
+    interactive_queue_reserve: float = 0.25
+    # (API key, service class name) pairs: requests with that bearer token default to that class (each
+    # key is also accepted as a credential). A body `service_tier` or the header still overrides it.
+    api_key_classes: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        _require(0.0 <= self.interactive_queue_reserve < 1.0, "interactive_queue_reserve must be in [0, 1)")
+        _require(all(key for key, _ in self.api_key_classes), "api keys must not be empty")
+        for _, name in self.api_key_classes:
+            _require(name in SERVICE_TIERS, f"service class '{name}' is unknown: use one of {', '.join(SERVICE_TIERS)}")
         _require(0 < self.port < 65536, "port must be in 1..65535")
         _require(bool(self.served_model_name), "served_model_name must not be empty")
         _require(self.api_key is None or bool(self.api_key), "api_key must not be empty")
