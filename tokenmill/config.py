@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.engine.service_class import SERVICE_TIERS
+from tokenmill.engine.service_class import SERVICE_TIERS, ServiceClass
 from tokenmill.errors import TokenmillError
 from tokenmill.kernels import ATTENTION_BACKENDS, DEFAULT_QUANTIZATION, GEMM_BACKENDS, QUANTIZATIONS
 from tokenmill.layers import KV_CACHE_DTYPES
@@ -83,11 +83,61 @@ class CacheConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SLOTarget:
+    """One service class's latency targets (seconds); None: no target."""
+
+    ttft_s: float | None = None  # time to first token
+    tpot_s: float | None = None  # time per output token after the first
+
+    def __post_init__(self) -> None:
+        _require(self.ttft_s is None or self.ttft_s > 0, "a TTFT target must be positive")
+        _require(self.tpot_s is None or self.tpot_s > 0, "a TPOT target must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceClassConfig:
+    """Per-class SLO targets and the SLO-aware step builder's knobs (docs/workload_classes.md).
+
+    The most latency-sensitive class present that has a TPOT target is protected: its decodes
+    always run, and lower classes fill only what is left of step_time_margin x its TPOT target,
+    by the online step-time model (engine/step_time.py). Defaults are for a 2-core CPU serving
+    SmolLM2-135M, where a chat decode step alone takes ~60 ms (issue 15): an interactive target
+    of 100 ms/token (10 tokens/s, faster than anyone reads) leaves room for batch work; standard
+    (plain completions) tolerates 0.5 s; batch has no targets, it only wants throughput.
+    """
+
+    enabled: bool = True  # False: the scheduler ignores classes (they remain labels for metrics)
+    interactive: SLOTarget = SLOTarget(ttft_s=1.0, tpot_s=0.1)
+    standard: SLOTarget = SLOTarget(ttft_s=5.0, tpot_s=0.5)
+    batch: SLOTarget = SLOTarget()
+    # Steps are planned to this fraction of the TPOT target: the rest pays for what happens between
+    # steps (output processing, detokenization, streaming), which the step-time model does not see.
+    step_time_margin: float = 0.9
+    min_step_samples: int = 16  # measured steps before the step-time fit is trusted
+    # Until then, a step holding protected decodes carries at most this many tokens in all.
+    unfitted_step_tokens: int = 32
+    # An interactive prompt advances at least this many tokens a step, even when the running
+    # interactive decodes alone fill the target (else its TTFT would be unbounded).
+    min_prefill_chunk: int = 16
+
+    def __post_init__(self) -> None:
+        _require(0.0 < self.step_time_margin <= 1.0, "step_time_margin must be in (0, 1]")
+        _require(self.min_step_samples >= 1, "min_step_samples must be positive")
+        _require(self.unfitted_step_tokens >= 1, "unfitted_step_tokens must be positive")
+        _require(self.min_prefill_chunk >= 1, "min_prefill_chunk must be positive")
+
+    def target(self, service_class: ServiceClass) -> SLOTarget:
+        return {ServiceClass.INTERACTIVE: self.interactive, ServiceClass.STANDARD: self.standard,
+                ServiceClass.BATCH: self.batch}[service_class]
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one engine step
     max_num_seqs: int = 64
-    policy: str = "fcfs"  # "fcfs" or "priority"
+    policy: str = "fcfs"  # "fcfs" or "priority" (orders requests within a service class)
     enable_chunked_prefill: bool = True
+    service_classes: ServiceClassConfig = field(default_factory=ServiceClassConfig)
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
