@@ -9,12 +9,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ProfileConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.inputs import fan_out
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.engine.request import SamplingParams, TokenLogprob
+from tokenmill.engine.service_class import ServiceClass, parse_service_tier
 from tokenmill.kernels import DEFAULT_QUANTIZATION
 from tokenmill.models.catalog import DEFAULT_MODEL
 
@@ -31,7 +32,9 @@ class LLM:
                  gemm_backend: str = "auto", attention_backend: str = "auto", kv_cache_dtype: str = "auto",
                  quantization: str = DEFAULT_QUANTIZATION, speculative: str | None = None,
                  draft_model: str | None = None,
-                 num_speculative_tokens: int = 3, ngram_min: int = 1, ngram_max: int = 4) -> None:
+                 num_speculative_tokens: int = 3, ngram_min: int = 1, ngram_max: int = 4,
+                 profile: int | ProfileConfig | None = None) -> None:
+        """`profile`: N steps (or a ProfileConfig) to profile, written to ./tokenmill-profile (docs/performance.md)."""
         self.config = EngineConfig(
             ModelConfig(model, dtype, device, max_model_len, seed, gemm_backend, attention_backend, quantization),
             CacheConfig(block_size, num_kv_blocks, kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
@@ -39,6 +42,7 @@ class LLM:
             SchedulerConfig(max_num_batched_tokens, max_num_seqs, policy, enable_chunked_prefill),
             num_threads,
             SpeculativeConfig(speculative, num_speculative_tokens, ngram_min, ngram_max, draft_model),
+            _profile_config(profile),
         )
         self.engine = LLMEngine.from_config(self.config)
         self.loaded = self.engine.loaded
@@ -50,25 +54,31 @@ class LLM:
         return self.engine.core
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None,
-                 *, priority: Sequence[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion in one continuous batch; outputs in prompt order."""
+                 *, priority: Sequence[int] | None = None, use_tqdm: bool = False,
+                 service_class: ServiceClass | str = ServiceClass.STANDARD) -> list[RequestOutput]:
+        """Run every prompt to completion in one continuous batch; outputs in prompt order.
+
+        `service_class`: interactive, standard or batch (or an OpenAI service_tier value) for all of them."""
         batch = _as_prompt_list(prompts)
         params = sampling_params or SamplingParams()
-        order = [self._add(prompt, params, priority[i] if priority else 0) for i, prompt in enumerate(batch)]
+        klass = _as_service_class(service_class)
+        order = [self._add(prompt, params, priority[i] if priority else 0, klass) for i, prompt in enumerate(batch)]
         return self._run(order, params.n, use_tqdm)
 
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
-             *, use_tqdm: bool = False) -> list[RequestOutput]:
+             *, use_tqdm: bool = False, service_class: ServiceClass | str = ServiceClass.STANDARD,
+             ) -> list[RequestOutput]:
         conversations = _as_conversations(messages)
         prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=True) for conv in conversations]
         # The template already carries BOS where the model wants it.
         token_prompts = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm, service_class=service_class)
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[CompletionOutput]:
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
+               service_class: ServiceClass | str = ServiceClass.STANDARD) -> Iterator[CompletionOutput]:
         """Generate for one prompt, yielding each step's output (`text_delta` holds the new text)."""
         params = replace(sampling_params or SamplingParams(), n=1)
-        request_id = self._add(prompt, params, 0) + "-0"
+        request_id = self._add(prompt, params, 0, _as_service_class(service_class)) + "-0"
         try:
             for output in self._outputs():
                 if output.request_id == request_id:
@@ -80,12 +90,12 @@ class LLM:
         while self.engine.has_unfinished:
             yield from self.engine.step().outputs
 
-    def _add(self, prompt: Prompt, params: SamplingParams, priority: int) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams, priority: int, service_class: ServiceClass) -> str:
         encoded = self.engine.encode(prompt)
         request_id = str(next(self._ids))
         for child in fan_out(0, encoded, params):
             self.engine.add_request(f"{request_id}-{child.index}", encoded, child.params, index=child.index,
-                                    priority=priority)
+                                    priority=priority, service_class=service_class)
         return request_id
 
     def _run(self, order: list[str], n: int, use_tqdm: bool) -> list[RequestOutput]:
@@ -108,6 +118,16 @@ def _merge(children: list[RequestOutput], request_id: str) -> RequestOutput:
     completions: list[CompletionOutput] = [c.outputs[0] for c in children]
     return RequestOutput(request_id, first.prompt, first.prompt_token_ids, completions, True, first.metrics,
                          first.num_cached_tokens, first.prompt_logprobs)
+
+
+def _as_service_class(value: ServiceClass | str) -> ServiceClass:
+    return value if isinstance(value, ServiceClass) else parse_service_tier(value)
+
+
+def _profile_config(profile: int | ProfileConfig | None) -> ProfileConfig:
+    if profile is None:
+        return ProfileConfig()
+    return profile if isinstance(profile, ProfileConfig) else ProfileConfig(num_steps=profile)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

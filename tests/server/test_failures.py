@@ -181,7 +181,9 @@ def test_engine_crash_mid_stream_ends_with_an_error_event_then_done(live: LiveSe
 
 @pytest.fixture(scope="module")
 def small_queue(tiny_engine: AsyncEngine) -> Iterator[LiveServer]:
-    config = ServerConfig(served_model_name=MODEL, max_queue_requests=2, max_queue_tokens=64, retry_after_s=2)
+    # No interactive reserve: these completions (standard class) may fill the whole queue.
+    config = ServerConfig(served_model_name=MODEL, max_queue_requests=2, max_queue_tokens=64, retry_after_s=2,
+                          interactive_queue_reserve=0.0)
     server = start_server(tiny_engine, config)
     yield server
     server.stop()

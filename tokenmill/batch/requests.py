@@ -20,10 +20,11 @@ from pydantic import ValidationError
 
 from tokenmill.engine.inputs import ChildRequest, EncodedPrompt, RequestLimits
 from tokenmill.engine.outputs import CompletionOutput
+from tokenmill.engine.service_class import ServiceClass
 from tokenmill.engine.structured.manager import StructuredOutputs
 from tokenmill.errors import RequestValidationError, TokenmillError
 from tokenmill.models.loading.tokenizer import Tokenizer
-from tokenmill.server.openai_inputs import chat_inputs, completion_inputs
+from tokenmill.server.openai_inputs import chat_inputs, completion_inputs, requested_service_class
 from tokenmill.server.protocol import ChatRequest, CompletionRequest, describe_validation_errors
 
 _BodyT = TypeVar("_BodyT", CompletionRequest, ChatRequest)
@@ -54,6 +55,9 @@ class BatchRequest:
     endpoint: Endpoint
     prompts: list[EncodedPrompt]  # chat always has one
     children: list[ChildRequest]
+    # A batch line runs in the batch class unless its body's `service_tier` says otherwise.
+    service_class: ServiceClass = ServiceClass.BATCH
+    priority: int = 0  # orders lines within the class
 
     @property
     def num_choices(self) -> int:
@@ -104,16 +108,18 @@ def _endpoint_and_body(record: dict[str, Any]) -> tuple[Endpoint, dict[str, Any]
 
 def build_request(custom_id: str, endpoint: Endpoint, body: dict[str, Any], tokenizer: Tokenizer,
                   limits: RequestLimits, grammars: StructuredOutputs | None = None) -> BatchRequest:
+    parsed: ChatRequest | CompletionRequest
     try:
         if endpoint is Endpoint.CHAT:
             chat = _parse(ChatRequest, body)
             _refuse_logprobs({"logprobs": chat.logprobs, "top_logprobs": chat.top_logprobs})
-            inputs = chat_inputs(chat, tokenizer, limits, grammars)
+            inputs, parsed = chat_inputs(chat, tokenizer, limits, grammars), chat
         else:
             completion = _parse(CompletionRequest, body)
             _refuse_logprobs({"logprobs": completion.logprobs, "echo": completion.echo})
-            inputs = completion_inputs(completion, tokenizer, limits, grammars)
-        return BatchRequest(custom_id, endpoint, inputs.prompts, inputs.children)
+            inputs, parsed = completion_inputs(completion, tokenizer, limits, grammars), completion
+        service_class = requested_service_class(parsed) or ServiceClass.BATCH
+        return BatchRequest(custom_id, endpoint, inputs.prompts, inputs.children, service_class, parsed.priority)
     except RequestValidationError as exc:
         raise BatchLineError(str(exc), param=exc.param) from exc
     except TokenmillError as exc:

@@ -178,7 +178,8 @@ class BatchJob:
         self._next_key += 1
         self.in_flight[key] = _InFlight(request)
         for child in request.children:
-            self.engine.add_request(f"{key}/{child.index}", child.prompt, child.params, index=child.index)
+            self.engine.add_request(f"{key}/{child.index}", child.prompt, child.params, index=child.index,
+                                    priority=request.priority, service_class=request.service_class)
         self.num_engine_requests += request.num_choices
 
     def _step(self) -> None:

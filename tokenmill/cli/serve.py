@@ -6,6 +6,7 @@ import argparse
 import os
 from typing import Any
 
+from tokenmill.cli.service_classes import add_service_class_arguments, api_key_classes, service_class_config
 from tokenmill.models.catalog import DEFAULT_MODEL
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
@@ -21,6 +22,7 @@ def add_serve_parser(subparsers: Any) -> None:
     parser.add_argument("--api-key", default=None, help=f"require this bearer token on /v1/* (or set {API_KEY_ENV})")
     _add_engine_arguments(parser)
     _add_server_arguments(parser)
+    add_service_class_arguments(parser)
     parser.set_defaults(handler=run_serve)
 
 
@@ -92,6 +94,9 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one JSON log line per finished request: timings (meta), + token ids, + text")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-json", action="store_true", help="every log record as one JSON line")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="profile N engine steps (phase times, then a torch trace) into --profile-dir")
+    parser.add_argument("--profile-dir", default="tokenmill-profile", help="where --profile-steps writes its files")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -99,6 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
         CacheConfig,
         EngineConfig,
         ModelConfig,
+        ProfileConfig,
         SchedulerConfig,
         ServerConfig,
         SpeculativeConfig,
@@ -112,15 +118,18 @@ def run_serve(args: argparse.Namespace) -> int:
         ModelConfig(args.model, args.dtype, args.device, args.max_model_len, args.seed, args.gemm_backend,
                     args.attention_backend, args.quantization),
         CacheConfig(num_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype),
-        SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy),
+        SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy,
+                        service_classes=service_class_config(args)),
         num_threads=args.threads,
         speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.ngram_min, args.ngram_max,
                                       args.draft_model),
+        profile=ProfileConfig(num_steps=args.profile_steps, output_dir=args.profile_dir),
     )
     server_config = ServerConfig(
         host=args.host, port=args.port, served_model_name=args.served_model_name or model_name,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, max_queue_requests=args.max_queue_requests,
         max_queue_tokens=args.max_queue_tokens, drain_timeout_s=args.drain_timeout, log_requests=args.log_requests,
+        interactive_queue_reserve=args.interactive_queue_reserve, api_key_classes=api_key_classes(args),
     )
     return run_server(engine_config, server_config)
 

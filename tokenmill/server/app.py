@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.service_class import ServiceClass, parse_service_tier
 from tokenmill.server import openai_chat, openai_completions, tokenize_api
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.middleware import ApiKeyMiddleware, RequestIdMiddleware
@@ -55,6 +56,7 @@ async def metrics(request: Request) -> Response:
     if state.metrics is None:  # still loading: nothing measured yet
         return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
     state.note_restarts()
+    state.metrics.set_waiting_by_class(state.admission.num_waiting_by_class)
     body, content_type = state.metrics.render()
     return Response(body, media_type=content_type)
 
@@ -78,10 +80,19 @@ def build_app(engine: AsyncEngine | EngineLoader, config: ServerConfig) -> FastA
     install_error_handlers(app)
     for router in (_ops, tokenize_api.router, openai_completions.router, openai_chat.router):
         app.include_router(router)
-    if config.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    api_keys = accepted_api_keys(config)
+    if api_keys:
+        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
     app.add_middleware(RequestIdMiddleware)  # added last = outermost: even a 401 carries the id
     return app
+
+
+def accepted_api_keys(config: ServerConfig) -> dict[str, ServiceClass | None]:
+    """`--api-key` (no class of its own) plus every `--api-key-class` key with its class."""
+    keys: dict[str, ServiceClass | None] = {} if config.api_key is None else {config.api_key: None}
+    for key, name in config.api_key_classes:
+        keys[key] = parse_service_tier(name)
+    return keys
 
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]

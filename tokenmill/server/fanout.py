@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from tokenmill.engine.inputs import ChildRequest
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.request import FinishReason, TokenLogprob
+from tokenmill.engine.service_class import ServiceClass
 from tokenmill.server.admission import Ticket
 from tokenmill.server.state import ServerState
 
@@ -59,12 +60,14 @@ class _Failure:
 
 class GenerationRun:
     def __init__(self, state: ServerState, children: list[ChildRequest], engine_id: str, request_id: str,
-                 priority: int, ticket: Ticket, received_s: float | None = None) -> None:
+                 priority: int, ticket: Ticket, received_s: float | None = None,
+                 service_class: ServiceClass = ServiceClass.STANDARD) -> None:
         self.state = state
         self.children = children
         self.engine_id = engine_id  # unique per API request; children add "-<index>"
         self.request_id = request_id  # X-Request-Id, for logs
-        self.priority = priority
+        self.priority = priority  # orders requests within the class
+        self.service_class = service_class
         self.ticket = ticket
         self.received_s = received_s  # when the HTTP request arrived, for the request log
         self._queue: asyncio.Queue[tuple[ChildRequest, RequestOutput] | _Failure] = asyncio.Queue()
@@ -97,7 +100,8 @@ class GenerationRun:
         engine = self.state.require_engine()
         try:
             async for output in engine.generate(child.prompt.token_ids, child.params,
-                                                f"{self.engine_id}-{child.index}", self.priority):
+                                                f"{self.engine_id}-{child.index}", self.priority,
+                                                self.service_class):
                 self._queue.put_nowait((child, output))
         except Exception as exc:  # handed to the consumer, which owns the HTTP answer
             self._queue.put_nowait(_Failure(child, exc))
@@ -110,7 +114,7 @@ class GenerationRun:
         self._seen.add(child.index)
         completion = output.outputs[0]
         if output.finished and completion.finish_reason is not FinishReason.ABORT:
-            self.state.on_finished(output, self.request_id, self.received_s)
+            self.state.on_finished(output, self.request_id, self.received_s, self.service_class)
         return ChoiceUpdate(child, completion, is_first, self._prompt_logprobs.get(child.index),
                             output.metrics if output.finished else None)
 

@@ -3,7 +3,8 @@
 - RequestIdMiddleware: honours `X-Request-Id` (or makes one), stores it and the arrival time
   in the request state for logs, and echoes it on every response, errors included.
 - ApiKeyMiddleware: bearer-token auth on /v1/*; health, readiness and metrics stay open for
-  load balancers and Prometheus.
+  load balancers and Prometheus. A key may carry a default service class (`--api-key-class`),
+  stored in the request state for the endpoints.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenmill.engine.service_class import ServiceClass
 from tokenmill.server.errors import error_body
 
 _REQUEST_ID_HEADER = "x-request-id"
+API_KEY_CLASS_STATE = "api_key_service_class"  # request.state attribute: the matched key's default class
 # Ids go into logs and response headers: printable ASCII only, bounded, so nothing can be injected.
 _SAFE_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
@@ -51,12 +54,20 @@ class RequestIdMiddleware:
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    """`api_keys`: every accepted key → the service class its requests default to (None: no default)."""
+
+    def __init__(self, app: ASGIApp, api_keys: dict[str, ServiceClass | None]) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = [(f"Bearer {key}".encode(), service_class) for key, service_class in api_keys.items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or self._is_authorized(scope):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        matched, service_class = self._match(scope)
+        if matched:
+            if service_class is not None:
+                scope.setdefault("state", {})[API_KEY_CLASS_STATE] = service_class
             await self.app(scope, receive, send)
             return
         body = error_body(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
@@ -64,6 +75,11 @@ class ApiKeyMiddleware:
         response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
-    def _is_authorized(self, scope: Scope) -> bool:
+    def _match(self, scope: Scope) -> tuple[bool, ServiceClass | None]:
         given = Headers(scope=scope).get("authorization", "").encode()
-        return hmac.compare_digest(given, self._expected)  # constant time: no timing oracle on the key
+        found: tuple[bool, ServiceClass | None] = (False, None)
+        for expected, service_class in self._expected:
+            # Constant time per key, and every key compared: no timing oracle on which key matched.
+            if hmac.compare_digest(given, expected) and not found[0]:
+                found = (True, service_class)
+        return found

@@ -15,11 +15,12 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.request import TokenLogprob
+from tokenmill.engine.service_class import ServiceClass
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens
 from tokenmill.server.logprob_format import chat_logprobs
 from tokenmill.server.openai_inputs import chat_inputs
 from tokenmill.server.openai_tools import ToolPlan, ToolStream, parse_tool_calls, tool_calls_out
-from tokenmill.server.pipeline import collect, get_state, now_s, start_run
+from tokenmill.server.pipeline import collect, get_state, now_s, service_class_for, start_run
 from tokenmill.server.protocol import (
     ChatChoice,
     ChatChunk,
@@ -48,7 +49,8 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     (prompt,) = inputs.prompts
     texts = state.require_texts()
     # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
-    run, response_id = start_run(state, request, inputs.children, "chatcmpl", body.priority)
+    service_class = service_class_for(request, body, ServiceClass.INTERACTIVE)
+    run, response_id = start_run(state, request, inputs.children, "chatcmpl", body.priority, service_class)
     ctx = _Context(body, prompt, texts, response_id, state.config.served_model_name, now_s(), inputs.tools)
     if body.stream:
         return sse_response(run, _ChatChunks(ctx), state)
@@ -57,7 +59,8 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     usage = Usage.of(len(prompt.token_ids), sum(len(u.output.token_ids) for u in last.values()),
                      cached_prompt_tokens(last.values()))
     response = ChatResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage,
-                            tokenmill=Timings.of(last.values()).extension())
+                            tokenmill=Timings.of(last.values()).extension(),
+                            service_tier=service_class.value)
     return JSONResponse(response.model_dump(mode="json"))
 
 

@@ -15,10 +15,11 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.request import TokenLogprob
+from tokenmill.engine.service_class import ServiceClass
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens
 from tokenmill.server.logprob_format import completion_logprobs
 from tokenmill.server.openai_inputs import completion_inputs
-from tokenmill.server.pipeline import collect, get_state, now_s, start_run
+from tokenmill.server.pipeline import collect, get_state, now_s, service_class_for, start_run
 from tokenmill.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from tokenmill.server.sse import sse_response
 from tokenmill.server.state import TokenTexts
@@ -35,7 +36,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     inputs = completion_inputs(body, engine.tokenizer, engine.limits, engine.structured)
     texts = state.require_texts()
     # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
-    run, response_id = start_run(state, request, inputs.children, "cmpl", body.priority)
+    service_class = service_class_for(request, body, ServiceClass.STANDARD)
+    run, response_id = start_run(state, request, inputs.children, "cmpl", body.priority, service_class)
     ctx = _Context(body, inputs.prompts, texts, response_id, state.config.served_model_name, now_s())
     if body.stream:
         return sse_response(run, _CompletionChunks(ctx), state)
@@ -45,7 +47,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     usage = Usage.of(ctx.num_prompt_tokens, sum(len(u.output.token_ids) for u in last.values()),
                      cached_prompt_tokens(last.values()))
     response = CompletionResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage,
-                                  tokenmill=Timings.of(last.values()).extension())
+                                  tokenmill=Timings.of(last.values()).extension(), service_tier=service_class.value)
     return JSONResponse(response.model_dump(mode="json"))
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from tokenmill.engine.inputs import ChildRequest, EncodedPrompt, RequestLimits, fan_out
 from tokenmill.engine.request import SamplingParams
+from tokenmill.engine.service_class import ServiceClass, parse_service_tier
 from tokenmill.engine.structured import StructuredOutputParams
 from tokenmill.engine.structured.manager import StructuredOutputs
 from tokenmill.errors import RequestValidationError, TokenmillError
@@ -67,6 +68,16 @@ def chat_inputs(body: ChatRequest, tokenizer: Tokenizer, limits: RequestLimits,
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = replace(sampling_params(body, limits, max_tokens, logprobs, None), structured=structured)
     return EngineInputs([prompt], fan_out(0, prompt, params), plan)
+
+
+def requested_service_class(body: GenerationRequest) -> ServiceClass | None:
+    """The class the body's `service_tier` asks for; None when it names none."""
+    if body.service_tier is None:
+        return None
+    try:
+        return parse_service_tier(body.service_tier)
+    except RequestValidationError as exc:
+        raise RequestValidationError(str(exc), "service_tier") from exc
 
 
 def structured_params(body: GenerationRequest) -> StructuredOutputParams | None:

@@ -15,13 +15,18 @@ from fastapi import Request
 
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.inputs import ChildRequest
+from tokenmill.engine.service_class import ServiceClass, parse_service_tier
 from tokenmill.errors import RequestValidationError, TokenmillError
 from tokenmill.server.errors import ApiError, bad_request
 from tokenmill.server.fanout import ChoiceUpdate, GenerationRun
+from tokenmill.server.middleware import API_KEY_CLASS_STATE
+from tokenmill.server.openai_inputs import requested_service_class
+from tokenmill.server.protocol import GenerationRequest
 from tokenmill.server.state import ServerState
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to the same value
 _DISCONNECT_POLL_S = 0.1
+SERVICE_TIER_HEADER = "x-tokenmill-service-tier"
 
 
 def get_state(request: Request) -> ServerState:
@@ -53,19 +58,35 @@ def finite_logprob(value: float) -> float:
 # ----------------------------------------------------------------------------- running
 
 
+def service_class_for(request: Request, body: GenerationRequest, default: ServiceClass) -> ServiceClass:
+    """The request's class: the body's `service_tier`, else the `x-tokenmill-service-tier` header, else
+    the API key's class (`--api-key-class`), else the endpoint's default. A bad value is a 400."""
+    asked = requested_service_class(body)
+    if asked is not None:
+        return asked
+    header = request.headers.get(SERVICE_TIER_HEADER)
+    if header is not None:
+        try:
+            return parse_service_tier(header)
+        except RequestValidationError as exc:
+            raise bad_request(f"header {SERVICE_TIER_HEADER}: {exc}") from exc
+    key_class = getattr(request.state, API_KEY_CLASS_STATE, None)
+    return key_class if isinstance(key_class, ServiceClass) else default
+
+
 def start_run(state: ServerState, request: Request, children: list[ChildRequest], prefix: str,
-              priority: int) -> tuple[GenerationRun, str]:
+              priority: int, service_class: ServiceClass = ServiceClass.STANDARD) -> tuple[GenerationRun, str]:
     """Admit the request (429/503 when it cannot be) and prepare its run; returns the response id."""
     num_tokens = sum(len(child.prompt.token_ids) for child in children)
     try:
-        ticket = state.admission.admit(len(children), num_tokens)
+        ticket = state.admission.admit(len(children), num_tokens, service_class)
     except ApiError as error:
         if error.status == 429:
-            state.on_rejected()
+            state.on_rejected(service_class)
         raise
     response_id = new_response_id(prefix)
     run = GenerationRun(state, children, response_id, request_id_of(request), priority, ticket,
-                        received_s_of(request))
+                        received_s_of(request), service_class)
     return run, response_id
 
 

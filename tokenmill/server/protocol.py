@@ -98,7 +98,10 @@ class GenerationRequest(_Body):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int = Field(default=0, ge=_INT32_MIN, le=_INT32_MAX)  # lower runs first, as in vLLM
+    priority: int = Field(default=0, ge=_INT32_MIN, le=_INT32_MAX)  # lower runs first (within a service class)
+    # interactive | standard | batch, or OpenAI's priority | default | auto | flex (engine/service_class.py);
+    # None: the header, the API key's class, else the endpoint's default (chat interactive, completions standard)
+    service_tier: str | None = Field(default=None, max_length=32)
     logit_bias: dict[str, float] | None = None
     # Structured outputs (engine/structured): OpenAI's response_format, or vLLM's extra fields.
     response_format: ResponseFormat | None = None
@@ -249,6 +252,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    service_tier: str | None = Field(default=None, exclude_if=_omit_none)  # the class the request ran in
     tokenmill: TokenmillExtension | None = Field(default=None, exclude_if=_omit_none)
 
 
@@ -298,6 +302,7 @@ class ChatResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    service_tier: str | None = Field(default=None, exclude_if=_omit_none)  # the class the request ran in
     tokenmill: TokenmillExtension | None = Field(default=None, exclude_if=_omit_none)
 
 

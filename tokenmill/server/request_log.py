@@ -22,6 +22,7 @@ import time
 from typing import Any, Literal, get_args
 
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.engine.service_class import ServiceClass
 
 RequestLogMode = Literal["off", "meta", "ids", "ids+text"]
 REQUEST_LOG_MODES: tuple[str, ...] = get_args(RequestLogMode)
@@ -32,24 +33,26 @@ log = logging.getLogger(REQUEST_LOGGER)
 
 
 def log_request(output: RequestOutput, *, request_id: str, model: str, mode: str,
-                received: float | None = None) -> None:
+                received: float | None = None, service_class: ServiceClass | None = None) -> None:
     """Log a finished request. `received` is the time.monotonic() at which the HTTP request arrived."""
     if mode == "off" or not log.isEnabledFor(logging.INFO):
         return
     if mode not in REQUEST_LOG_MODES:
         raise ValueError(f"request log mode {mode!r} is unknown: use one of {', '.join(REQUEST_LOG_MODES)}")
-    fields = request_fields(output, request_id=request_id, model=model, mode=mode, received=received)
+    fields = request_fields(output, request_id=request_id, model=model, mode=mode, received=received,
+                            service_class=service_class)
     log.info("%s", json.dumps(fields, separators=(",", ":")), extra={FIELDS_ATTR: fields})
 
 
 def request_fields(output: RequestOutput, *, request_id: str, model: str, mode: str,
-                   received: float | None = None) -> dict[str, Any]:
+                   received: float | None = None, service_class: ServiceClass | None = None) -> dict[str, Any]:
     """The log line as a dict (also what tests check)."""
     first = output.outputs[0] if output.outputs else None
     fields: dict[str, Any] = {
         "event": "request_finished",
         "request_id": request_id,
         "model": model,
+        "service_class": None if service_class is None else service_class.value,
         "finish_reason": _reason(first),
         "num_prompt_tokens": len(output.prompt_token_ids),
         "num_output_tokens": sum(len(c.token_ids) for c in output.outputs),

@@ -9,6 +9,7 @@ from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import SamplingParams
+from tokenmill.engine.service_class import ServiceClass
 from tokenmill.models.loading.tokenizer import Tokenizer
 from tokenmill.server.admission import Admission
 from tokenmill.server.errors import ApiError
@@ -44,7 +45,8 @@ class TokenTexts:
 class ServerState:
     def __init__(self, config: ServerConfig, engine: AsyncEngine | None = None) -> None:
         self.config = config
-        self.admission = Admission(config.max_queue_requests, config.max_queue_tokens, config.retry_after_s)
+        self.admission = Admission(config.max_queue_requests, config.max_queue_tokens, config.retry_after_s,
+                                   config.interactive_queue_reserve)
         self.engine: AsyncEngine | None = None
         self.metrics: ServerMetrics | None = None
         self.texts: TokenTexts | None = None
@@ -55,7 +57,10 @@ class ServerState:
             self.attach_engine(engine)
 
     def attach_engine(self, engine: AsyncEngine) -> None:
-        self.metrics = ServerMetrics(self.config.served_model_name, max_model_len=engine.max_model_len)
+        # The engine's frozen config: the SLO targets the scheduler protects are the ones metrics judge.
+        service_classes = engine.loaded.core.config.scheduler.service_classes
+        self.metrics = ServerMetrics(self.config.served_model_name, max_model_len=engine.max_model_len,
+                                     service_classes=service_classes)
         engine.add_stats_listener(self.metrics.on_step)
         self.texts = TokenTexts(engine.tokenizer)
         self._seen_restarts = engine.num_restarts
@@ -79,14 +84,17 @@ class ServerState:
                            f"'{self.config.served_model_name}' (see GET /v1/models)", param="model",
                            code="model_not_found")
 
-    def on_rejected(self) -> None:
+    def on_rejected(self, service_class: ServiceClass = ServiceClass.STANDARD) -> None:
         if self.metrics is not None:
-            self.metrics.on_rejected()
+            self.metrics.on_rejected(service_class)
 
-    def on_finished(self, output: RequestOutput, request_id: str, received: float | None) -> None:
+    def on_finished(self, output: RequestOutput, request_id: str, received: float | None,
+                    service_class: ServiceClass = ServiceClass.STANDARD) -> None:
         """`received`: time.monotonic() when the HTTP request arrived, so logs show tokenize + admission."""
+        if self.metrics is not None:
+            self.metrics.on_class_finished(output, service_class)
         log_request(output, request_id=request_id, model=self.config.served_model_name,
-                    mode=self.config.log_requests, received=received)
+                    mode=self.config.log_requests, received=received, service_class=service_class)
 
     # -------------------------------------------------------------------------- readiness
 
