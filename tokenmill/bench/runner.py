@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -29,6 +29,7 @@ class RunSpec:
     max_concurrency: int | None = None
     ignore_eos: bool = True  # exact output lengths, so that targets do the same work
     temperature: float = 0.0
+    extra_body: Mapping[str, Any] = field(default_factory=dict)  # more fields for every request (service_tier)
 
 
 @dataclass(slots=True)
@@ -80,7 +81,8 @@ async def _run_session(client: httpx.AsyncClient, target: Target, spec: RunSpec,
 
 
 def _payload(spec: RunSpec, conversation: Conversation, max_tokens: int) -> dict[str, Any]:
-    payload = {**conversation.payload(spec.api), "max_tokens": max_tokens, "temperature": spec.temperature}
+    payload = {**conversation.payload(spec.api), **spec.extra_body, "max_tokens": max_tokens,
+               "temperature": spec.temperature}
     if spec.ignore_eos:
         payload["ignore_eos"] = True  # vLLM, tokenmill and llama.cpp all read it
     return payload

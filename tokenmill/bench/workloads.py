@@ -5,6 +5,8 @@ SLOs their users care about. Add one by subclassing `Workload` and listing it in
     agent     a long shared system prompt (tool docs) + tool outputs appended turn after turn,
               code out; prefix reuse matters; judged on end-to-end seconds per step
     dataproc  a large burst of independent long generations; only throughput and cost count
+    mixed     chatbot sessions (interactive) arriving while a dataproc burst (batch) runs on the
+              same target: chat goodput and batch throughput at once (run by bench/mixed.py)
 """
 
 from __future__ import annotations
@@ -152,6 +154,27 @@ class Dataproc(Workload):
 
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (Chatbot(), Agent(), Dataproc())}
+
+
+class Mixed(Workload):
+    """Its own sessions are the chat part; `batch_params` sizes the burst (bench/mixed.py runs both)."""
+
+    name = "mixed"
+    description = "chatbot sessions (interactive) during a dataproc burst (batch) on one target; both classes"
+    preamble = Chatbot.preamble
+
+    def default_params(self) -> WorkloadParams:
+        return WorkloadParams(num_sessions=8, turns=2, input_len=64, output_len=32, system_len=32,
+                              think_time_s=0.5, range_ratio=0.25)
+
+    def batch_params(self) -> WorkloadParams:
+        return WorkloadParams(num_sessions=48, turns=1, input_len=128, output_len=192)
+
+    def default_slo(self) -> SLO:
+        return Chatbot().default_slo()
+
+
+WORKLOADS[Mixed.name] = Mixed()
 
 
 def get_workload(name: str) -> Workload:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from tokenmill.bench.bench import BenchConfig, Prepared, RunResult
     from tokenmill.bench.metrics import SLO
 
-WORKLOAD_NAMES = ("chatbot", "agent", "dataproc")  # help text only: the registry validates
+WORKLOAD_NAMES = ("chatbot", "agent", "dataproc", "mixed")  # help text only: the registry validates
 ARRIVAL_NAMES = ("poisson", "gamma", "constant", "burst", "ramp", "diurnal", "trace")
 PARAM_FLAGS = {"num_sessions": int, "turns": int, "input_len": int, "output_len": int, "system_len": int,
                "prefix_groups": int, "range_ratio": float, "think_time_s": float}
@@ -34,6 +34,7 @@ def add_bench_parser(subparsers: Any) -> None:
     commands = parser.add_subparsers(dest="bench_command", required=True, metavar="bench_command")
     run = commands.add_parser("run", help="run one workload against one target")
     run.add_argument("--target", required=True, help="server URL, e.g. http://127.0.0.1:8000")
+    _add_mixed_arguments(run)
     compare = commands.add_parser("compare", help="the same workload against several targets, interleaved")
     compare.add_argument("--target", action="append", required=True, help="server URL (twice or more); "
                          "ratios are against the first")
@@ -81,6 +82,47 @@ def _add_arrival_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
 
 
+def _add_mixed_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("--workload mixed (the size flags above shape its chat part)")
+    group.add_argument("--batch-requests", type=int, default=None, help="requests in the burst (default 48)")
+    group.add_argument("--batch-input-len", type=int, default=None, help="prompt tokens of each (default 128)")
+    group.add_argument("--batch-output-len", type=int, default=None, help="max_tokens of each (default 192)")
+    group.add_argument("--batch-max-concurrency", type=int, default=None, help="client-side cap on the burst")
+    group.add_argument("--chat-start", type=float, default=3.0, help="seconds after the burst the chat starts")
+    group.add_argument("--chat-tier", default="priority", help="service_tier of chat requests ('' for none)")
+    group.add_argument("--batch-tier", default="flex", help="service_tier of batch requests ('' for none)")
+    group.add_argument("--phases", default="chat_alone,batch_alone,mixed",
+                       help="which runs, in order: chat_alone, batch_alone, mixed (the alone runs are the peers)")
+
+
+def mixed_config_from_args(args: argparse.Namespace) -> Any:
+    from tokenmill.bench.mixed import MixedConfig
+    from tokenmill.bench.workloads import Mixed
+
+    config = config_from_args(args)  # the chat part: sizes, arrival, SLO, seed as for any workload
+    overrides = {"num_sessions": args.batch_requests, "input_len": args.batch_input_len,
+                 "output_len": args.batch_output_len}
+    batch = replace(Mixed().batch_params(), **{k: v for k, v in overrides.items() if v is not None})
+    return MixedConfig(config.params, batch, config.arrival, config.arrival_options,
+                       args.chat_start, args.chat_tier or None, args.batch_tier or None, args.batch_max_concurrency,
+                       config.slo, tuple(p for p in args.phases.split(",") if p), config.seed, config.ignore_eos,
+                       config.timeout_s, config.warmup)
+
+
+def run_mixed_command(args: argparse.Namespace) -> int:
+    from tokenmill.bench.mixed import document, plot_mixed, print_mixed, run_mixed
+    from tokenmill.bench.report import save_json
+
+    config = mixed_config_from_args(args)
+    result = asyncio.run(run_mixed(config, args.target, args.model, args.api_key))
+    print_mixed(result)
+    stem = Path(args.output_dir) / f"mixed_{time.strftime('%Y%m%d-%H%M%S')}"
+    print(f"results: {save_json(document(config, result, ['tokenmill', *sys.argv[1:]]), stem.with_suffix('.json'))}")
+    if not args.no_plots:
+        print(f"plot: {plot_mixed(result, stem.with_suffix('.png'))}")
+    return 0
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     from tokenmill.bench.arrivals import ArrivalOptions
     from tokenmill.bench.bench import BenchConfig
@@ -125,6 +167,12 @@ def run_bench(args: argparse.Namespace) -> int:
     from tokenmill.bench.bench import compare_targets, run_benchmark
     from tokenmill.bench.report import document, print_ratios, print_results, save_json
 
+    if args.workload == "mixed":
+        if args.bench_command != "run":
+            from tokenmill.bench.errors import BenchError
+
+            raise BenchError("the mixed workload runs against one target: use `tokenmill bench run`")
+        return run_mixed_command(args)
     config = config_from_args(args)
     if args.bench_command == "run":
         prepared, results = asyncio.run(run_benchmark(config, args.target, args.model, args.api_key))
