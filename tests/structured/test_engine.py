@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 
 from tests.server.conftest import flattened_copy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
@@ -145,3 +146,47 @@ def test_speculative_proposals_outside_the_grammar_are_rejected(engine: LLMEngin
     assert with_spec["greedy"] == plain["greedy"]
     for text, _ in with_spec.values():
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_masks_built_during_the_forward_sample_the_same_tokens(engine: LLMEngine) -> None:
+    """The runner hands each step's rows to the worker before the forward; the masks it builds are
+    the ones used (counted), and sampling with them equals sampling with masks built afterwards."""
+    structured = StructuredOutputParams.json(SCHEMA)
+    jobs = {**{f"j{i}": SamplingParams(max_tokens=120, seed=i, structured=structured) for i in range(6)},
+            "plain": SamplingParams(max_tokens=30, seed=9, ignore_eos=True),
+            "choice": SamplingParams(max_tokens=10, seed=1, structured=StructuredOutputParams.choice(["ab", "cd"]))}
+    grammars = engine.structured
+    assert grammars.overlap
+    before = grammars.num_overlapped
+    overlapped = _run(engine, jobs)
+    assert grammars.num_overlapped - before > 20
+    grammars.overlap = False
+    try:
+        before = grammars.num_overlapped
+        assert _run(engine, jobs) == overlapped
+        assert grammars.num_overlapped == before
+    finally:
+        grammars.overlap = True
+    for i in range(6):
+        jsonschema.validate(json.loads(overlapped[f"j{i}"][0]), SCHEMA)
+
+
+def test_a_mask_prepared_for_other_rows_is_not_used(engine: LLMEngine) -> None:
+    from tokenmill.engine.request import Request
+
+    grammars = engine.structured
+    structured = StructuredOutputParams.choice(["ab"])
+    a = Request("prep-a", [1, 2], SamplingParams(structured=structured), (0,))
+    b = Request("prep-b", [1, 2], SamplingParams(structured=StructuredOutputParams.choice(["cd"])), (0,))
+    width = engine.core.arch.vocab_size
+    grammars.prepare([a, b])
+    swapped = grammars(torch.zeros(2, width), [b, a])  # rows swapped: must not reuse the prepared masks
+    expected = torch.zeros(2, width)
+    grammars.overlap = False
+    try:
+        grammars(expected, [b, a])
+    finally:
+        grammars.overlap = True
+    assert torch.equal(swapped, expected) and not torch.equal(swapped[0], swapped[1])
+    grammars.forget("prep-a")
+    grammars.forget("prep-b")

@@ -15,6 +15,13 @@ Speculative verification (`extra` rows): row j of a request scores the token aft
 proposals, so the matcher accepts those j proposals tentatively, fills the row and rolls back. A
 proposal the grammar refuses is masked out of the row before it, so verification rejects it there
 (greedy: it is not the argmax; sampled: p(d) = 0); later rows are then never reached.
+
+Overlap (`prepare`): a step's masks need only the tokens of earlier steps, so the runner hands the
+rows to `prepare` before the forward and a worker thread advances the matchers, fills the bitmask
+and unpacks it while the forward runs; `__call__` joins it and only writes -inf. The worker owns the
+matchers between `prepare` and the join; every other entry point joins first, so they are never
+touched from two threads. A prepared mask is used only for the exact rows and token counts it was
+made for (else it is recomputed on the step's thread), so overlap never changes what is sampled.
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from tokenmill.engine.request import Request
@@ -53,7 +62,7 @@ class StructuredOutputs:
     server validates on its event loop while the engine thread samples)."""
 
     def __init__(self, tokenizer: Tokenizer, logits_size: int, stop_token_ids: Sequence[int],
-                 backend: str = DEFAULT_BACKEND, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+                 backend: str = DEFAULT_BACKEND, cache_size: int = DEFAULT_CACHE_SIZE, overlap: bool = True) -> None:
         self._tokenizer = tokenizer
         self._logits_size = max(logits_size, tokenizer.vocab_size)
         self._stop_token_ids = tuple(stop_token_ids)
@@ -63,7 +72,14 @@ class StructuredOutputs:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._states: dict[str, _State] = {}
-        self.mask_time_s = 0.0  # total time spent advancing matchers and masking (benchmarks read it)
+        self.overlap = overlap
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: tuple[tuple[tuple[str, int], ...], Future[_Masks]] | None = None
+        # Benchmarks read these: all grammar work (matcher advance, mask fill, unpack, apply), and the
+        # part of it the step waited for (the rest ran on the worker during the forward).
+        self.mask_time_s = 0.0
+        self.exposed_time_s = 0.0
+        self.num_overlapped = 0  # steps whose masks were ready from the worker
 
     @property
     def backend(self) -> GrammarBackend:
@@ -96,10 +112,12 @@ class StructuredOutputs:
         return len(self._cache)
 
     def forget(self, request_id: str) -> None:
+        self._join()
         self._states.pop(request_id, None)
 
     def reset(self) -> None:
         """Drop every request's matcher (the engine dropped its requests); compiled grammars stay."""
+        self._join()
         self._states.clear()
 
     def _state(self, request: Request, params: StructuredOutputParams) -> _State:
@@ -116,22 +134,69 @@ class StructuredOutputs:
             state.num_consumed = request.num_output_tokens
         return state
 
+    def prepare(self, requests: Sequence[Request]) -> None:
+        """Start this step's masks on the worker thread; the runner calls it just before the forward
+        with the rows it will sample, in row order (not for speculative verification steps).
+
+        The mask for step t depends only on the tokens up to step t - 1, which the scheduler has
+        appended by now, so it is computed while the forward runs and `__call__` only joins it and
+        writes -inf into the logits. llguidance fills the masks in Rust on its own threads without the
+        GIL; the worker's Python (advancing matchers, one call per row) interleaves with the forward's."""
+        self._join()
+        if not self.overlap or not any(r.params.structured is not None for r in requests):
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        rows = list(requests)
+        self._pending = (_key(rows), self._pool.submit(self._masks, rows, None, self._logits_size))
+
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
                  extra: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """Mask `logits` [rows, vocab] in place for the rows whose request has a grammar.
         `extra[row]`: proposals to treat as accepted before that row (speculative verification)."""
-        rows = [i for i, r in enumerate(requests) if r.params.structured is not None]
-        if not rows:
-            return logits
+        started = time.perf_counter()
+        masks = None
+        if self._pending is not None:
+            key, future = self._pending
+            self._pending = None
+            masks = future.result()  # joined first in any case: the worker owns the matchers until then
+            if extra is not None or key != _key(requests):
+                masks = None  # prepared for other rows (cannot happen from the runner): recompute
+            else:
+                self.num_overlapped += 1
+        if masks is None:
+            if not any(r.params.structured is not None for r in requests):
+                return logits
+            masks = self._masks(requests, extra, logits.shape[1])
+        applying = time.perf_counter()
+        if masks.rows:
+            self.backend.apply_prepared(logits, masks.prepared, masks.rows)
+        done = time.perf_counter()
+        self.mask_time_s += masks.elapsed_s + (done - applying)
+        self.exposed_time_s += done - started
+        return logits
+
+    def _join(self) -> None:
+        """Wait for a mask the step never used (its forward failed): the matchers are ours again."""
+        if self._pending is not None:
+            _, future = self._pending
+            self._pending = None
+            try:
+                future.result()
+            except Exception:  # it failed on the worker; the next step recomputes
+                log.exception("grammar masks failed on the worker thread")
+
+    def _masks(self, requests: Sequence[Request], extra: Sequence[Sequence[int]] | None, width: int) -> _Masks:
+        """Advance the matchers to the rows' output tokens and build the masks of their grammar rows."""
         started = time.perf_counter()
         backend = self.backend
-        bitmask = backend.allocate_bitmask(logits.shape[0])
+        bitmask = backend.allocate_bitmask(len(requests))
         fills: list[tuple[GrammarMatcher, int]] = []
         filled: list[int] = []
-        for row in rows:
-            request = requests[row]
+        for row, request in enumerate(requests):
             structured = request.params.structured
-            assert structured is not None
+            if structured is None:
+                continue
             state = self._state(request, structured)
             if state.broken:
                 continue
@@ -159,16 +224,30 @@ class StructuredOutputs:
         if fills:
             backend.fill_bitmasks(fills, bitmask)
             filled += [row for _, row in fills]
-        if filled:
-            backend.apply_bitmask(logits, bitmask, filled)
-        self.mask_time_s += time.perf_counter() - started
-        return logits
+        filled.sort()
+        prepared = backend.prepare_apply(bitmask, filled, width) if filled else None
+        return _Masks(filled, prepared, time.perf_counter() - started)
+
+
+@dataclass(slots=True)
+class _Masks:
+    """One step's masks: the rows that have one and the backend's prepared form of them."""
+
+    rows: list[int]
+    prepared: Any
+    elapsed_s: float  # time it took to compute (on the worker, or on the step's thread when not prepared)
+
+
+def _key(requests: Sequence[Request]) -> tuple[tuple[str, int], ...]:
+    """Which step a mask was made for: each row's request and how many tokens it had."""
+    return tuple((r.request_id, r.num_output_tokens) for r in requests)
 
 
 def _allow_only(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
     """The grammar is complete (nothing may follow): only the request's stop tokens."""
-    bitmask[row].zero_()
+    words = bitmask.numpy()[row].view(np.uint32)  # numpy: no torch op (and thread-pool wait) per word
+    words[:] = 0
     for token in token_ids:
         word, bit = divmod(token, 32)
-        if word < bitmask.shape[1]:
-            bitmask[row, word] |= (1 << bit) if bit < 31 else -(1 << 31)  # int32: bit 31 is the sign
+        if word < len(words):
+            words[word] |= np.uint32(1 << bit)

@@ -85,7 +85,11 @@ class XGrammarBackend(GrammarBackend):
         bitmask: torch.Tensor = self._xgr.allocate_token_bitmask(rows, self.vocab_size)
         return bitmask
 
-    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    def prepare_apply(self, bitmask: torch.Tensor, rows: Sequence[int], width: int) -> Any:
+        return bitmask  # the library's kernel reads the bitmask itself
+
+    def apply_prepared(self, logits: torch.Tensor, prepared: Any, rows: Sequence[int]) -> None:
+        bitmask: torch.Tensor = prepared
         if logits.device != bitmask.device:
             bitmask = bitmask.to(logits.device, non_blocking=True)
         self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=list(rows))
