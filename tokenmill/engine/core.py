@@ -107,7 +107,8 @@ class EngineCore:
         """Drop every request and all block bookkeeping (the KV tensors and weights stay)."""
         cache = self.config.cache
         self.kv = KVCacheManager(self.kv.num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len)
+        # The step-time fit describes the machine, not the requests: it survives the reset.
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len, self.scheduler.step_time)
         self.runner.sampler = Sampler(self.runner.device, self.config.model.seed)
         if self.speculator is not None:
             self.speculator.reset()
@@ -128,8 +129,10 @@ class EngineCore:
                 self.runner.sampler.forget(o.request_id)
                 if self.speculator is not None:
                     self.speculator.forget(o.request_id)
+        step_time_s = time.monotonic() - started
+        self.scheduler.observe_step(scheduled, step_time_s)  # the SLO-aware scheduler's step-time model
         if self.speculator is not None:
-            self.speculator.observe(scheduled.num_tokens, time.monotonic() - started)
+            self.speculator.observe(scheduled.num_tokens, step_time_s)
         return StepResult(outputs, self._stats(scheduled.num_tokens, scheduled.num_preempted, started,
                                                 self.scheduler.step_stats))
 
@@ -139,6 +142,7 @@ class EngineCore:
 
     def _stats(self, num_tokens: int, num_preempted: int, started: float, tokens: StepTokenStats) -> StepStats:
         pool = self.kv.pool
+        class_running, class_waiting = self.scheduler.class_counts()
         return StepStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_scheduled_tokens=num_tokens, num_preempted=num_preempted, kv_usage=self.kv.usage,
@@ -150,4 +154,7 @@ class EngineCore:
             spec_num_drafts=tokens.num_drafts, spec_num_draft_tokens=tokens.num_draft_tokens,
             spec_num_accepted_tokens=tokens.num_accepted_tokens,
             spec_accepted_per_position=tokens.accepted_per_position,
-            spec_is_on=None if self.speculator is None else self.speculator.is_on)
+            spec_is_on=None if self.speculator is None else self.speculator.is_on,
+            classes=tokens.classes, class_ttfts_s=tokens.ttfts_s_by_class,
+            class_inter_token_latencies_s=tokens.inter_token_latencies_s_by_class,
+            class_num_running=class_running, class_num_waiting=class_waiting)

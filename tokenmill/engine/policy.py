@@ -15,6 +15,11 @@ class SchedulingPolicy(ABC):
     @abstractmethod
     def key(self, request: Request) -> tuple[float, ...]: ...
 
+    def rotation_key(self, request: Request, last_scheduled_step: int) -> tuple[float, ...]:
+        """Order among requests that cannot all run this step (the SLO-aware scheduler's fillers):
+        the longest-paused first, so every one progresses; the policy's key breaks ties."""
+        return (last_scheduled_step, *self.key(request))
+
 
 class FCFSPolicy(SchedulingPolicy):
     def key(self, request: Request) -> tuple[float, ...]:
@@ -27,8 +32,31 @@ class PriorityPolicy(SchedulingPolicy):
     def key(self, request: Request) -> tuple[float, ...]:
         return (request.priority, request.arrival_time)
 
+    def rotation_key(self, request: Request, last_scheduled_step: int) -> tuple[float, ...]:
+        # Priority stays strict: the rotation only shares steps among requests of equal priority.
+        return (request.priority, last_scheduled_step, request.arrival_time)
+
+
+class ClassRankedPolicy(SchedulingPolicy):
+    """Service class first (interactive, standard, batch), then the inner policy: batch requests
+    are scheduled last and preempted first."""
+
+    def __init__(self, inner: SchedulingPolicy) -> None:
+        self.inner = inner
+
+    def key(self, request: Request) -> tuple[float, ...]:
+        return (request.service_class.rank, *self.inner.key(request))
+
+    def rotation_key(self, request: Request, last_scheduled_step: int) -> tuple[float, ...]:
+        return (request.service_class.rank, *self.inner.rotation_key(request, last_scheduled_step))
+
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {"fcfs": FCFSPolicy, "priority": PriorityPolicy}
+
+
+def build_policy(name: str, rank_classes: bool) -> SchedulingPolicy:
+    policy = POLICIES[name]()
+    return ClassRankedPolicy(policy) if rank_classes else policy
 
 
 class RequestQueue:

@@ -15,19 +15,35 @@ them after its known ones (1 + k query tokens in the same budget). After verific
 tokens are appended with the stop rules checked after each, and num_computed_tokens is rolled back
 past the rejected ones: their KV slots are overwritten by the next step and, lying beyond
 num_computed_tokens, never reach the prefix cache (commit_computed publishes computed blocks only).
+
+Service classes (docs/workload_classes.md): queues order by class first (interactive, standard,
+batch), so batch is preempted first. The most urgent class present with a TPOT target is
+protected: its requests are scheduled as above; every lower class only fills what is left of
+margin x that target by the step-time model (step_time.py), the longest-paused first, so each
+progresses when capacity exists; a request skipped this way keeps its KV blocks (pausing costs
+nothing) until blocks run short. An interactive prompt is prefilled, under running interactive
+decodes, in chunks that fit the same limit. With no protected class present (a batch job alone)
+the step is built exactly as without classes: the whole token and sequence budget.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.interfaces import RunnerOutput, SampledTokens, ScheduledRequest, SchedulerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.policy import POLICIES, RequestQueue
+from tokenmill.engine.policy import RequestQueue, build_policy
 from tokenmill.engine.request import EngineOutput, FinishReason, Request, RequestStatus, TokenLogprob
+from tokenmill.engine.service_class import ServiceClass
+from tokenmill.engine.stats import ClassStepStats
+from tokenmill.engine.step_time import OnlineStepTimeModel, StepTimeLimit, StepTimeModel
 from tokenmill.engine.stop import check_stop
+
+# (tokens already in the step, sequences already in it) -> tokens one more request may add.
+TokenCap = Callable[[int, int], int]
 
 
 @dataclass(slots=True)
@@ -48,19 +64,28 @@ class StepTokenStats:
     num_draft_tokens: int = 0  # proposed tokens verified
     num_accepted_tokens: int = 0  # of those, accepted
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose token i was accepted
+    classes: ClassStepStats = field(default_factory=ClassStepStats)  # what schedule() decided for this step
+    ttfts_s_by_class: dict[str, list[float]] = field(default_factory=dict)
+    inter_token_latencies_s_by_class: dict[str, list[float]] = field(default_factory=dict)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 step_time: StepTimeModel | None = None) -> None:
         self.config = config
+        self.classes = config.service_classes
         self.kv = kv
         self.max_model_len = max_model_len
-        policy = POLICIES[config.policy]()
-        self.waiting = RequestQueue(policy)
-        self.running = RequestQueue(policy)
+        self.policy = build_policy(config.policy, rank_classes=self.classes.enabled)
+        self.waiting = RequestQueue(self.policy)
+        self.running = RequestQueue(self.policy)
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self.step_stats = StepTokenStats()
+        self.step_time = step_time or OnlineStepTimeModel(self.classes.min_step_samples)
+        self.last_plan = ClassStepStats()
+        self._step_index = 0
+        self._last_scheduled: dict[str, int] = {}  # request id -> the step it last ran in (rotation)
 
     @property
     def has_work(self) -> bool:
@@ -76,30 +101,179 @@ class Scheduler:
             self._finish(request, FinishReason.ABORT)
         return request
 
+    def observe_step(self, out: SchedulerOutput, step_time_s: float) -> None:
+        """Feed one measured step to the step-time model (the core calls this after each step)."""
+        if not out.is_empty:
+            self.step_time.observe(out.num_tokens, len(out.scheduled), step_time_s)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
-        if out.num_preempted == 0:
-            self._schedule_waiting(out, budget)
+        protected = self._protected_class()
+        limit = None
+        if protected is None:
+            budget = self._schedule_running(out, list(self.running), self.config.max_num_batched_tokens, set())
+            if out.num_preempted == 0:
+                self._schedule_waiting(out, budget)
+        else:
+            limit = self._step_limit(protected)
+            self._schedule_by_class(out, protected, limit)
+        self._record_plan(out, protected, limit)
         now = time.monotonic()
         for s in out.scheduled:
             if s.request.times.first_scheduled is None:
                 s.request.times.first_scheduled = now
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        scheduled_ids: set[str] = set()
-        for request in list(self.running):
+    # ---- service classes ---------------------------------------------------------------------
+
+    def _protected_class(self) -> ServiceClass | None:
+        """The most urgent class present with a TPOT target, when it constrains anything: lower
+        classes are present, or it is interactive (its prompts are chunked under its decodes)."""
+        if not self.classes.enabled:
+            return None
+        present = {r.service_class for r in self.requests.values()}
+        targeted = [c for c in present if self.classes.target(c).tpot_s is not None]
+        if not targeted:
+            return None
+        protected = min(targeted, key=lambda c: c.rank)
+        if protected is ServiceClass.INTERACTIVE or any(c.rank > protected.rank for c in present):
+            return protected
+        return None
+
+    def _step_limit(self, protected: ServiceClass) -> StepTimeLimit:
+        tpot_s = self.classes.target(protected).tpot_s
+        assert tpot_s is not None
+        return StepTimeLimit(self.classes.step_time_margin * tpot_s, self.step_time.fit(),
+                             self.classes.unfitted_step_tokens)
+
+    def _schedule_by_class(self, out: SchedulerOutput, protected: ServiceClass, limit: StepTimeLimit) -> None:
+        budget, ids = self.config.max_num_batched_tokens, set[str]()
+        num_admission_preemptions = 0  # lower-class requests preempted to admit protected ones
+
+        def filler_cap(step_tokens: int, step_seqs: int) -> int:
+            return limit.max_new_tokens(step_tokens, step_seqs)
+
+        for cls in sorted(ServiceClass, key=lambda c: c.rank):
+            members = [r for r in self.running if r.service_class is cls]
+            if cls.rank > protected.rank:
+                members.sort(key=lambda r: self.policy.rotation_key(r, self._last_scheduled.get(r.request_id, -1)))
+                budget = self._schedule_running(out, members, budget, ids, filler_cap)
+                if out.num_preempted == 0:  # never re-admit a request preempted this step
+                    budget = self._admit_class(out, cls, budget, ids, filler_cap, preempt_lower=False)
+                continue
+            cap = None
+            if cls is ServiceClass.INTERACTIVE:
+                decodes = [r for r in members if r.num_tokens - r.num_computed_tokens == 1]
+                budget = self._schedule_running(out, decodes, budget, ids)
+                cap = self._own_prefill_cap(limit, any(r.request_id in ids for r in decodes))
+                decode_ids = {r.request_id for r in decodes}
+                members = [r for r in members if r.request_id not in decode_ids]
+            budget = self._schedule_running(out, members, budget, ids, cap)
+            if out.num_preempted == num_admission_preemptions:  # blocks are short: admit nobody
+                before = out.num_preempted
+                budget = self._admit_class(out, cls, budget, ids, cap, preempt_lower=True)
+                num_admission_preemptions += out.num_preempted - before
+
+    def _own_prefill_cap(self, limit: StepTimeLimit, has_decodes: bool) -> TokenCap | None:
+        """Interactive prompts under running interactive decodes: chunks that fit the limit, but at
+        least min_prefill_chunk (its TTFT must stay bounded); with no decodes to protect, TTFT first."""
+        if not has_decodes:
+            return None
+        floor = self.classes.min_prefill_chunk
+        return lambda step_tokens, step_seqs: max(limit.max_new_tokens(step_tokens, step_seqs), floor)
+
+    def _admit_class(self, out: SchedulerOutput, cls: ServiceClass, budget: int, ids: set[str],
+                     cap: TokenCap | None, preempt_lower: bool) -> int:
+        """Admit waiting requests of one class, most urgent first, while budget, blocks, the cap and
+        max_num_seqs (counting running requests of this class and more urgent ones) allow.
+        A protected class may preempt unscheduled running requests of lower classes for blocks."""
+        full = self.config.max_num_batched_tokens
+        for request in [r for r in self.waiting if r.service_class is cls]:
+            if budget <= 0 or len(out.scheduled) >= self.config.max_num_seqs:
+                break
+            if sum(1 for r in self.running if r.service_class.rank <= cls.rank) >= self.config.max_num_seqs:
+                break
+            allowed = budget if cap is None else min(budget, cap(full - budget, len(out.scheduled)))
+            if allowed <= 0:
+                break
+            cached = self.kv.find_cached_prefix(request)
+            num_computed = len(cached) * self.kv.block_size
+            num_new = request.num_tokens - num_computed
+            if not self.config.enable_chunked_prefill and num_new > allowed:
+                break
+            num_new = min(num_new, allowed)
+            while not self.kv.allocate(request, num_new, cached):
+                victim = self._lower_class_victim(cls, ids) if preempt_lower else None
+                if victim is None:
+                    return budget
+                self._preempt(victim)
+                out.num_preempted += 1
+            self.waiting.remove(request)
+            self._admit(out, request, num_computed, num_new)
+            ids.add(request.request_id)
+            budget -= num_new
+        return budget
+
+    def _lower_class_victim(self, cls: ServiceClass, scheduled_ids: set[str]) -> Request | None:
+        for request in reversed(list(self.running)):
+            if request.service_class.rank > cls.rank and request.request_id not in scheduled_ids:
+                return request
+        return None
+
+    def _record_plan(self, out: SchedulerOutput, protected: ServiceClass | None, limit: StepTimeLimit | None) -> None:
+        names = [c.value for c in ServiceClass]
+        plan = ClassStepStats({n: 0 for n in names}, {n: 0 for n in names})
+        for s in out.scheduled:
+            name = s.request.service_class.value
+            plan.scheduled_tokens[name] += s.num_new_tokens
+            plan.scheduled_seqs[name] += 1
+            self._last_scheduled[s.request.request_id] = self._step_index
+        fit = self.step_time.fit()
+        plan.step_time_fit = fit
+        plan.predicted_step_time_s = fit.predict(out.num_tokens, len(out.scheduled)) if fit else None
+        if protected is not None and limit is not None:
+            scheduled = {s.request.request_id for s in out.scheduled}
+            plan.protected_class = protected.value
+            plan.step_time_limit_s = limit.limit_s
+            plan.num_deferred = sum(1 for r in self.running
+                                    if r.service_class.rank > protected.rank and r.request_id not in scheduled)
+        self.last_plan = plan
+        self._step_index += 1
+
+    def class_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Requests running and waiting now, per class name."""
+        running = {c.value: 0 for c in ServiceClass}
+        waiting = dict(running)
+        for r in self.running:
+            running[r.service_class.value] += 1
+        for r in self.waiting:
+            waiting[r.service_class.value] += 1
+        return running, waiting
+
+    # ---- one request at a time ---------------------------------------------------------------
+
+    def _schedule_running(self, out: SchedulerOutput, requests: list[Request], budget: int,
+                          scheduled_ids: set[str], cap: TokenCap | None = None) -> int:
+        """Schedule `requests` (running, in the given order) within the budget; `cap`, when given,
+        bounds each one's tokens by what the step already holds (the SLO limit)."""
+        full = self.config.max_num_batched_tokens
+        for request in requests:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            allowed = budget
+            if cap is not None:
+                if len(out.scheduled) >= self.config.max_num_seqs:
+                    break
+                allowed = min(budget, cap(full - budget, len(out.scheduled)))
+                if allowed <= 0:
+                    continue  # paused this step: keeps its blocks
             remaining = request.num_tokens - request.num_computed_tokens
-            spec = self._spec_tokens(request, remaining, budget)
-            num_new = min(remaining + len(spec), budget)
+            spec = self._spec_tokens(request, remaining, allowed)
+            num_new = min(remaining + len(spec), allowed)
             if not spec or not self.kv.allocate(request, num_new):
-                spec, num_new = [], min(remaining, budget)  # proposals never cost another request its blocks
+                spec, num_new = [], min(remaining, allowed)  # proposals never cost another request its blocks
                 if not self._allocate_or_preempt(request, num_new, scheduled_ids, out):
                     continue
             out.scheduled.append(self._scheduled(request, num_new, spec))
@@ -157,14 +331,18 @@ class Scheduler:
             if not self.kv.allocate(request, num_new, cached):
                 break
             self.waiting.pop()
-            self.kv.record_lookup(request.num_tokens, num_computed)
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_computed
-            request.num_computed_tokens = num_computed
-            request.status = RequestStatus.RUNNING
-            self.running.add(request)
-            out.scheduled.append(self._scheduled(request, num_new))
+            self._admit(out, request, num_computed, num_new)
             budget -= num_new
+
+    def _admit(self, out: SchedulerOutput, request: Request, num_computed: int, num_new: int) -> None:
+        """A waiting request whose blocks are allocated starts running with its first chunk."""
+        self.kv.record_lookup(request.num_tokens, num_computed)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_computed
+        request.num_computed_tokens = num_computed
+        request.status = RequestStatus.RUNNING
+        self.running.add(request)
+        out.scheduled.append(self._scheduled(request, num_new))
 
     def _scheduled(self, request: Request, num_new: int, spec: list[int] | None = None) -> ScheduledRequest:
         return ScheduledRequest(request, request.num_computed_tokens, num_new,
@@ -174,7 +352,7 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, finish requests that stop."""
         outputs = []
         now = time.monotonic()
-        self.step_stats = StepTokenStats()
+        self.step_stats = StepTokenStats(classes=self.last_plan)
         for s in out.scheduled:
             request = s.request
             if request.status is not RequestStatus.RUNNING:
@@ -239,11 +417,14 @@ class Scheduler:
     def _record_latency(self, request: Request, now: float) -> None:
         times = request.times
         self.step_stats.num_generation_tokens += 1
+        name = request.service_class.value
         if times.first_token is None:
             times.first_token = now
             self.step_stats.ttfts_s.append(now - times.arrival)
+            self.step_stats.ttfts_s_by_class.setdefault(name, []).append(now - times.arrival)
         elif times.last_token is not None:
             self.step_stats.inter_token_latencies_s.append(now - times.last_token)
+            self.step_stats.inter_token_latencies_s_by_class.setdefault(name, []).append(now - times.last_token)
         times.last_token = now
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
@@ -256,4 +437,5 @@ class Scheduler:
         request.finish_reason = reason
         request.times.finished = time.monotonic()
         self.requests.pop(request.request_id, None)
+        self._last_scheduled.pop(request.request_id, None)
         self.stats.num_finished += 1

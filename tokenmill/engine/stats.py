@@ -4,6 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.engine.step_time import StepTimeFit
+
+
+@dataclass(slots=True)
+class ClassStepStats:
+    """What the SLO-aware scheduler decided for one step (docs/workload_classes.md). Keys are
+    service class names ("interactive", "standard", "batch"); every class is a key."""
+
+    scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    scheduled_seqs: dict[str, int] = field(default_factory=dict)
+    num_deferred: int = 0  # running requests of lower classes paused this step (they keep their KV blocks)
+    protected_class: str | None = None  # whose TPOT target bounded the step; None: whole budget for all
+    step_time_limit_s: float | None = None  # margin x that target
+    predicted_step_time_s: float | None = None  # the fit's prediction for this step; None: no fit yet
+    step_time_fit: StepTimeFit | None = None
+
 
 @dataclass(slots=True)
 class StepStats:
@@ -28,3 +44,10 @@ class StepStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
     spec_is_on: bool | None = None
+    # Service classes: this step's decisions, and per class the TTFTs and inter-token latencies of
+    # this step's tokens and the requests running / waiting now.
+    classes: ClassStepStats = field(default_factory=ClassStepStats)
+    class_ttfts_s: dict[str, list[float]] = field(default_factory=dict)
+    class_inter_token_latencies_s: dict[str, list[float]] = field(default_factory=dict)
+    class_num_running: dict[str, int] = field(default_factory=dict)
+    class_num_waiting: dict[str, int] = field(default_factory=dict)
