@@ -362,3 +362,14 @@ def test_bad_service_class_flags_are_one_line_errors(captured: dict[str, Any], c
     assert cli.main(["serve", "m", *flags]) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and not captured
+
+
+def test_dashboard_has_slo_attainment_by_class() -> None:
+    import json
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).parents[2] / "deploy" / "grafana" / "tokenmill.json").read_text())
+    [panel] = [p for p in dashboard["panels"] if p.get("title") == "SLO attainment by class"]
+    exprs = [t["expr"] for t in panel["targets"]]
+    assert all("tokenmill:slo_met_total" in e and "tokenmill:slo_requests_total" in e for e in exprs)
+    assert all("by (service_class)" in e for e in exprs) and any('slo="all"' in e for e in exprs)
