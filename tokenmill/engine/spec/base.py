@@ -21,6 +21,17 @@ class Proposer(abc.ABC):
     def retain(self, request_ids: Iterable[str]) -> None:  # noqa: B027
         """Drop state of every request not in `request_ids` (those the engine still holds)."""
 
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of KV cache the proposer keeps per block of the target's (a draft model's own pool)."""
+        return 0
+
+    def allocate_kv(self, num_blocks: int) -> None:  # noqa: B027 - only a draft model keeps a KV cache
+        """Allocate the proposer's KV cache: as many blocks as the target's."""
+
+    def set_max_model_len(self, max_model_len: int) -> None:  # noqa: B027
+        """The engine's context after the KV cache capped it."""
+
 
 PROPOSERS: dict[str, type[Proposer]] = {}
 

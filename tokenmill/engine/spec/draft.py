@@ -20,7 +20,7 @@ import torch
 
 from tokenmill.engine.interfaces import ScheduledRequest, SchedulerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenmill.engine.request import Request, SamplingParams
 from tokenmill.engine.spec.base import Proposer, register_proposer
 
@@ -33,11 +33,28 @@ class _DraftSeq:
 
 @register_proposer("draft")
 class DraftModelProposer(Proposer):
-    def __init__(self, runner: ModelRunner, num_blocks: int, block_size: int, max_model_len: int) -> None:
+    def __init__(self, runner: ModelRunner, num_blocks: int | None, block_size: int, max_model_len: int) -> None:
+        """`num_blocks` None: the weights are in, the KV pool comes later (`allocate_kv`), once the
+        engine has probed the memory left after both models' weights."""
         self.runner = runner
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.block_size = block_size
+        self.kv = KVCacheManager(1, block_size, enable_prefix_caching=False)
         self.max_model_len = min(max_model_len, runner.arch.max_position_embeddings)
         self._seqs: dict[str, _DraftSeq] = {}
+        if num_blocks is not None:
+            self.allocate_kv(num_blocks)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.runner.arch, self.block_size, self.runner.kv_spec)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        self.retain(())
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, self.block_size, enable_prefix_caching=False)
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        self.max_model_len = min(max_model_len, self.runner.arch.max_position_embeddings)
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
         active: list[tuple[_DraftSeq, int]] = []

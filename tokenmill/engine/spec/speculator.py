@@ -72,15 +72,31 @@ class Speculator:
     def is_on(self) -> bool:
         return self.controller.is_on
 
+    def share_kv_budget(self, num_blocks: int, target_bytes_per_block: int) -> int:
+        """Target blocks when `num_blocks` of the target's alone filled the byte budget and the proposer
+        keeps a block of its own per target block (a draft model): both pools fit the same budget."""
+        extra = self.proposer.kv_bytes_per_block
+        if extra == 0:
+            return num_blocks
+        return max(1, num_blocks * target_bytes_per_block // (target_bytes_per_block + extra))
+
+    def allocate_kv(self, num_blocks: int, max_model_len: int) -> None:
+        """Once the engine has sized the target's cache: the proposer's pool, and the final context."""
+        self.max_model_len = max_model_len
+        self.proposer.set_max_model_len(max_model_len)
+        self.proposer.allocate_kv(num_blocks)
+
 
 DraftWeights = tuple[ArchConfig, Mapping[str, torch.Tensor]]
 
 
 def build_speculator(config: SpeculativeConfig, model_config: ModelConfig, target_arch: ArchConfig,
-                     block_size: int, num_blocks: int, max_model_len: int,
+                     block_size: int, num_blocks: int | None, max_model_len: int,
                      draft: DraftWeights | None = None) -> Speculator | None:
     """The speculator `config` asks for (None when speculation is off). A draft model is loaded from
-    config.draft_model unless its weights are given (tests pass tiny models in)."""
+    config.draft_model unless its weights are given (tests pass tiny models in). `num_blocks` None:
+    the draft's weights load now and its KV pool waits for `Speculator.allocate_kv`, so the engine
+    can probe memory after both models' weights are in (the core's order)."""
     if config.method is None:
         return None
     proposer: Proposer
@@ -93,7 +109,7 @@ def build_speculator(config: SpeculativeConfig, model_config: ModelConfig, targe
                                  f"tokens but the target has {target_arch.vocab_size}: a draft must share the "
                                  "target's tokenizer")
         draft_config = replace(model_config, model=config.draft_model or "draft")
-        runner = ModelRunner(draft_config, arch, tensors, max_model_len, block_size, num_blocks)
+        runner = ModelRunner(draft_config, arch, tensors, max_model_len, block_size, None)  # KV: the proposer's
         proposer = PROPOSERS["draft"](runner, num_blocks, block_size, max_model_len)  # type: ignore[call-arg]
     return Speculator(config, proposer, max_model_len)
 
