@@ -8,9 +8,11 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tokenmill.config import ServiceClassConfig
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.request import FinishReason
 from tokenmill.engine.stats import StepStats
+from tokenmill.server.class_metrics import ClassMetrics
 from tokenmill.server.metrics import ServerMetrics, build_1_2_5_buckets
 
 MODEL = "tiny"
@@ -152,7 +154,9 @@ def test_length_buckets_follow_1_2_5_up_to_the_context() -> None:
 
 
 def _exposed_names() -> set[str]:
-    body, _ = ServerMetrics(MODEL).render()
+    metrics = ServerMetrics(MODEL)
+    ClassMetrics(metrics.registry, MODEL, ServiceClassConfig())  # a server registers both (state.py)
+    body, _ = metrics.render()
     return {sample.name for family in text_string_to_metric_families(body.decode()) for sample in family.samples}
 
 

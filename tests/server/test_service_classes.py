@@ -25,8 +25,11 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.request import FinishReason
 from tokenmill.engine.service_class import ServiceClass
+from tokenmill.engine.stats import ClassStepStats, StepStats
+from tokenmill.engine.step_time import StepTimeFit
 from tokenmill.errors import RequestValidationError
 from tokenmill.server.admission import Admission
+from tokenmill.server.class_metrics import ClassMetrics
 from tokenmill.server.errors import ApiError
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.openai_inputs import requested_service_class
@@ -151,14 +154,15 @@ def _finished(ttft_s: float, tpot_s: float, num_tokens: int, queue_s: float = 0.
 
 def test_per_class_histograms_and_slo_attainment_against_the_class_targets() -> None:
     config = ServiceClassConfig(interactive=SLOTarget(ttft_s=0.5, tpot_s=0.1), standard=SLOTarget(ttft_s=2.0))
-    metrics = ServerMetrics(MODEL, service_classes=config)
-    metrics.on_class_finished(_finished(0.2, 0.05, 11), INTERACTIVE)  # meets both
-    metrics.on_class_finished(_finished(0.9, 0.05, 11), INTERACTIVE)  # TTFT missed
-    metrics.on_class_finished(_finished(0.2, 0.30, 11), INTERACTIVE)  # TPOT missed
-    metrics.on_class_finished(_finished(0.2, 0.30, 1), INTERACTIVE)  # one token: no TPOT to miss
-    metrics.on_class_finished(_finished(3.0, 0.30, 5), STANDARD)  # TTFT missed, no TPOT target
-    metrics.on_class_finished(_finished(9.0, 9.0, 5), BATCH)  # no targets: not judged
-    text = metrics.render()[0].decode()
+    server = ServerMetrics(MODEL)
+    metrics = ClassMetrics(server.registry, MODEL, config)
+    metrics.on_finished(_finished(0.2, 0.05, 11), INTERACTIVE)  # meets both
+    metrics.on_finished(_finished(0.9, 0.05, 11), INTERACTIVE)  # TTFT missed
+    metrics.on_finished(_finished(0.2, 0.30, 11), INTERACTIVE)  # TPOT missed
+    metrics.on_finished(_finished(0.2, 0.30, 1), INTERACTIVE)  # one token: no TPOT to miss
+    metrics.on_finished(_finished(3.0, 0.30, 5), STANDARD)  # TTFT missed, no TPOT target
+    metrics.on_finished(_finished(9.0, 9.0, 5), BATCH)  # no targets: not judged
+    text = server.render()[0].decode()
     met = {(c, k): _series(text, "tokenmill:slo_met_total", service_class=c, slo=k)
            for c in ("interactive", "standard", "batch") for k in ("ttft", "tpot", "all")}
     assert [met["interactive", k] for k in ("ttft", "tpot", "all")] == [3, 3, 2]
@@ -179,6 +183,35 @@ def test_per_class_histograms_and_slo_attainment_against_the_class_targets() -> 
     assert _series(text, "tokenmill:service_class_queue_time_seconds_count", service_class="standard") == 1
     assert _series(text, "tokenmill:slo_target_seconds", service_class="interactive", slo="tpot") == 0.1
     assert 'tokenmill:slo_target_seconds{model_name="tiny",service_class="batch"' not in text
+
+
+def test_step_decisions_and_the_step_time_fit_become_gauges() -> None:
+    server = ServerMetrics(MODEL)
+    metrics = ClassMetrics(server.registry, MODEL, ServiceClassConfig())
+    text = server.render()[0].decode()
+    assert "tokenmill:step_time_model_coefficient_seconds{" not in text  # no fit yet: no coefficients
+    decisions = ClassStepStats(scheduled_tokens={"interactive": 3, "standard": 0, "batch": 20},
+                               scheduled_seqs={"interactive": 3, "standard": 0, "batch": 2}, num_deferred=5,
+                               protected_class="interactive", step_time_limit_s=0.09, predicted_step_time_s=0.08,
+                               step_time_fit=StepTimeFit(0.02, 0.002, 0.001, 40))
+    stats = StepStats(5, 7, 23, 0, 0.5, 0, 0, 0.085, classes=decisions,
+                      class_inter_token_latencies_s={"interactive": [0.05, 0.06], "batch": [0.5]},
+                      class_num_running={"interactive": 3, "standard": 0, "batch": 2},
+                      class_num_waiting={"interactive": 0, "standard": 1, "batch": 6})
+    metrics.on_step(stats, [])
+    metrics.on_step(stats, [])
+    text = server.render()[0].decode()
+    assert _series(text, "tokenmill:step_time_model_coefficient_seconds", term="per_token") == 0.002
+    assert _series(text, "tokenmill:step_time_model_coefficient_seconds", term="base") == 0.02
+    assert _series(text, "tokenmill:step_time_model_samples") == 40
+    assert (_series(text, "tokenmill:step_time_limit_seconds"), _series(text, "tokenmill:step_time_seconds")) == (
+        0.09, 0.085)
+    assert _series(text, "tokenmill:service_class_deferred_requests_total") == 10
+    assert _series(text, "tokenmill:service_class_scheduled_tokens_total", service_class="batch") == 40
+    assert _series(text, "tokenmill:service_class_num_requests_waiting", service_class="batch") == 6
+    assert _series(text, "tokenmill:service_class_inter_token_latency_seconds_count", service_class="interactive") == 4
+    assert _series(text, "tokenmill:service_class_inter_token_latency_seconds_bucket", service_class="batch",
+                   le="0.4") == 0
 
 
 def test_request_log_line_names_the_class() -> None:
@@ -251,6 +284,8 @@ def test_per_class_metrics_move_with_the_class_the_engine_ran(live: LiveServer) 
     after = counts()
     assert {c: after[c] - before[c] for c in after} == {"interactive": 4, "standard": 0, "batch": 3}
     assert _scrape(live, "tokenmill:slo_requests_total", service_class="interactive") >= 1
+    # The engine's per-step view agrees: it scheduled batch-class tokens.
+    assert _scrape(live, "tokenmill:service_class_scheduled_tokens_total", service_class="batch") >= 3
 
 
 def test_batch_flood_is_429d_while_a_chat_request_is_still_admitted(tiny_engine: AsyncEngine) -> None:

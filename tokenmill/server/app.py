@@ -56,7 +56,8 @@ async def metrics(request: Request) -> Response:
     if state.metrics is None:  # still loading: nothing measured yet
         return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
     state.note_restarts()
-    state.metrics.set_waiting_by_class(state.admission.num_waiting_by_class)
+    if state.class_metrics is not None:
+        state.class_metrics.set_waiting(state.admission.num_waiting_by_class)
     body, content_type = state.metrics.render()
     return Response(body, media_type=content_type)
 

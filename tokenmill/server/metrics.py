@@ -22,16 +22,12 @@ from prometheus_client import (
     generate_latest,
 )
 
-from tokenmill.config import ServiceClassConfig
 from tokenmill.engine.outputs import RequestMetrics, RequestOutput
 from tokenmill.engine.request import FinishReason
-from tokenmill.engine.service_class import ServiceClass
 from tokenmill.engine.stats import StepStats
 
 PREFIX = "tokenmill:"
 LABELS = ("model_name",)
-CLASS_LABELS = ("model_name", "service_class")
-SLO_KINDS = ("ttft", "tpot", "all")  # `all`: every target the class has was met
 
 # vLLM v1's boundaries (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -81,7 +77,7 @@ class _CumulativeDelta:
 
 class ServerMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None, *,
-                 max_model_len: int = DEFAULT_MAX_MODEL_LEN, service_classes: ServiceClassConfig | None = None) -> None:
+                 max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
         # An own registry by default: tests (and several servers in one process) never collide.
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
@@ -94,8 +90,6 @@ class ServerMetrics:
         self._build_latency_metrics()
         self._build_server_metrics()
         self._build_spec_metrics()
-        self.service_classes = service_classes if service_classes is not None else ServiceClassConfig()
-        self.classes = ClassMetrics(self.registry, model_name, self.service_classes)
         self._create_children()
 
     # ---------------------------------------------------------------- construction
@@ -203,17 +197,8 @@ class ServerMetrics:
         for output in finished:
             self._record_finished(output)
 
-    def on_rejected(self, service_class: ServiceClass = ServiceClass.STANDARD) -> None:
+    def on_rejected(self) -> None:
         self.requests_rejected.labels(self.model_name).inc()
-        self.classes.rejected.labels(self.model_name, service_class.value).inc()
-
-    def on_class_finished(self, output: RequestOutput, service_class: ServiceClass) -> None:
-        """A request of `service_class` finished (stop or length): its per-class latencies and SLOs."""
-        self.classes.on_finished(output, service_class)
-
-    def set_waiting_by_class(self, waiting: dict[ServiceClass, int]) -> None:
-        for service_class, count in waiting.items():
-            self.classes.waiting.labels(self.model_name, service_class.value).set(count)
 
     def on_restart(self) -> None:
         self.engine_restarts.labels(self.model_name).inc()
@@ -287,92 +272,3 @@ class ServerMetrics:
             if seconds is not None:
                 histogram.labels(self.model_name).observe(max(0.0, seconds))
 
-
-class ClassMetrics:
-    """Per service class (label `service_class`): TTFT, TPOT and queue-time histograms, output tokens,
-    429s, admission-queue depth, and SLO attainment against the class's targets.
-
-    Observed once per request when it finishes (stop or length; a request whose client left is
-    not counted here), from the engine's timeline of that request, so the figures are exact.
-    TPOT is the request's mean (decode time / (tokens - 1)), as the bench defines it.
-    """
-
-    def __init__(self, registry: CollectorRegistry, model_name: str, config: ServiceClassConfig) -> None:
-        self.model_name = model_name
-        self.config = config
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, CLASS_LABELS, buckets=buckets, registry=registry)
-
-        def counter(name: str, doc: str, labels: tuple[str, ...] = CLASS_LABELS) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=registry)
-
-        self.ttft = histogram("service_class_time_to_first_token_seconds",
-                              "Time to first token per service class, in seconds.", TTFT_BUCKETS_S)
-        self.tpot = histogram("service_class_time_per_output_token_seconds",
-                              "Each request's mean time per output token after the first, per service class.",
-                              TOKEN_LATENCY_BUCKETS_S)
-        # Queue waits in a healthy server are milliseconds: TTFT's fine buckets, not the 0.3 s+ ones.
-        self.queue = histogram("service_class_queue_time_seconds",
-                               "Time from arrival to first scheduled per service class, in seconds.", TTFT_BUCKETS_S)
-        self.requests = counter("service_class_requests", "Finished requests per service class.")
-        self.generation_tokens = counter("service_class_generation_tokens",
-                                         "Generated tokens of finished requests per service class.")
-        self.rejected = counter("service_class_requests_rejected", "Requests refused with 429 per service class.")
-        self.waiting = Gauge(PREFIX + "service_class_requests_waiting",
-                             "Admitted requests per service class waiting for their first token.", CLASS_LABELS,
-                             registry=registry)
-        self.slo_requests = counter("slo_requests", "Finished requests of service classes that have SLO targets.")
-        self.slo_met = counter("slo_met", "Of those, requests that met the class's target (slo: ttft, tpot, all).",
-                               (*CLASS_LABELS, "slo"))
-        self.slo_target = Gauge(PREFIX + "slo_target_seconds", "The SLO target of each service class (slo: ttft, "
-                                "tpot); absent where the class has none.", (*CLASS_LABELS, "slo"), registry=registry)
-        self._create_children()
-
-    def _create_children(self) -> None:
-        for service_class in ServiceClass:
-            labels = (self.model_name, service_class.value)
-            for metric in (self.ttft, self.tpot, self.queue, self.requests, self.generation_tokens, self.rejected,
-                           self.waiting, self.slo_requests):
-                metric.labels(*labels)
-            for kind in SLO_KINDS:
-                self.slo_met.labels(*labels, kind)
-            target = self.config.target(service_class)
-            for kind, seconds in (("ttft", target.ttft_s), ("tpot", target.tpot_s)):
-                if seconds is not None:
-                    self.slo_target.labels(*labels, kind).set(seconds)
-
-    def on_finished(self, output: RequestOutput, service_class: ServiceClass) -> None:
-        labels = (self.model_name, service_class.value)
-        num_generated = max((len(c.token_ids) for c in output.outputs), default=0)
-        self.requests.labels(*labels).inc()
-        self.generation_tokens.labels(*labels).inc(sum(len(c.token_ids) for c in output.outputs))
-        m = output.metrics
-        if m is None:
-            return
-        ttft_s, tpot_s = m.ttft_s, request_tpot_s(m, num_generated)
-        for histogram, seconds in ((self.ttft, ttft_s), (self.tpot, tpot_s), (self.queue, m.queue_s)):
-            if seconds is not None:
-                histogram.labels(*labels).observe(max(0.0, seconds))
-        self._record_slo(labels, service_class, ttft_s, tpot_s)
-
-    def _record_slo(self, labels: tuple[str, str], service_class: ServiceClass, ttft_s: float | None,
-                    tpot_s: float | None) -> None:
-        target = self.config.target(service_class)
-        if target.ttft_s is None and target.tpot_s is None:
-            return  # nothing to attain (batch by default): its slo_* series stay at zero
-        self.slo_requests.labels(*labels).inc()
-        # A request without a first token missed its TTFT; one with < 2 tokens has no TPOT to miss.
-        ttft_ok = target.ttft_s is None or (ttft_s is not None and ttft_s <= target.ttft_s)
-        tpot_ok = target.tpot_s is None or tpot_s is None or tpot_s <= target.tpot_s
-        for kind, ok in (("ttft", ttft_ok), ("tpot", tpot_ok), ("all", ttft_ok and tpot_ok)):
-            if ok:
-                self.slo_met.labels(*labels, kind).inc()
-
-
-def request_tpot_s(m: RequestMetrics, num_generated: int) -> float | None:
-    """Decode time / (tokens - 1); None with fewer than two tokens."""
-    if m.first_token is None or num_generated < 2:
-        return None
-    finished = m.finished if m.finished is not None else time.monotonic()
-    return max(0.0, finished - m.first_token) / (num_generated - 1)

@@ -12,6 +12,7 @@ from tokenmill.engine.request import SamplingParams
 from tokenmill.engine.service_class import ServiceClass
 from tokenmill.models.loading.tokenizer import Tokenizer
 from tokenmill.server.admission import Admission
+from tokenmill.server.class_metrics import ClassMetrics
 from tokenmill.server.errors import ApiError
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.request_log import log_request
@@ -49,6 +50,7 @@ class ServerState:
                                    config.interactive_queue_reserve)
         self.engine: AsyncEngine | None = None
         self.metrics: ServerMetrics | None = None
+        self.class_metrics: ClassMetrics | None = None  # per service class, on the same registry
         self.texts: TokenTexts | None = None
         self.load_error: str | None = None
         self.is_engine_healthy = True
@@ -57,11 +59,12 @@ class ServerState:
             self.attach_engine(engine)
 
     def attach_engine(self, engine: AsyncEngine) -> None:
+        self.metrics = ServerMetrics(self.config.served_model_name, max_model_len=engine.max_model_len)
         # The engine's frozen config: the SLO targets the scheduler protects are the ones metrics judge.
         service_classes = engine.loaded.core.config.scheduler.service_classes
-        self.metrics = ServerMetrics(self.config.served_model_name, max_model_len=engine.max_model_len,
-                                     service_classes=service_classes)
+        self.class_metrics = ClassMetrics(self.metrics.registry, self.config.served_model_name, service_classes)
         engine.add_stats_listener(self.metrics.on_step)
+        engine.add_stats_listener(self.class_metrics.on_step)
         self.texts = TokenTexts(engine.tokenizer)
         self._seen_restarts = engine.num_restarts
         self.engine = engine
@@ -86,13 +89,15 @@ class ServerState:
 
     def on_rejected(self, service_class: ServiceClass = ServiceClass.STANDARD) -> None:
         if self.metrics is not None:
-            self.metrics.on_rejected(service_class)
+            self.metrics.on_rejected()
+        if self.class_metrics is not None:
+            self.class_metrics.on_rejected(service_class)
 
     def on_finished(self, output: RequestOutput, request_id: str, received: float | None,
                     service_class: ServiceClass = ServiceClass.STANDARD) -> None:
         """`received`: time.monotonic() when the HTTP request arrived, so logs show tokenize + admission."""
-        if self.metrics is not None:
-            self.metrics.on_class_finished(output, service_class)
+        if self.class_metrics is not None:
+            self.class_metrics.on_finished(output, service_class)
         log_request(output, request_id=request_id, model=self.config.served_model_name,
                     mode=self.config.log_requests, received=received, service_class=service_class)
 
