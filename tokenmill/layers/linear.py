@@ -77,6 +77,20 @@ def raw_blocks(tensors: Mapping[str, torch.Tensor], name: str) -> RawBlocks | No
     return tensors.quantized(name) if isinstance(tensors, QuantizedSource) else None
 
 
+class RepackStore(Protocol):
+    """Packed segments of quantized layers kept across processes, by checkpoint names and methods."""
+
+    def load(self, names: Sequence[str], methods: Sequence[str]) -> list[qf.QuantMatrix] | None: ...
+
+    def store(self, names: Sequence[str], methods: Sequence[str], segments: Sequence[qf.QuantMatrix]) -> None: ...
+
+
+def repack_store(tensors: Mapping[str, torch.Tensor], config: LinearConfig) -> RepackStore | None:
+    """The tensor mapping's repack cache for this quantization mode (the GGUF/safetensors loader's), if any."""
+    opener = getattr(tensors, "repack_cache", None)
+    return None if opener is None else opener(config.quantization)
+
+
 # ---- the Linear objects ----------------------------------------------------------------------------
 
 
@@ -284,6 +298,18 @@ def build_linear(tensors: Mapping[str, torch.Tensor], names: Sequence[str], bias
         methods = ["dense"] * len(parts)
     if "dense" in methods:  # one dense matrix: a fused layer cannot mix float and packed rows
         return LINEAR_METHODS["dense"].build(parts, bias, config)
+    # The loader's on-disk cache of packed layers (models/loading/repack_cache.py): a hit skips packing.
+    cache = repack_store(tensors, config)
+    if cache is not None and (cached := cache.load(names, methods)) is not None:
+        return QuantLinear(cached, bias, config.dtype, quant_kernels(), quant_isa(), precise)
+    linear = _build_quant(parts, methods, bias, config, precise)
+    if cache is not None and isinstance(linear, QuantLinear):
+        cache.store(names, methods, linear.segments)
+    return linear
+
+
+def _build_quant(parts: Sequence[WeightPart], methods: Sequence[str], bias: torch.Tensor | None,
+                 config: LinearConfig, precise: bool) -> Linear:
     if len(set(methods)) == 1:
         return LINEAR_METHODS[methods[0]].build(parts, bias, config, precise)
     # Mixed formats (e.g. q/k Q4_K with v Q6_K): one segment per format run, one native call for all.

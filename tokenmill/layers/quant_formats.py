@@ -35,6 +35,7 @@ from gguf.quants import dequantize as _gguf_dequantize
 QuantFormat = Literal["q8", "q4"]
 QUANT_FORMATS: tuple[QuantFormat, ...] = ("q8", "q4")
 BLOCK = 32
+QUANT_LAYOUT_VERSION = 1  # bump when packed bytes change meaning: it keys the on-disk cache (loading/repack_cache.py)
 _T = GGMLQuantizationType
 # GGUF type → (format, exact). Exact: the packed weights equal gguf's own dequantization bit for bit.
 GGUF_MAPPING: dict[GGMLQuantizationType, tuple[QuantFormat, bool]] = {

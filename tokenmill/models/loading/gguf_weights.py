@@ -32,6 +32,7 @@ from gguf.quants import dequantize, quant_shape_to_byte_shape
 from tokenmill.errors import ModelFormatError, ModelNotFoundError
 from tokenmill.layers.quant_formats import RawBlocks
 from tokenmill.models.arch import ArchConfig
+from tokenmill.models.loading.repack_cache import RepackCaches, cache_enabled
 from tokenmill.models.loading.weights import Checkpoint, LazyTensors, TensorSource, select_tensors
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
@@ -418,7 +419,9 @@ def load_gguf(path: Path) -> Checkpoint:
     if "rope_freqs.weight" in header.tensors:
         raise ModelFormatError(f"{path}: Llama-3-style RoPE frequency scaling is not supported")
     tensors = select_tensors(arch, _tensor_sources(header, arch, path), path)
-    return Checkpoint(arch, LazyTensors(dict(tensors.sources()), partial(_drop_pages, header.buffer)))
+    sources = dict(tensors.sources())
+    repack = RepackCaches(path, [path], {n: s.shape for n, s in sources.items()}) if cache_enabled() else None
+    return Checkpoint(arch, LazyTensors(sources, partial(_drop_pages, header.buffer), repack))
 
 
 def _drop_pages(buffer: mmap.mmap) -> None:

@@ -18,7 +18,8 @@ from safetensors import SafetensorError, safe_open
 
 from tokenmill.errors import ModelFormatError, ModelNotFoundError
 from tokenmill.models.arch import ArchConfig
-from tokenmill.models.loading.weights import Checkpoint, TensorSource, select_tensors
+from tokenmill.models.loading.repack_cache import RepackCaches, cache_enabled
+from tokenmill.models.loading.weights import Checkpoint, LazyTensors, TensorSource, select_tensors
 
 _ARCHITECTURE_BY_CLASS = {
     "LlamaForCausalLM": "llama",
@@ -43,7 +44,13 @@ def load_hf(path: Path) -> Checkpoint:
     config = _read_config(path)
     sources = _safetensors_sources(path)
     arch = hf_arch_config(config, has_qkv_bias="model.layers.0.self_attn.q_proj.bias" in sources, path=path)
-    return Checkpoint(arch, select_tensors(arch, sources, path))
+    tensors = select_tensors(arch, sources, path)
+    if not cache_enabled():
+        return Checkpoint(arch, tensors)
+    # q8/q4 modes quantize these float weights at load: the same repack cache as GGUF files.
+    selected = dict(tensors.sources())
+    repack = RepackCaches(path, sorted(path.glob("*.safetensors")), {n: s.shape for n, s in selected.items()})
+    return Checkpoint(arch, LazyTensors(selected, None, repack))
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -20,13 +20,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from tokenmill.errors import ModelFormatError
 from tokenmill.layers.quant_formats import RawBlocks
 from tokenmill.models.arch import ArchConfig
+
+if TYPE_CHECKING:
+    from tokenmill.models.loading.repack_cache import RepackCache, RepackCaches
 
 WeightFormat = Literal["gguf", "hf"]
 
@@ -50,11 +53,13 @@ class LazyTensors(Mapping[str, torch.Tensor]):
     dtype (float32, float16 or bfloat16); dequantized ones are float32. Consumers cast.
     """
 
-    __slots__ = ("_release", "_sources")
+    __slots__ = ("_release", "_repack", "_sources")
 
-    def __init__(self, sources: Mapping[str, TensorSource], release: Callable[[], None] | None = None) -> None:
+    def __init__(self, sources: Mapping[str, TensorSource], release: Callable[[], None] | None = None,
+                 repack: RepackCaches | None = None) -> None:
         self._sources = dict(sources)
         self._release = release
+        self._repack = repack
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._sources[name].load()
@@ -77,10 +82,17 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         return self._sources[name].shape
 
     def release_pages(self) -> None:
-        """The consumer has built its own copies: let the OS drop the file pages read so far (GGUF:
-        they stay mapped and fault back in on access, e.g. embedding rows read from the map)."""
+        """The consumer has built its own copies: write the repack cache when layers were packed, and
+        let the OS drop the file pages read so far (GGUF: they stay mapped and fault back in on
+        access, e.g. embedding rows read from the map)."""
+        if self._repack is not None:
+            self._repack.flush()
         if self._release is not None:
             self._release()
+
+    def repack_cache(self, quantization: str) -> RepackCache | None:
+        """The on-disk cache of packed layers for this mode (layers/linear.py asks), or None when off."""
+        return None if self._repack is None else self._repack.for_mode(quantization)
 
     def quantized(self, name: str) -> RawBlocks | None:
         """The tensor's stored quantized blocks, without dequantizing (None when stored as floats)."""
