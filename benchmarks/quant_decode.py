@@ -1,13 +1,17 @@
 """Quantized execution vs tokenmill's fp32 path, side by side in one run, from the same GGUF file.
 
-1. Batch-1 decode tokens/s: `--quantization auto` (the GGUF's own 4/8-bit blocks, native integer
-   kernels) against `--quantization none` (dequantized to fp32, today's path): median decode step of
-   one greedy request (EOS ignored) driven through EngineCore.step(), prefill excluded. Next to it:
-   the effective weight bandwidth (weight bytes a step reads / step time) and the measured copy
-   bandwidth (a 1 GiB tensor copy, read + write), and the quant ISA that ran.
+1. Decode tokens/s at each `--batch-sizes` (greedy requests, EOS ignored, driven through
+   EngineCore.step(); the median of steps where every request decodes, prefill excluded):
+   `--quantization none` (dequantized to fp32), `auto` with one int8 activation pass (`auto-1pass`,
+   the kernel before two-pass rounding) and `auto` (two passes, the default). The two `auto` variants
+   share one loaded model (QuantLinear.passes is switched between them). Next to it: the effective
+   weight bandwidth (weight bytes a step reads / step time), the measured copy bandwidth (a tensor
+   copy, read + write) and the quant ISA that ran.
 2. The GEMM alone at M = 1, 16, 64 rows: layer 0's gate/up matrix as each mode stores it
-   (quantized kernel vs the dense fp32 kernel the engine picks: native skinny / oneDNN).
-3. `--memory MODEL`: resident memory (VmRSS, VmHWM) of a process that loads MODEL with
+   (quantized kernel, 1 and 2 passes, vs the dense fp32 kernel the engine picks: native skinny / oneDNN).
+3. `--llama-bench PATH`: llama.cpp's `llama-bench -m FILE -p 0 -n 128 -t THREADS` on the same file,
+   run in the same script; its tg tokens/s next to tokenmill's batch-1 `auto`.
+4. `--memory MODEL`: resident memory (VmRSS, VmHWM) of a process that loads MODEL with
    `--memory-quantization` and serves a few requests (a fresh subprocess per mode).
 
     flock /tmp/tokenmill-bench.lock python benchmarks/quant_decode.py --models smollm2-135m qwen2.5-coder-0.5b
@@ -28,7 +32,7 @@ from typing import Any
 import common
 from decode_roofline import BandwidthProbe, timed_request
 
-MODES = ("none", "auto")
+MODES = ("none", "auto-1pass", "auto")
 
 
 def parse_args() -> argparse.Namespace:
@@ -38,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench binary (optional)")
     p.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--gemm-repeats", type=int, default=15)
     p.add_argument("--copy-gib", type=float, default=0.5)
@@ -47,25 +53,71 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def decode_run(model_name: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
+def decode_runs(model_name: str, quantization: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """{mode: result} for `none`, or for both `auto` variants from one loaded model."""
+    from tokenmill.layers.linear import QuantLinear
     from tokenmill.llm import LLM
 
-    blocks = 2 * -(-(args.prompt_len + args.output_len + 64) // 16) + 8
+    max_batch = max(args.batch_sizes)
+    blocks = max_batch * (-(-(args.prompt_len + args.output_len + 16) // 16)) + 8
     started = time.perf_counter()
-    llm = LLM(model_name, dtype="float32", num_threads=args.threads, max_num_seqs=4, num_kv_blocks=blocks,
-              quantization=mode)
+    llm = LLM(model_name, dtype="float32", num_threads=args.threads, max_num_seqs=max_batch, num_kv_blocks=blocks,
+              quantization=quantization)
     load_s = time.perf_counter() - started
     model = llm.core.runner.model
-    prompts = common.build_prompts(llm.tokenizer.encode, 2, args.prompt_len, common.prompt_bos(llm.tokenizer))
-    timed_request(llm, prompts[1], 8, "warmup")
-    steps = timed_request(llm, prompts[0], args.output_len, "timed")
-    decode = common.Stats.of([s for n, s in steps if n == 1])
-    weights = common.weight_bytes(model)
-    gemm = gemm_times(model.layers[0].gate_up_proj, args)
-    del llm, model
+    prompts = common.build_prompts(llm.tokenizer.encode, max_batch + 1, args.prompt_len,
+                                   common.prompt_bos(llm.tokenizer))
+    timed_request(llm, prompts[-1], 8, "warmup")
+    variants = {"none": None} if quantization == "none" else {"auto-1pass": 1, "auto": 2}
+    quant = [lin for lin in model.linears().values() if isinstance(lin, QuantLinear)]
+    out = {}
+    for mode, passes in variants.items():
+        for lin in quant:
+            lin.passes = passes or lin.passes
+        weights = common.weight_bytes(model)
+        result: dict[str, Any] = {"mode": mode, "load_s": load_s, "weights": weights, "batch": {}}
+        for batch in args.batch_sizes:
+            decode = batch_decode(llm, prompts[:batch], args.output_len, f"{mode}-{batch}")
+            result["batch"][str(batch)] = {"decode_step_s": decode, "tok_s": batch / decode.median,
+                                           "effective_weight_bytes_per_s": weights["bytes"] / decode.median}
+        result["tok_s"] = result["batch"][str(args.batch_sizes[0])]["tok_s"]
+        result["gemm"] = gemm_times(model.layers[0].gate_up_proj, args)
+        out[mode] = result
+    for lin in quant:
+        lin.passes = 2
+    del llm, model, quant
     gc.collect()
-    return {"mode": mode, "load_s": load_s, "decode_step_s": decode, "tok_s": 1 / decode.median,
-            "weights": weights, "effective_weight_bytes_per_s": weights["bytes"] / decode.median, "gemm": gemm}
+    return out
+
+
+def batch_decode(llm: Any, prompts: list[list[int]], output_len: int, name: str) -> Any:
+    """Median step time over the steps where all len(prompts) requests decode one token each."""
+    from tokenmill.engine.loader import eos_ids
+    from tokenmill.engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
+    for i, prompt in enumerate(prompts):
+        llm.core.add_request(f"{name}-{i}", prompt, params, eos_ids(llm.loaded))
+    times = []
+    while llm.core.has_unfinished:
+        started = time.perf_counter()
+        result = llm.core.step()
+        if result.stats.num_scheduled_tokens == len(prompts):
+            times.append(time.perf_counter() - started)
+    return common.Stats.of(times)
+
+
+def llama_bench(binary: str, model_name: str, threads: int) -> dict[str, Any]:
+    """llama.cpp's batch-1 generation speed (tg) on the same GGUF file and thread count."""
+    from tokenmill.models.resolve import resolve_model
+
+    path = str(resolve_model(model_name).path)
+    command = [binary, "-m", path, "-p", "0", "-n", "128", "-t", str(threads), "-o", "json"]
+    proc = subprocess.run(command, capture_output=True, text=True, check=True)
+    rows = json.loads(proc.stdout)
+    tg = next(r for r in rows if r.get("n_gen", 0) > 0)
+    return {"command": command, "tg_tok_s": tg["avg_ts"], "tg_stddev_tok_s": tg.get("stddev_ts"),
+            "build": {k: tg.get(k) for k in ("build_commit", "cpu_info", "backends", "n_threads", "type")}}
 
 
 def gemm_times(linear: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -73,6 +125,7 @@ def gemm_times(linear: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     out: dict[str, Any] = {"method": linear.method, "shape": [linear.out_features, linear.in_features],
                            "bytes": linear.nbytes}
+    # Median of calls alternating with nothing else (the engine is idle): M rows of random activations.
     for rows in args.gemm_rows:
         x = torch.randn(rows, linear.in_features)
         for _ in range(3):
@@ -137,8 +190,15 @@ def main() -> None:
     probe.sample(3)
     models = [m for m in args.models if m != "none"]
     for model_name in models:
-        runs = {mode: decode_run(model_name, mode, args) for mode in MODES}
+        runs: dict[str, Any] = {**decode_runs(model_name, "none", args), **decode_runs(model_name, "auto", args)}
         runs["ratio_tok_s"] = runs["auto"]["tok_s"] / runs["none"]["tok_s"]
+        runs["ratios"] = {f"{mode}/none@{b}": runs[mode]["batch"][b]["tok_s"] / runs["none"]["batch"][b]["tok_s"]
+                          for mode in MODES[1:] for b in runs["none"]["batch"]}
+        if args.llama_bench:
+            peer = llama_bench(args.llama_bench, model_name, args.threads)
+            peer["tokenmill_auto_over_llama_tg"] = runs["auto"]["batch"]["1"]["tok_s"] / peer["tg_tok_s"] \
+                if "1" in runs["auto"]["batch"] else None
+            runs["llama_bench"] = peer
         result["models"][model_name] = runs
     probe.sample(3)
     result["bandwidth"] = probe.result()
@@ -155,19 +215,27 @@ def report(result: dict[str, Any]) -> None:
     for name, runs in result["models"].items():
         for mode in MODES:
             r = runs[mode]
-            rows.append((name, mode, "/".join(r["weights"]["dtypes"]), r["weights"]["bytes"] / 1e6,
-                         r["decode_step_s"].median * 1e3, r["tok_s"], r["effective_weight_bytes_per_s"] / 1e9,
-                         f"{runs['ratio_tok_s']:.2f}x" if mode == "auto" else ""))
+            for batch, b in r["batch"].items():
+                rows.append((name, mode, batch, "/".join(r["weights"]["dtypes"]), r["weights"]["bytes"] / 1e6,
+                             b["decode_step_s"].median * 1e3, b["tok_s"], b["effective_weight_bytes_per_s"] / 1e9,
+                             f"{b['tok_s'] / runs['none']['batch'][batch]['tok_s']:.2f}x"))
     if rows:
-        common.print_table(["model", "quantization", "kernels", "weight MB/step", "ms/token", "tok/s",
-                            "eff. weight GB/s", "auto / none"], rows)
+        common.print_table(["model", "quantization", "batch", "kernels", "weight MB/step", "ms/step", "tok/s",
+                            "eff. weight GB/s", "vs none"], rows)
+        for name, runs in result["models"].items():
+            peer = runs.get("llama_bench")
+            if peer:
+                print(f"{name}: llama-bench tg {peer['tg_tok_s']:.1f} tok/s; tokenmill auto batch 1 / llama.cpp "
+                      f"{peer['tokenmill_auto_over_llama_tg']:.2f}x")
         gemm_rows = []
         for name, runs in result["models"].items():
             for rows_m in result["config"]["gemm_rows"]:
                 key = f"m{rows_m}_s"
-                q, d = runs["auto"]["gemm"], runs["none"]["gemm"]
-                gemm_rows.append((name, f"{q['shape'][0]}x{q['shape'][1]}", rows_m, q["method"], q[key] * 1e6,
-                                  d["method"], d[key] * 1e6, f"{d[key] / q[key]:.2f}x"))
+                d = runs["none"]["gemm"]
+                for mode in MODES[1:]:
+                    q = runs[mode]["gemm"]
+                    gemm_rows.append((name, f"{q['shape'][0]}x{q['shape'][1]}", rows_m, q["method"], q[key] * 1e6,
+                                      d["method"], d[key] * 1e6, f"{d[key] / q[key]:.2f}x"))
         print("\nlayer-0 gate/up GEMM alone:")
         common.print_table(["model", "N x K", "M", "quant", "quant us", "dense", "fp32 us", "speedup"], gemm_rows)
     for m in result.get("memory", []):

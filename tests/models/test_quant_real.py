@@ -3,11 +3,9 @@
 Both runs read the same GGUF bits: only the int8 rounding of activations (and, for Q6_K/Q5_K
 tensors, one re-rounding to 8 bits) differs. Over >= 2,048 positions of local text (stdlib prose,
 tokenmill.bench.corpus): perplexity within +2% for the 4-bit SmolLM2 file (Q4_1) and +1% for
-Qwen2.5-Coder-0.5B (mostly Q5_0/Q8_0 → q8), and top-1 next-token agreement >= 97%.
-
-The issue's target is 99% agreement; one int8 pass per activation block reaches 97.7% (SmolLM2)
-and 98.7% (Qwen 0.5B) here. Two-pass activations everywhere (QuantLinear.precise) measured 100.0%
-agreement at twice the integer work, so by default only the lm_head takes them (docs/quantization.md).
+Qwen2.5-Coder-0.5B (mostly Q5_0/Q8_0 → q8), and top-1 next-token agreement >= 99% (the issue's
+target). The kernels' default two-pass (15-bit) activations reach it; one int8 pass per activation
+block did not (97.3% SmolLM2, 98.7% Qwen 0.5B; docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from tokenmill.models.resolve import resolve_model
 
 CHUNK, NUM_CHUNKS = 256, 8  # 2,048 scored positions
 PPL_LIMIT = {"smollm2-135m": 1.02, "qwen2.5-coder-0.5b": 1.01}
-MIN_AGREEMENT = 0.97
+MIN_AGREEMENT = 0.99
 
 
 def _chunks(llm: LLM) -> list[list[int]]:

@@ -1,8 +1,9 @@
 """The native q8/q4 kernels against a float reference, on every code path this CPU runs.
 
 Reference: the weights as gguf's own `dequantize` reads the GGUF blocks, times the activations
-after the kernel's int8 rounding (`quantize_activations`, itself checked against a float model of
-that rounding). With both roundings held fixed, the kernel must agree to float summation error.
+after the kernel's rounding (`quantize_activations`, itself checked against a torch model of that
+rounding: one int8 pass, or two, the second the first's residual at a 254x finer step). With both
+roundings held fixed, the kernel must agree to float summation error; every case runs both passes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from tokenmill.layers import quant_formats as qf
 T = GGMLQuantizationType
 GGUF_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]  # every type in the four packaged files
 ROWS = [1, 2, 3, 4, 7, 16, 64]
+PASSES = [1, 2]
+FINE = 254.0
 
 kernels = quant_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="native quantized kernels cannot be built here")
@@ -56,15 +59,21 @@ def gguf_format(ggml_type: GGMLQuantizationType) -> qf.QuantFormat:
     return qf.GGUF_MAPPING[ggml_type][0]
 
 
-def run(mat: qf.QuantMatrix, x: torch.Tensor, isa: int) -> torch.Tensor:
+def run(mat: qf.QuantMatrix, x: torch.Tensor, isa: int, passes: int = 2) -> torch.Tensor:
     assert kernels is not None
-    return kernels.quant_linear(x, [mat.qs], [mat.scale], [mat.offset], isa)
+    return kernels.quant_linear(x, [mat.qs], [mat.scale], [mat.offset], passes, isa)
 
 
-def rounded_activations(x: torch.Tensor, isa: int) -> torch.Tensor:
+def combined(qa: torch.Tensor) -> torch.Tensor:
+    """The integer activation of each weight: q1 (one pass) or 254·q1 + q2 (two), [M, nb, 32]."""
+    q = qa.to(torch.int32)
+    return q[:, :, 0] if q.shape[2] == 1 else FINE * q[:, :, 0] + q[:, :, 1]
+
+
+def rounded_activations(x: torch.Tensor, isa: int, passes: int) -> torch.Tensor:
     assert kernels is not None
-    qa, d, _ = kernels.quantize_activations(x, isa)
-    return (qa.float().view(x.shape[0], -1, 32) * d.unsqueeze(-1)).view_as(x)
+    qa, d, _ = kernels.quantize_activations(x, passes, isa)
+    return (combined(qa).double() * d.double().unsqueeze(-1)).view_as(x)
 
 
 @pytest.mark.parametrize("ggml_type", GGUF_TYPES, ids=lambda t: t.name)
@@ -84,24 +93,39 @@ def test_exact_types_pack_to_gguf_dequantization(ggml_type: GGMLQuantizationType
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_activation_rounding_is_round_to_nearest_per_block(isa: int) -> None:
+@pytest.mark.parametrize("passes", PASSES)
+def test_activation_rounding_is_round_to_nearest_per_block(isa: int, passes: int) -> None:
     assert kernels is not None
     x = torch.randn(3, 96) * torch.tensor([1.0, 50.0, 1e-3]).repeat_interleave(32)
     x[1, 32:64] = 0  # an all-zero block: scale 0, quants 0
-    qa, d, s = kernels.quantize_activations(x, isa)
+    qa, d, s = kernels.quantize_activations(x, passes, isa)
+    assert qa.shape == (3, 3, passes, 32)
     blocks = x.view(3, 3, 32)
-    amax = blocks.abs().amax(-1)
-    torch.testing.assert_close(d, amax / 127, rtol=0, atol=0)
+    amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    expected = torch.round(blocks * inv.unsqueeze(-1)).to(torch.int8).view(3, 96)
-    assert torch.equal(qa, expected)
-    torch.testing.assert_close(s, d * qa.view(3, 3, 32).float().sum(-1))
+    d1 = amax / 127
+    r1 = torch.round(blocks * inv)
+    assert torch.equal(qa[:, :, 0], r1.to(torch.int8))
+    if passes == 1:
+        torch.testing.assert_close(d, d1.squeeze(-1), rtol=0, atol=0)
+    else:
+        # Pass 2 rounds the residual of pass 1 (float32 steps as the kernel takes them) at step d1 / 254.
+        resid = blocks - r1 * d1
+        r2 = torch.round(resid * (FINE * inv)).clamp(-127, 127)
+        assert torch.equal(qa[:, :, 1], r2.to(torch.int8))
+        assert r2.abs().max() >= 100  # the second pass uses its range
+        torch.testing.assert_close(d, (d1 / FINE).squeeze(-1), rtol=0, atol=0)
+        # 15-bit activations: error at most half a fine step (plus float rounding of the residual).
+        err = (rounded_activations(x, isa, passes).view(3, 3, 32) - blocks.double()).abs()
+        assert (err <= d1.double() / (2 * FINE) * 1.01 + 1e-12).all()
+    torch.testing.assert_close(s, d * combined(qa).float().sum(-1), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("passes", PASSES)
 @pytest.mark.parametrize("ggml_type", GGUF_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", ROWS)
-def test_kernel_matches_float_reference(isa: int, ggml_type: GGMLQuantizationType, rows: int) -> None:
+def test_kernel_matches_float_reference(isa: int, passes: int, ggml_type: GGMLQuantizationType, rows: int) -> None:
     # Odd N (37 output rows); K is 256 * 3 = 768 (K-quants need whole 256-blocks; 768 is not a power of 2).
     out_features, in_features = 37, 768
     raw = gguf_blocks(ggml_type, out_features, in_features, seed=rows)
@@ -110,13 +134,15 @@ def test_kernel_matches_float_reference(isa: int, ggml_type: GGMLQuantizationTyp
     if not qf.GGUF_MAPPING[ggml_type][1]:
         weight = mat.dequantize()  # the re-rounding is tested above; here the kernel's own math
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
-    y = run(mat, x, isa)
-    expected = rounded_activations(x, isa).double() @ weight.double().T
+    y = run(mat, x, isa, passes)
+    expected = rounded_activations(x, isa, passes) @ weight.double().T
     scale = expected.abs().max().item()
     assert y.shape == (rows, out_features)
     assert (y.double() - expected).abs().max().item() <= 2e-6 * scale
-    # And against the unrounded activations: int8 rounding costs well under 2% of the output range.
-    assert (y.double() - x.double() @ weight.double().T).abs().max().item() <= 0.02 * scale
+    # And against the unrounded activations: one int8 pass costs under 2% of the output range, two
+    # passes under 0.02% (a 254x finer second step).
+    exact = x.double() @ weight.double().T
+    assert (y.double() - exact).abs().max().item() <= (0.02 if passes == 1 else 2e-4) * scale
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -130,7 +156,7 @@ def test_segments_of_mixed_formats_fill_one_output(isa: int) -> None:
     assert [s.fmt for s in segments] == ["q4", "q8", "q4"]
     x = torch.randn(6, 256)
     y = kernels.quant_linear(x, [s.qs for s in segments], [s.scale for s in segments],
-                             [s.offset for s in segments], isa)
+                             [s.offset for s in segments], 2, isa)
     expected = torch.cat([run(m, x, isa) for m in (a, b, c)], dim=1)
     torch.testing.assert_close(y, expected, rtol=0, atol=0)
 
@@ -149,11 +175,15 @@ def test_float_quantization_round_trip(fmt: qf.QuantFormat) -> None:
     assert (err <= step / 2 + 1e-6).all()
 
 
-def test_paths_agree_with_each_other() -> None:
+@pytest.mark.parametrize("passes", PASSES)
+def test_paths_agree_with_each_other(passes: int) -> None:
     assert kernels is not None
     mat = qf.from_gguf(gguf_blocks(T.Q4_1, 70, 512, 9), T.Q4_1, 512, "q4")
     x = torch.randn(13, 512)
-    outs = [run(mat, x, isa) for isa in sorted(RUNNABLE)]
+    rounded = [kernels.quantize_activations(x, passes, isa) for isa in sorted(RUNNABLE)]
+    for qa, d, s in rounded[1:]:  # one rounding on every path, bit for bit
+        assert torch.equal(qa, rounded[0][0]) and torch.equal(d, rounded[0][1]) and torch.equal(s, rounded[0][2])
+    outs = [run(mat, x, isa, passes) for isa in sorted(RUNNABLE)]
     for out in outs[1:]:  # same integer sums; only the float accumulation order differs
         torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-5 * outs[0].abs().max().item())
 
@@ -162,8 +192,10 @@ def test_bad_inputs_are_errors_not_crashes() -> None:
     assert kernels is not None
     mat = qf.quantize(torch.randn(4, 64), "q8")
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        kernels.quant_linear(torch.randn(2, 40), [mat.qs], [mat.scale], [mat.offset], 0)
+        kernels.quant_linear(torch.randn(2, 40), [mat.qs], [mat.scale], [mat.offset], 2, 0)
     with pytest.raises(RuntimeError, match="qs shape"):
-        kernels.quant_linear(torch.randn(2, 96), [mat.qs], [mat.scale], [mat.offset], 0)
+        kernels.quant_linear(torch.randn(2, 96), [mat.qs], [mat.scale], [mat.offset], 2, 0)
     with pytest.raises(RuntimeError, match="unknown quant ISA"):
-        kernels.quant_linear(torch.randn(2, 64), [mat.qs], [mat.scale], [mat.offset], 7)
+        kernels.quant_linear(torch.randn(2, 64), [mat.qs], [mat.scale], [mat.offset], 2, 7)
+    with pytest.raises(RuntimeError, match="passes must be 1 or 2"):
+        kernels.quant_linear(torch.randn(2, 64), [mat.qs], [mat.scale], [mat.offset], 3, 0)

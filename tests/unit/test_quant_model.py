@@ -73,7 +73,7 @@ def test_auto_runs_gguf_blocks_natively_and_tracks_the_dequantized_path(
     assert [methods[f"layers.{i}.qkv_proj"] for i in range(2)] == EXPECTED_QKV
     assert methods["layers.0.gate_up_proj"] == "q4" and methods["layers.1.gate_up_proj"] == "q8"
     # Tied heads pack the Q8_0 embedding; qwen2's separate head is F16 in the file: it stays dense.
-    assert (methods["lm_head"] == "q8(2-pass)") if arch != "qwen2" else not methods["lm_head"].startswith("q")
+    assert (methods["lm_head"] == "q8") if arch != "qwen2" else not methods["lm_head"].startswith("q")
     assert isinstance(model.embedding, GgufRowsEmbedding)  # Q8_0 embedding read from the map
     assert {m.method for m in reference.core.runner.model.linears().values()} <= {"aten", "native+aten"}
 
@@ -105,7 +105,7 @@ def test_packed_rows_are_the_gguf_values_in_hf_order(quant_gguf: Callable[[str],
 @pytest.mark.parametrize("fmt", ["q8", "q4"])
 def test_safetensors_quantize_at_load(fmt: str, tiny_hf_dir: Callable[[str], Path]) -> None:
     llm, reference = _llm(tiny_hf_dir("qwen2"), fmt), _llm(tiny_hf_dir("qwen2"), "none")
-    assert {linear.method for linear in llm.core.runner.model.linears().values()} == {fmt, f"{fmt}(2-pass)"}
+    assert {linear.method for linear in llm.core.runner.model.linears().values()} == {fmt}
     prompt = _prompt(24, seed=5)
     ours, ref = engine_prompt_logits(llm, prompt), engine_prompt_logits(reference, prompt)
     rel = ((ours - ref).abs().max() / ref.abs().max()).item()
@@ -178,7 +178,11 @@ def test_two_pass_activations_nearly_remove_the_rounding() -> None:
     x = torch.randn(5, 256)
     exact = x.double() @ mat.dequantize().double().T
     errors = []
-    for precise in (False, True):
-        y = QuantLinear([mat], None, torch.float32, module, available_quant_isas()[-1], precise)(x)
-        errors.append((y.double() - exact).abs().max().item())
-    assert errors[1] < errors[0] / 20
+    for passes in (1, 2):
+        linear = QuantLinear([mat], None, torch.float32, module, available_quant_isas()[-1], passes)
+        assert linear.method == ("q8(1-pass)" if passes == 1 else "q8")
+        errors.append((linear(x).double() - exact).abs().max().item())
+    assert errors[1] < errors[0] / 50
+    assert linear_module.ACTIVATION_PASSES == 2  # the default that passes the release gate
+    with pytest.raises(ValueError, match="passes must be 1 or 2"):
+        QuantLinear([mat], None, torch.float32, module, available_quant_isas()[-1], 3)

@@ -85,7 +85,9 @@ def cpu_kernels() -> ModuleType | None:
 
 def quant_kernels() -> ModuleType | None:
     """The quantized-linear module, or None when it cannot build (logged once)."""
-    return _module("quant", "tokenmill_quant_kernels", "quant_kernels.cpp", ["-O3", "-fopenmp"],
+    # -ffp-contract=off: the activation rounding's multiply-then-subtract must not fuse into an FMA on
+    # one path and not another, so every path (and the tests' torch model) rounds identically.
+    return _module("quant", "tokenmill_quant_kernels", "quant_kernels.cpp", ["-O3", "-fopenmp", "-ffp-contract=off"],
                    "native quantized kernels", "dequantized weights")
 
 

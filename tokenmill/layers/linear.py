@@ -48,6 +48,9 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.T
 # below it the two tie within noise and aten keeps the simpler path.
 ONEDNN_MIN_NUMEL = 1_500_000
 SKINNY_MAX_ROWS = 4
+# Activation rounding passes of the quantized kernels (QuantLinear): two reach the release gate's 99%
+# top-1 agreement with the float path where one int8 pass does not (docs/quantization.md).
+ACTIVATION_PASSES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,16 +150,19 @@ class DenseLinear(Linear):
 class QuantLinear(Linear):
     """Packed q8/q4 segments (row ranges of the output), one native call for all of them.
 
-    `precise`: activations in two int8 passes, x ≈ d1·q1 + d2·q2 with q2 the rounding residual of the
-    first (error ~1/127 of one pass's): twice the integer work for near-float inputs. Used where
-    the output picks tokens (the lm_head: its logits meet in near-ties, and one int8 pass there alone
-    moved SmolLM2's greedy top-1 on 1.7% of positions against the float path)."""
+    `passes`: how the kernel rounds activations. 2 (ACTIVATION_PASSES, the default): two int8 vectors
+    per 32-block, x ≈ d·(254·q1 + q2) with q2 the first rounding's residual at a 254x finer step (a
+    15-bit activation); the kernel multiplies both by each weight block while it is in registers.
+    1: plain int8 (one rounding at max|x|/127), which moved SmolLM2's greedy top-1 on 3.5% of
+    positions against the float path (docs/quantization.md)."""
 
-    __slots__ = ("bias", "dtype", "in_features", "isa", "module", "offsets", "out_features", "precise", "qs",
+    __slots__ = ("bias", "dtype", "in_features", "isa", "module", "offsets", "out_features", "passes", "qs",
                  "scales", "segments")
 
     def __init__(self, segments: list[qf.QuantMatrix], bias: torch.Tensor | None, dtype: torch.dtype,
-                 module: Any, isa: str, precise: bool = False) -> None:
+                 module: Any, isa: str, passes: int = 2) -> None:
+        if passes not in (1, 2):
+            raise ValueError(f"activation passes must be 1 or 2, not {passes}")
         self.segments = segments
         self.qs = [s.qs for s in segments]
         self.scales = [s.scale for s in segments]
@@ -167,34 +173,23 @@ class QuantLinear(Linear):
         self.isa = QUANT_ISAS.index(isa)
         self.in_features = segments[0].cols
         self.out_features = sum(s.rows for s in segments)
-        self.precise = precise
+        self.passes = passes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        if self.precise:
-            y = self._two_pass(x2)
-        else:
-            y = self.module.quant_linear(x2, self.qs, self.scales, self.offsets, self.isa)
+        y = self.module.quant_linear(x2, self.qs, self.scales, self.offsets, self.passes, self.isa)
         if self.bias is not None:
             y += self.bias
         if self.dtype != torch.float32:
             y = y.to(self.dtype)
         return y.view(*shape[:-1], self.out_features)
 
-    def _two_pass(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        qa, d, _ = self.module.quantize_activations(x, self.isa)
-        residual = x - (qa.float().view(rows, -1, qf.BLOCK) * d.unsqueeze(-1)).view_as(x)
-        # One call for both passes: the weights are read once for the 2·rows activation rows.
-        y = self.module.quant_linear(torch.cat([x, residual]), self.qs, self.scales, self.offsets, self.isa)
-        return y[:rows] + y[rows:]
-
     @property
     def method(self) -> str:
-        return "+".join(s.fmt for s in self.segments) + ("(2-pass)" if self.precise else "")
+        return "+".join(s.fmt for s in self.segments) + ("(1-pass)" if self.passes == 1 else "")
 
     @property
     def nbytes(self) -> int:
@@ -256,7 +251,7 @@ class QuantMethod(LinearMethod):
     def build(self, parts: Sequence[WeightPart], bias: torch.Tensor | None, config: LinearConfig,
               precise: bool = False) -> Linear:
         return QuantLinear(qf.concat([self.pack(p) for p in parts]), bias, config.dtype, quant_kernels(),
-                           quant_isa(), precise)
+                           quant_isa(), _passes(precise))
 
 
 LINEAR_METHODS: dict[str, LinearMethod] = {"dense": DenseMethod(), "q8": QuantMethod("q8"), "q4": QuantMethod("q4")}
@@ -286,7 +281,7 @@ def build_linear(tensors: Mapping[str, torch.Tensor], names: Sequence[str], bias
     """The linear layer for the row concatenation of `names` (+ biases), as config.quantization says.
 
     `dense`: the float weight when the caller already holds it (one name only). `precise`: quantized
-    kernels take two-pass activations (see QuantLinear)."""
+    kernels take two-pass activations even if ACTIVATION_PASSES were 1 (see QuantLinear)."""
     wants_raw = config.quantization != "none"
     parts = [WeightPart(name, tensors, raw_blocks(tensors, name) if wants_raw else None, dense) for name in names]
     shapes = [_shape(p) for p in parts]
@@ -301,7 +296,7 @@ def build_linear(tensors: Mapping[str, torch.Tensor], names: Sequence[str], bias
     # The loader's on-disk cache of packed layers (models/loading/repack_cache.py): a hit skips packing.
     cache = repack_store(tensors, config)
     if cache is not None and (cached := cache.load(names, methods)) is not None:
-        return QuantLinear(cached, bias, config.dtype, quant_kernels(), quant_isa(), precise)
+        return QuantLinear(cached, bias, config.dtype, quant_kernels(), quant_isa(), _passes(precise))
     linear = _build_quant(parts, methods, bias, config, precise)
     if cache is not None and isinstance(linear, QuantLinear):
         cache.store(names, methods, linear.segments)
@@ -314,7 +309,11 @@ def _build_quant(parts: Sequence[WeightPart], methods: Sequence[str], bias: torc
         return LINEAR_METHODS[methods[0]].build(parts, bias, config, precise)
     # Mixed formats (e.g. q/k Q4_K with v Q6_K): one segment per format run, one native call for all.
     packed = [_method(m).pack(p) for m, p in zip(methods, parts, strict=True)]
-    return QuantLinear(qf.concat(packed), bias, config.dtype, quant_kernels(), quant_isa(), precise)
+    return QuantLinear(qf.concat(packed), bias, config.dtype, quant_kernels(), quant_isa(), _passes(precise))
+
+
+def _passes(precise: bool) -> int:
+    return 2 if precise else ACTIVATION_PASSES
 
 
 def _shape(part: WeightPart) -> tuple[int, ...]:
