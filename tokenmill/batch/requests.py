@@ -25,7 +25,8 @@ from tokenmill.engine.structured.manager import StructuredOutputs
 from tokenmill.errors import RequestValidationError, TokenmillError
 from tokenmill.models.loading.tokenizer import Tokenizer
 from tokenmill.server.openai_inputs import chat_inputs, completion_inputs, requested_service_class
-from tokenmill.server.protocol import ChatRequest, CompletionRequest, describe_validation_errors
+from tokenmill.server.openai_tools import ToolPlan, parse_tool_calls, tool_calls_out
+from tokenmill.server.protocol import ChatMessageOut, ChatRequest, CompletionRequest, describe_validation_errors
 
 _BodyT = TypeVar("_BodyT", CompletionRequest, ChatRequest)
 
@@ -58,6 +59,7 @@ class BatchRequest:
     # A batch line runs in the batch class unless its body's `service_tier` says otherwise.
     service_class: ServiceClass = ServiceClass.BATCH
     priority: int = 0  # orders lines within the class
+    tools: ToolPlan | None = None  # chat with tools: answers are parsed for tool calls, as the server does
 
     @property
     def num_choices(self) -> int:
@@ -119,7 +121,8 @@ def build_request(custom_id: str, endpoint: Endpoint, body: dict[str, Any], toke
             _refuse_logprobs({"logprobs": completion.logprobs, "echo": completion.echo})
             inputs, parsed = completion_inputs(completion, tokenizer, limits, grammars), completion
         service_class = requested_service_class(parsed) or ServiceClass.BATCH
-        return BatchRequest(custom_id, endpoint, inputs.prompts, inputs.children, service_class, parsed.priority)
+        return BatchRequest(custom_id, endpoint, inputs.prompts, inputs.children, service_class, parsed.priority,
+                            tools=inputs.tools)
     except RequestValidationError as exc:
         raise BatchLineError(str(exc), param=exc.param) from exc
     except TokenmillError as exc:
@@ -145,26 +148,39 @@ def _refuse_logprobs(fields: dict[str, object]) -> None:
 # ------------------------------------------------------------------------------ result lines
 
 
-def success_line(request: BatchRequest, choices: list[CompletionOutput], model: str) -> dict[str, Any]:
-    """The Batch API output line for a request whose choices are in index order."""
+def success_line(request: BatchRequest, choices: list[CompletionOutput], model: str,
+                 cached_tokens: list[int] | None = None) -> dict[str, Any]:
+    """The Batch API output line for a request whose choices are in index order; `cached_tokens[i]`:
+    choice i's prompt tokens served from the prefix cache."""
     num_prompt = sum(len(p.token_ids) for p in request.prompts)
     num_completion = sum(len(c.token_ids) for c in choices)
+    # As the server counts it (fanout.cached_prompt_tokens): once per prompt, the most of its children.
+    best: dict[int, int] = {}
+    for child, cached in zip(request.children, cached_tokens or [0] * len(choices), strict=True):
+        best[child.prompt_index] = max(best.get(child.prompt_index, 0), cached)
     body = {
         "id": f"{'chatcmpl' if request.endpoint is Endpoint.CHAT else 'cmpl'}-{uuid.uuid4().hex}",
         "object": "chat.completion" if request.endpoint is Endpoint.CHAT else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [_choice(request.endpoint, i, c) for i, c in enumerate(choices)],
+        "choices": [_choice(request, i, c) for i, c in enumerate(choices)],
         "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-                  "total_tokens": num_prompt + num_completion},
+                  "total_tokens": num_prompt + num_completion,
+                  "prompt_tokens_details": {"cached_tokens": sum(best.values())}},
     }
     return _line(request.custom_id, {"status_code": 200, "request_id": _request_id(), "body": body}, None)
 
 
-def _choice(endpoint: Endpoint, index: int, c: CompletionOutput) -> dict[str, Any]:
+def _choice(request: BatchRequest, index: int, c: CompletionOutput) -> dict[str, Any]:
     reason = c.finish_reason.value if c.finish_reason is not None else None
-    if endpoint is Endpoint.CHAT:
-        return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+    if request.endpoint is Endpoint.CHAT:
+        message = ChatMessageOut(content=c.text)
+        if request.tools is not None:  # the server's parsing (openai_chat._choice): same calls, same content
+            content, calls = parse_tool_calls(request.tools, c.text)
+            if calls:
+                message = ChatMessageOut(content=content, tool_calls=tool_calls_out(calls))
+                reason = "tool_calls" if reason == "stop" else reason
+        return {"index": index, "message": message.model_dump(mode="json"), "logprobs": None,
                 "finish_reason": reason}
     return {"index": index, "text": c.text, "logprobs": None, "finish_reason": reason,
             "stop_reason": c.stop_reason}

@@ -57,6 +57,7 @@ class BatchSummary:
 class _InFlight:
     request: BatchRequest
     choices: dict[int, CompletionOutput] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # per choice: prompt tokens from the prefix cache
 
 
 # ---------------------------------------------------------------------------- resume bookkeeping
@@ -193,12 +194,14 @@ class BatchJob:
         key, _, index = engine_id.partition("/")
         entry = self.in_flight[key]
         entry.choices[int(index)] = output.outputs[0]
+        entry.cached_tokens[int(index)] = output.num_cached_tokens
         self.num_engine_requests -= 1
         if len(entry.choices) < entry.request.num_choices:
             return
         del self.in_flight[key]
         choices = [entry.choices[i] for i in range(entry.request.num_choices)]
-        self._write(success_line(entry.request, choices, self.model_name))
+        cached = [entry.cached_tokens[i] for i in range(entry.request.num_choices)]
+        self._write(success_line(entry.request, choices, self.model_name, cached))
         self.summary.num_succeeded += 1
 
     def _write(self, record: dict[str, Any]) -> None:
