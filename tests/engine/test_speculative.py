@@ -201,3 +201,41 @@ def test_sampling_with_a_mismatched_draft_follows_the_target_distribution() -> N
     second = [o[1] for o in outputs]
     assert _chi_square_p(second, p2) > 1e-3
     assert 0 < accepted < drafts
+
+
+def test_draft_weights_load_before_the_memory_probe_and_its_kv_shares_the_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both models' weights are in memory before the KV budget is probed, and the target's and the
+    draft's pools (one draft block per target block) together fit that budget."""
+    from typing import Any
+
+    from tokenmill.engine import model_runner
+    from tokenmill.layers.kv_cache import kv_cache_spec
+    from tokenmill.models.llama import LlamaForCausalLM
+
+    total, weight, fraction = 64 << 20, 16 << 20, 0.5
+    in_use = {"bytes": 0}
+    load_weights = LlamaForCausalLM.load_weights
+
+    def loading(self: LlamaForCausalLM, *args: Any, **kwargs: Any) -> Any:
+        result = load_weights(self, *args, **kwargs)
+        in_use["bytes"] += weight
+        return result
+
+    monkeypatch.setattr(LlamaForCausalLM, "load_weights", loading)
+    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda device: total - in_use["bytes"])
+    target, draft = tiny_model("llama"), tiny_model("llama")
+    config = EngineConfig(ModelConfig("tiny", dtype="float32", device="cpu"),
+                          CacheConfig(block_size=4, memory_fraction=fraction),
+                          speculative=SpeculativeConfig("draft", 3, draft_model="tiny-draft"))
+    core = EngineCore(config, target.arch, target.state_dict, (draft.arch, draft.state_dict))
+    spec = kv_cache_spec("auto", torch.float32)
+    per_block = model_runner.kv_bytes_per_block(target.arch, 4, spec)
+    draft_per_block = model_runner.kv_bytes_per_block(draft.arch, 4, spec)
+    budget = int((total - 2 * weight) * fraction)  # after both weights
+    assert core.kv.num_blocks == budget // per_block * per_block // (per_block + draft_per_block)
+    proposer = core.speculator.proposer if core.speculator is not None else None
+    assert isinstance(proposer, DraftModelProposer)
+    assert proposer.kv.num_blocks == core.kv.num_blocks
+    used = sum(c.nbytes for c in core.runner.kv_caches) + sum(c.nbytes for c in proposer.runner.kv_caches)
+    assert used <= budget

@@ -13,7 +13,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.inputs import RequestLimits
 from tokenmill.engine.interfaces import RunnerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.model_runner import ModelRunner, num_kv_blocks
+from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block, num_kv_blocks
 from tokenmill.engine.request import EngineOutput, FinishReason, Request, SamplingParams
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler, StepTokenStats
@@ -48,14 +48,19 @@ class EngineCore:
         context_limit = self._context_limit()
         # Weights first, then the memory probe: what the weights take is not free for the KV cache.
         self.runner = ModelRunner(config.model, arch, tensors, context_limit, block_size, None, kv_spec)
+        # A draft's weights load before the probe too; its KV pool (a block per target block) shares the budget.
+        self.speculator = build_speculator(config.speculative, config.model, arch, block_size, None, context_limit,
+                                           draft)
         num_blocks = num_kv_blocks(arch, config.cache, kv_spec, device)
+        if self.speculator is not None and config.cache.num_blocks is None:
+            num_blocks = self.speculator.share_kv_budget(num_blocks, kv_bytes_per_block(arch, block_size, kv_spec))
         self.runner.allocate_kv_cache(num_blocks)
         self.max_model_len = self._max_model_len(context_limit, num_blocks * block_size)
         self.limits = RequestLimits(self.max_model_len, arch.vocab_size)
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.speculator = build_speculator(config.speculative, config.model, arch, block_size, num_blocks,
-                                           self.max_model_len, draft)
+        if self.speculator is not None:
+            self.speculator.allocate_kv(num_blocks, self.max_model_len)
         log.info("KV cache: %s, %d tokens in %d blocks of %d, %.1f MiB (%d bytes per token over %d layers)",
                  kv_spec.describe(), num_blocks * block_size, num_blocks, block_size,
                  self.runner.kv_cache_bytes / 2**20, kv_spec.bytes_per_token(arch.num_kv_heads, arch.head_dim)
