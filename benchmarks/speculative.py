@@ -1,14 +1,21 @@
 """Speculative decoding against plain decoding, side by side in one process, same engine.
 
+  steps  the cost of one verification step: a batch-1 step scoring 1 + k query tokens against its
+         paged KV (k = 0: a plain decode), in-process on the ngram model, so the controller's premise
+         (extra rows are cheap) is measured, not assumed
   ngram  Qwen2.5-Coder-0.5B (--ngram-model), code-editing prompts ("rewrite this function with
-         type hints": the answer copies most of the prompt), at each --concurrency
+         type hints": the answer copies most of the prompt), at each --concurrency (1 .. 32); a PNG
+         of the speed-up against concurrency
   draft  Qwen2.5-Coder-1.5B (--target) with Qwen2.5-Coder-0.5B (--draft) proposing, batch 1, a
          code-editing and a chat prompt
+  llama  the same prompts through llama-server (when built: benchmarks/llama_server.py), with and
+         without its own speculation (--spec-type ngram-simple; -md for the draft), batch 1
 
 Each engine is loaded once; speculation is toggled on the same engine (same weights, same KV
 pool) and the two runs alternate for --rounds rounds, so machine noise hits both. Reported:
 output tokens/s of each (median over rounds), their ratio, acceptance rate and mean accepted
-length, and whether the greedy tokens matched. Greedy decoding throughout.
+length, and whether the greedy tokens matched. Greedy decoding throughout. The weight path is
+--quantization (auto: the GGUF's own q8/q4 blocks on the native integer kernels, the fastest here).
 
 Run it under the shared lock (one benchmark at a time on this machine):
 
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import time
 from typing import Any
 
@@ -70,9 +78,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     p.add_argument("--ngram-tokens", type=int, default=96, help="max_tokens per request (ngram)")
     p.add_argument("--draft-tokens", type=int, default=32, help="max_tokens per request (draft; the 1.5B is slow)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="ngram: requests at once")
+    p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--quantization", default="auto", help="weight path of every engine (auto: the GGUF's blocks)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
+                   help="ngram: requests at once")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--skip", choices=["ngram", "draft"], action="append", default=[])
+    p.add_argument("--step-ks", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5, 7], help="steps: proposals per step")
+    p.add_argument("--skip", choices=["steps", "ngram", "draft", "llama"], action="append", default=[])
+    p.add_argument("--tag", default="", help="suffix of the result file names")
     return p.parse_args()
 
 
@@ -140,8 +154,9 @@ def measure(llm: Any, messages: list[list[dict[str, str]]], max_tokens: int, rou
 def run_ngram(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tokenmill import LLM
 
-    llm = LLM(args.ngram_model, speculative="ngram", num_speculative_tokens=args.k, num_kv_blocks=512,
-              max_model_len=2048, num_threads=args.threads)
+    llm = LLM(args.ngram_model, speculative="ngram", num_speculative_tokens=args.k, num_kv_blocks=1024,
+              max_model_len=2048, num_threads=args.threads, quantization=args.quantization,
+              ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_num_seqs=max(64, max(args.concurrency)))
     rows = []
     for c in args.concurrency:
         result = measure(llm, [edit_prompt(i) for i in range(c)], args.ngram_tokens, args.rounds)
@@ -155,7 +170,7 @@ def run_draft(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tokenmill import LLM
 
     llm = LLM(args.target, speculative="draft", draft_model=args.draft, num_speculative_tokens=args.k,
-              num_kv_blocks=128, max_model_len=1024, num_threads=args.threads)
+              num_kv_blocks=128, max_model_len=1024, num_threads=args.threads, quantization=args.quantization)
     rows = []
     for name, messages in (("code-edit", [edit_prompt(0)]), ("chat", [[{"role": "user", "content": CHAT}]])):
         result = measure(llm, messages, args.draft_tokens, args.rounds)
@@ -166,20 +181,138 @@ def run_draft(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def run_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Wall time of one batch-1 step scoring 1 + k query tokens (k proposals) after a 300-token
+    context, median of 15 after 3 warm-ups, the k's interleaved round-robin so load drifts hit all."""
+    from tokenmill import LLM
+    from tokenmill.engine.interfaces import ScheduledRequest, SchedulerOutput
+    from tokenmill.engine.request import Request, SamplingParams
+
+    llm = LLM(args.ngram_model, num_kv_blocks=64, max_model_len=1024, num_threads=args.threads,
+              quantization=args.quantization)
+    core, runner = llm.core, llm.core.runner
+    prompt = list(range(1000, 1300))
+    request = Request("steps", prompt, SamplingParams(max_tokens=64, temperature=0.0))
+    core.kv.allocate(request, len(prompt) + max(args.step_ks) + 1)
+    blocks = list(core.kv.block_tables["steps"])
+    runner.execute(SchedulerOutput([ScheduledRequest(request, 0, len(prompt), blocks)]))
+
+    def step(k: int) -> float:
+        scheduled = ScheduledRequest(request, len(prompt) - 1, 1 + k, blocks, [prompt[10 + j] for j in range(k)])
+        start = time.perf_counter()
+        runner.execute(SchedulerOutput([scheduled]))
+        return time.perf_counter() - start
+
+    times: dict[int, list[float]] = {k: [] for k in args.step_ks}
+    for i in range(18):
+        for k in args.step_ks:
+            t = step(k)
+            if i >= 3:
+                times[k].append(t)
+    base = statistics.median(times[args.step_ks[0]])
+    rows = [{"k": k, "rows": 1 + k, "step_ms": statistics.median(ts) * 1e3,
+             "vs_decode": statistics.median(ts) / base} for k, ts in times.items()]
+    for r in rows:
+        print(f"step with {r['rows']} query rows: {r['step_ms']:.1f} ms = {r['vs_decode']:.2f}x a decode", flush=True)
+    return rows
+
+
+def run_llama(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """llama-server's own speculation on the same GGUF files and prompts, batch 1, greedy: a server
+    per configuration (plain, ngram-simple lookup, draft model), requests one after another."""
+    import httpx
+    import llama_server  # type: ignore[import-not-found]
+    import peers  # type: ignore[import-not-found]
+
+    from tokenmill.models.resolve import resolve_model
+
+    binary = llama_server.server_binary(llama_server.isa_level())
+    if not binary.is_file():
+        print(f"llama-server not built ({binary}): skipping the peer", flush=True)
+        return []
+    ngram_gguf = resolve_model(args.ngram_model).path
+    target_gguf, draft_gguf = resolve_model(args.target).path, resolve_model(args.draft).path
+    spec_k = ["--draft-max", str(args.k), "--draft-min", "1"]
+    configs = [
+        ("ngram", args.ngram_model, ngram_gguf, [], [edit_prompt(0)], args.ngram_tokens),
+        ("ngram", args.ngram_model, ngram_gguf, ["--spec-type", "ngram-simple", *spec_k], [edit_prompt(0)],
+         args.ngram_tokens),
+        ("draft", args.target, target_gguf, [], [edit_prompt(0)], args.draft_tokens),
+        ("draft", args.target, target_gguf, ["-md", str(draft_gguf), *spec_k], [edit_prompt(0)], args.draft_tokens),
+    ]
+    rates: dict[tuple[str, bool], list[float]] = {}
+    for method, model, gguf, extra, messages, max_tokens in configs:
+        port = peers.free_port()
+        argv = [*llama_server.server_argv(binary, gguf, port, model, 1, 2048, args.threads), *extra]
+        log = (peers.LOG_DIR / f"llama_spec_{method}_{bool(extra)}.log")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as out:
+            process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+            try:
+                url = f"http://127.0.0.1:{port}"
+                peers._wait_ready(url + "/health", process)
+                body = {"model": model, "messages": messages[0], "max_tokens": max_tokens, "temperature": 0.0,
+                        "ignore_eos": True}
+                httpx.post(url + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=600)
+                for _ in range(args.rounds):
+                    start = time.perf_counter()
+                    reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=600).json()
+                    rate = reply["usage"]["completion_tokens"] / (time.perf_counter() - start)
+                    rates.setdefault((method, bool(extra)), []).append(rate)
+            finally:
+                process.terminate()
+                process.wait(timeout=30)
+    rows = []
+    for method in ("ngram", "draft"):
+        spec, plain = statistics.median(rates[(method, True)]), statistics.median(rates[(method, False)])
+        rows.append({"method": method, "peer": "llama-server", "spec_tok_s": spec, "plain_tok_s": plain,
+                     "ratio": spec / plain, "rates": {"spec": rates[(method, True)], "plain": rates[(method, False)]}})
+        print(f"llama-server {method}: {spec:.1f} vs {plain:.1f} tok/s = {spec / plain:.2f}x", flush=True)
+    return rows
+
+
+def plot_curve(rows: list[dict[str, Any]], args: argparse.Namespace, name: str) -> None:
+    curve = [r for r in rows if r["method"] == "ngram"]
+    if len(curve) < 2:
+        return
+    fig, ax, path = common.new_figure("speculative", name)
+    xs = [r["concurrency"] for r in curve]
+    ax.plot(xs, [r["ratio"] for r in curve], marker="o", label=f"ngram, k <= {args.k} ({args.quantization} weights)")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.axhline(0.95, color="red", lw=0.8, ls="--", label="0.95x (the controller's floor)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tok/s, speculation / none")
+    ax.set_title(f"{args.ngram_model}: speculative speed-up vs concurrency (code edits, greedy)")
+    ax.legend()
+    common.save_figure(fig, path)
+
+
 def main() -> None:
     args = parse_args()
     common.pin_threads(args.threads)
     rows: list[dict[str, Any]] = []
+    steps: list[dict[str, Any]] = []
+    peer: list[dict[str, Any]] = []
+    if "steps" not in args.skip:
+        steps = run_steps(args)
     if "ngram" not in args.skip:
         rows += run_ngram(args)
     if "draft" not in args.skip:
         rows += run_draft(args)
-    common.print_table(
-        ["method", "model", "prompt", "conc", "spec tok/s", "plain tok/s", "ratio", "accept", "mean len", "same"],
-        [[r["method"], r["model"], r.get("prompt", "code-edit"), r["concurrency"], r["spec_tok_s"], r["plain_tok_s"],
-          r["ratio"], r["acceptance_rate"], r["mean_accepted_length"], r["greedy_identical"]] for r in rows])
-    common.save_json("speculative", args.ngram_model if "ngram" not in args.skip else args.target,
-                     {"args": vars(args), "results": rows})
+    if "llama" not in args.skip:
+        peer = run_llama(args)
+    if rows:
+        common.print_table(
+            ["method", "model", "prompt", "conc", "spec tok/s", "plain tok/s", "ratio", "accept", "mean len", "same"],
+            [[r["method"], r["model"], r.get("prompt", "code-edit"), r["concurrency"], r["spec_tok_s"],
+              r["plain_tok_s"], r["ratio"], r["acceptance_rate"], r["mean_accepted_length"], r["greedy_identical"]]
+             for r in rows])
+    name = (args.ngram_model if "ngram" not in args.skip else args.target) + (f"_{args.tag}" if args.tag else "")
+    plot_curve(rows, args, name)
+    common.save_json("speculative", name, {"args": vars(args), "step_cost": steps, "results": rows,
+                                           "llama_server": peer})
 
 
 if __name__ == "__main__":
