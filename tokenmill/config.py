@@ -178,12 +178,31 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ProfileConfig:
+    """Step profiling (engine/profiling.py, docs/performance.md): off unless num_steps > 0."""
+
+    num_steps: int = 0  # steps timed per phase, then as many again under the torch profiler
+    output_dir: str = "tokenmill-profile"  # profile.json, profile.txt, trace.json (Chrome trace)
+    warmup_steps: int = 2  # steps with work skipped first (kernel builds, first-touch pages)
+    torch_trace: bool = True  # False: the phase timings only
+
+    def __post_init__(self) -> None:
+        _require(self.num_steps >= 0, "profile steps must be >= 0")
+        _require(self.warmup_steps >= 0, "profile warmup steps must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_steps > 0
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None  # None: torch's default (all cores)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 _LOG_REQUEST_MODES = ("off", "meta", "ids", "ids+text")
