@@ -83,3 +83,20 @@ def test_mixed_needs_one_target(tmp_path: Path, capsys: pytest.CaptureFixture[st
             "--workload", "mixed", "--output-dir", str(tmp_path)]
     assert cli.main(argv) == 1
     assert "the mixed workload runs against one target" in capsys.readouterr().err
+
+
+def test_rounds_of_a_phase_pool_records_and_durations() -> None:
+    from tokenmill.bench.metrics import compute_metrics
+    from tokenmill.bench.mixed import ClassRun, pool_phases
+    from tokenmill.bench.records import RequestRecord
+
+    def run(ttft_s: float, tokens: int, span_s: float) -> ClassRun:
+        record = RequestRecord(0, 0, start_s=0.0, ttft_s=ttft_s, e2e_s=span_s, prompt_tokens=4, output_tokens=tokens)
+        return ClassRun([record], compute_metrics([record], span_s))
+
+    rounds = [PhaseResult("mixed", 10.0, run(0.1, 10, 2.0), run(0.5, 100, 10.0), 0.0),
+              PhaseResult("mixed", 30.0, run(0.3, 10, 2.0), run(0.5, 200, 30.0), 1.0)]
+    pooled = pool_phases(rounds, None)
+    assert pooled.duration_s == 40.0 and pooled.total_output_tokens == 320
+    assert pooled.batch is not None and pooled.batch.metrics.output_throughput == 300 / 40
+    assert pooled.chat is not None and pooled.chat.metrics.ttft.count == 2 and pooled.chat.metrics.ttft.max == 0.3

@@ -204,6 +204,20 @@ async def run_phase(client: httpx.AsyncClient, target: Target, config: MixedConf
     return PhaseResult(name, duration_s, parts.get(CHAT), parts.get(BATCH), started_unix)
 
 
+def pool_phases(phases: Sequence[PhaseResult], slo: SLO | None) -> PhaseResult:
+    """Rounds of one phase as one: records pooled, durations and each class's spans added (so
+    throughputs are totals over totals and percentiles are over every request of every round)."""
+    def pooled(runs: list[ClassRun], with_slo: SLO | None) -> ClassRun | None:
+        if not runs:
+            return None
+        records = [r for run in runs for r in run.records]
+        return ClassRun(records, compute_metrics(records, sum(run.metrics.duration_s for run in runs), with_slo))
+
+    return PhaseResult(phases[0].name, sum(p.duration_s for p in phases),
+                       pooled([p.chat for p in phases if p.chat is not None], slo),
+                       pooled([p.batch for p in phases if p.batch is not None], None), phases[0].started_unix)
+
+
 def _class_run(records: list[RequestRecord], slo: SLO | None) -> ClassRun:
     """Metrics over the class's own span (its first send → its last answer): in `mixed` the chat
     sessions start late, and the burst's duration should not dilute their goodput."""
