@@ -391,3 +391,17 @@ def test_the_core_feeds_every_nonempty_step_to_the_step_time_model() -> None:
     assert isinstance(model, OnlineStepTimeModel) and model.num_samples == steps
     assert set(result.stats.classes.scheduled_tokens) == {"interactive", "standard", "batch"}
     assert result.stats.class_num_running == {"interactive": 0, "standard": 0, "batch": 0}
+
+
+def test_service_class_config_validates_and_maps_targets() -> None:
+    from tokenmill.errors import TokenmillError
+
+    config = ServiceClassConfig()
+    assert config.target(INT) == SLOTarget(ttft_s=1.0, tpot_s=0.1)
+    assert config.target(BAT) == SLOTarget()
+    for bad in ({"step_time_margin": 0.0}, {"min_step_samples": 0}, {"unfitted_step_tokens": 0},
+                {"min_prefill_chunk": 0}):
+        with pytest.raises(TokenmillError):
+            ServiceClassConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(TokenmillError):
+        SLOTarget(tpot_s=0.0)
