@@ -239,3 +239,40 @@ def test_draft_weights_load_before_the_memory_probe_and_its_kv_shares_the_budget
     assert proposer.kv.num_blocks == core.kv.num_blocks
     used = sum(c.nbytes for c in core.runner.kv_caches) + sum(c.nbytes for c in proposer.runner.kv_caches)
     assert used <= budget
+
+
+def test_verification_reads_the_paged_cache_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request verifying k proposals is k + 1 rows of the decode group: the native decode kernel
+    reads its keys in place, never the prefill path's gather (and the tokens stay exact)."""
+    from tokenmill.kernels import cpu_kernels
+    from tokenmill.layers.kv_cache import DenseKVCache
+
+    if cpu_kernels() is None:
+        pytest.skip("the native CPU kernel does not build here")
+    calls = {"gather": 0, "decode_rows": []}
+    gather, native = DenseKVCache.gather, DenseKVCache.native_decode
+
+    def counting_gather(self: DenseKVCache, *args: object, **kwargs: object) -> object:
+        calls["gather"] += 1
+        return gather(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    def counting_native(self: DenseKVCache, kernels: object, q: torch.Tensor, *args: object) -> object:
+        calls["decode_rows"].append(q.shape[0])
+        return native(self, kernels, q, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DenseKVCache, "gather", counting_gather)
+    monkeypatch.setattr(DenseKVCache, "native_decode", counting_native)
+    model = tiny_model("llama")
+    core = spec_core(model, "ngram", k=4)
+    prompt = [*[9, 10, 11, 12] * 6, 9]  # periodic: the n-gram proposer finds it
+    core.add_request("0", prompt, greedy(20), ())
+    tokens = [t for o in core.step().outputs for t in o.new_token_ids]  # the prompt: a prefill (gathers)
+    calls["gather"], calls["decode_rows"] = 0, []
+    drafts = 0
+    while core.has_unfinished:
+        step = core.step()
+        drafts += step.stats.spec_num_drafts
+        tokens += [t for o in step.outputs for t in o.new_token_ids]
+    assert drafts > 0 and max(calls["decode_rows"]) > 1  # verification rows went to the kernel
+    assert calls["gather"] == 0
+    assert tokens == run_to_completion(make_core(model), [prompt], greedy(20))[0]

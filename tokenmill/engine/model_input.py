@@ -1,8 +1,12 @@
 """Turns a SchedulerOutput into the flat tensors of one forward pass.
 
-Token order: decode requests (one new token) first, then prefill chunks (a request verifying
-proposals has 1 + k query tokens and joins the prefill group, causal mask and all). Host-side
-bookkeeping is done with numpy so a step costs a few vectorised calls, not a loop per token.
+Token order: the decode group first, then prefill chunks. The decode group holds every request
+with at most MAX_DECODE_QUERY new tokens (a plain decode; a request verifying k proposals, 1 + k
+tokens; a draft model's catch-up), one attention row per query token: the query at position p is
+an ordinary one-token decode against keys [0, p] through its request's block table (causal by
+construction), so the paged decode kernel reads the cache in place instead of the prefill path's
+gather + dense mask. Host-side bookkeeping is done with numpy so a step costs a few vectorised
+calls, not a loop per token.
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ import torch
 
 from tokenmill.engine.interfaces import ScheduledRequest
 from tokenmill.layers.attention import AttentionMetadata, GroupMetadata
+
+# Chunks up to this many query tokens attend row by row in the decode group (each row re-reads its
+# request's keys, which at these sizes stay in cache); longer ones are prefills (one dense pass).
+MAX_DECODE_QUERY = 8
 
 
 @dataclass(slots=True)
@@ -29,8 +37,8 @@ class ModelInput:
 
 def build_model_input(scheduled: list[ScheduledRequest], block_size: int, sliding_window: int | None,
                       device: torch.device) -> ModelInput:
-    decodes = [s for s in scheduled if s.num_new_tokens == 1]
-    prefills = [s for s in scheduled if s.num_new_tokens > 1]
+    decodes = [s for s in scheduled if s.num_new_tokens <= MAX_DECODE_QUERY]
+    prefills = [s for s in scheduled if s.num_new_tokens > MAX_DECODE_QUERY]
     ordered = decodes + prefills
     starts = np.array([s.num_computed_tokens for s in ordered], dtype=np.int64)
     lens = np.array([s.num_new_tokens for s in ordered], dtype=np.int64)
@@ -42,8 +50,9 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int, slidin
     sample_rows = _sample_rows(ordered, sampled_idx, ends)
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(slots).to(device),
-        decode=_group(decodes, 0, block_size, sliding_window, device) if decodes else None,
-        prefill=_group(prefills, len(decodes), block_size, sliding_window, device) if prefills else None,
+        decode=_decode_group(decodes, block_size, sliding_window, device) if decodes else None,
+        prefill=_group(prefills, sum(s.num_new_tokens for s in decodes), block_size, sliding_window, device)
+        if prefills else None,
     )
     return ModelInput(
         input_ids=torch.from_numpy(input_ids).to(device),
@@ -88,6 +97,34 @@ def _block_table(group: list[ScheduledRequest]) -> np.ndarray:
     for i, s in enumerate(group):
         table[i, :len(s.block_ids)] = s.block_ids
     return table
+
+
+def _decode_group(group: list[ScheduledRequest], block_size: int, sliding_window: int | None,
+                  device: torch.device) -> GroupMetadata:
+    """One attention row per query token: request i's j-th new token is a one-token decode at
+    position num_computed_tokens + j over its request's block table."""
+    starts = np.array([s.num_computed_tokens for s in group], dtype=np.int64)
+    lens = np.array([s.num_new_tokens for s in group], dtype=np.int64)
+    if not (lens > 1).any():
+        return _group(group, 0, block_size, sliding_window, device)
+    positions = _positions(starts, lens)
+    seq_lens = positions + 1
+    ctx_blocks = -(-int(seq_lens.max()) // block_size)
+    table = np.ascontiguousarray(np.repeat(_block_table(group)[:, :ctx_blocks], lens, axis=0))
+    k_pos = np.arange(ctx_blocks * block_size)[None, :]
+    q_pos = positions[:, None]
+    mask = k_pos <= q_pos  # [R, Lk]
+    sliding = None if sliding_window is None else mask & (k_pos > q_pos - sliding_window)
+    return GroupMetadata(
+        block_table=torch.from_numpy(table).to(device),
+        seq_lens=torch.from_numpy(seq_lens).to(device),
+        mask=torch.from_numpy(mask[:, None, None]).to(device),
+        sliding_mask=None if sliding is None else torch.from_numpy(sliding[:, None, None]).to(device),
+        token_start=0,
+        num_tokens=int(lens.sum()),
+        max_query_len=1,
+        pad_index=None,
+    )
 
 
 def _group(group: list[ScheduledRequest], token_start: int, block_size: int, sliding_window: int | None,

@@ -6,9 +6,13 @@ scales when int8, all addressed by
     cache[num_blocks, block_size, num_kv_heads, head_dim]
     slot s = block_id * block_size + offset   (the flat view used for writes)
 
-A step's tokens are flattened: first the decode tokens (one per sequence), then the prefill
-chunks back to back. Attention runs once per group, never once per request:
-  * decode group:  the native CPU kernel reads keys and values in place through the block table
+A step's tokens are flattened: first the decode group, then the prefill chunks back to back.
+Attention runs once per group, never once per request:
+  * decode group:  one row per query token with its own block-table row and length: a plain decode
+                   is one row; a request verifying k proposals (or a draft model catching up) brings
+                   1 + k rows over the same table with lengths p + 1 .. p + k + 1, i.e. causal
+                   attention as k + 1 independent decodes (engine/model_input.py). The native CPU
+                   kernel reads keys and values in place through the block table
                    (kernels/cpu_kernels.cpp); elsewhere q [D, H, 1, hd] against keys
                    gathered (and dequantized) through the block table [D, Lk]
   * prefill group: q padded to [P, H, Lq_max, hd] against keys gathered the same way
@@ -34,7 +38,8 @@ class GroupMetadata:
 
     block_table: torch.Tensor  # [S, max_blocks] int64 block ids (padding rows point at block 0)
     seq_lens: torch.Tensor  # [S] int64 keys per sequence after this step (context + new tokens)
-    mask: torch.Tensor  # [S, 1, Lq, Lk] bool: True where the query may attend the key
+    mask: torch.Tensor | None  # [S, 1, Lq, Lk] bool: True where the query may attend the key (None: the
+    # group is served by the paged decode kernel, which needs none)
     sliding_mask: torch.Tensor | None  # same with the sliding window applied (Gemma local layers)
     token_start: int  # first flat token index of the group
     num_tokens: int  # real tokens in the group
@@ -103,6 +108,7 @@ class PagedAttention:
         q_pad = _pad_queries(q, group, num_seqs).transpose(1, 2)  # [S, H, Lq, hd]
         keys, values = cache.gather(group.block_table, q.dtype)  # [S, KVH, Lk, hd]
         mask = group.sliding_mask if is_sliding and group.sliding_mask is not None else group.mask
+        assert mask is not None, "the runner builds masks for every group the decode kernel does not serve"
         if self.logit_softcap is None:
             out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=self.scale,
                                                  enable_gqa=self.num_kv_heads != self.num_heads)
