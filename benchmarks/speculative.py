@@ -232,13 +232,15 @@ def run_llama(args: argparse.Namespace) -> list[dict[str, Any]]:
         return []
     ngram_gguf = resolve_model(args.ngram_model).path
     target_gguf, draft_gguf = resolve_model(args.target).path, resolve_model(args.draft).path
-    spec_k = ["--draft-max", str(args.k), "--draft-min", "1"]
+    # Lookup with llama.cpp's own defaults (12-token key, up to 48 drafted); the draft model with our k.
+    lookup = ["--spec-type", "ngram-simple"]
+    drafting = ["--spec-type", "draft-simple", "-md", str(draft_gguf), "--spec-draft-n-max", str(args.k)]
+    chat = [[{"role": "user", "content": CHAT}]]
     configs = [
         ("ngram", args.ngram_model, ngram_gguf, [], [edit_prompt(0)], args.ngram_tokens),
-        ("ngram", args.ngram_model, ngram_gguf, ["--spec-type", "ngram-simple", *spec_k], [edit_prompt(0)],
-         args.ngram_tokens),
-        ("draft", args.target, target_gguf, [], [edit_prompt(0)], args.draft_tokens),
-        ("draft", args.target, target_gguf, ["-md", str(draft_gguf), *spec_k], [edit_prompt(0)], args.draft_tokens),
+        ("ngram", args.ngram_model, ngram_gguf, lookup, [edit_prompt(0)], args.ngram_tokens),
+        ("draft", args.target, target_gguf, [], chat, args.draft_tokens),
+        ("draft", args.target, target_gguf, drafting, chat, args.draft_tokens),
     ]
     rates: dict[tuple[str, bool], list[float]] = {}
     for method, model, gguf, extra, messages, max_tokens in configs:
