@@ -304,7 +304,10 @@ def main() -> None:
     if "draft" not in args.skip:
         rows += run_draft(args)
     if "llama" not in args.skip:
-        peer = run_llama(args)
+        try:  # the peer is optional: a failed start must not lose the rows measured above
+            peer = run_llama(args)
+        except (SystemExit, Exception) as e:
+            print(f"llama-server side by side failed: {e!r}", flush=True)
     if rows:
         common.print_table(
             ["method", "model", "prompt", "conc", "spec tok/s", "plain tok/s", "ratio", "accept", "mean len", "same"],
