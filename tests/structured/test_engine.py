@@ -190,3 +190,14 @@ def test_a_mask_prepared_for_other_rows_is_not_used(engine: LLMEngine) -> None:
     assert torch.equal(swapped, expected) and not torch.equal(swapped[0], swapped[1])
     grammars.forget("prep-a")
     grammars.forget("prep-b")
+
+
+def test_ignore_eos_after_a_complete_grammar_pads_with_stop_tokens(engine: LLMEngine) -> None:
+    """ignore_eos (the bench's exact output lengths): once the object is complete only stop tokens
+    may follow; they are skipped in the text, which stays valid JSON, and the grammar stays on."""
+    structured = StructuredOutputParams.json(SCHEMA)
+    jobs = {f"e{seed}": SamplingParams(max_tokens=100, seed=seed, ignore_eos=True, structured=structured)
+            for seed in range(3)}
+    for text, reason in _run(engine, jobs).values():
+        assert reason is FinishReason.LENGTH
+        jsonschema.validate(json.loads(text), SCHEMA)

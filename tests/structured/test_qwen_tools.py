@@ -51,3 +51,27 @@ def test_json_schema_answers_validate(qwen: LiveServer) -> None:
             model=MODEL, messages=[{"role": "user", "content": "Invent a person as JSON."}], max_tokens=60, seed=seed,
             response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
         jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_non_streamed_calls(qwen: LiveServer) -> None:
+    client = qwen.client()
+    for choice in ("auto", "required"):
+        kwargs: Any = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": choice, "max_tokens": 80,
+                       "temperature": 0.0}
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        calls: dict[int, dict[str, str]] = {}
+        content, finish = "", None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for d in delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += (d.function.name or "") if d.function else ""
+                entry["arguments"] += (d.function.arguments or "") if d.function else ""
+            finish = chunk.choices[0].finish_reason or finish
+        expected = [{"name": c.function.name, "arguments": c.function.arguments}
+                    for c in whole.message.tool_calls or []]
+        assert expected and [calls[i] for i in sorted(calls)] == expected, choice
+        assert (content or None) == whole.message.content and finish == whole.finish_reason == "tool_calls"

@@ -127,6 +127,8 @@ class StructuredOutputs:
             self._states[request.request_id] = state
         if state.num_consumed < request.num_output_tokens:
             for token in request.output_token_ids[state.num_consumed:]:
+                if state.matcher.is_terminated and token in request.eos_token_ids:
+                    continue  # ignore_eos: a complete grammar allows only stop tokens, and they keep coming
                 if not state.broken and not state.matcher.accept(token):
                     state.broken = True
                     log.warning("request %s: token %d is outside its grammar; it is no longer constrained",
