@@ -14,6 +14,7 @@ from tokenmill.engine.inputs import RequestLimits
 from tokenmill.engine.interfaces import RunnerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block, num_kv_blocks
+from tokenmill.engine.profiling import PhaseTimer
 from tokenmill.engine.request import EngineOutput, FinishReason, Request, SamplingParams
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler, StepTokenStats
@@ -47,7 +48,10 @@ class EngineCore:
         kv_spec = kv_cache_spec(config.cache.kv_cache_dtype, dtype)
         context_limit = self._context_limit()
         # Weights first, then the memory probe: what the weights take is not free for the KV cache.
-        self.runner = ModelRunner(config.model, arch, tensors, context_limit, block_size, None, kv_spec)
+        self.runner = ModelRunner(config.model, arch, tensors, context_limit, block_size, None, kv_spec,
+                                  max_num_seqs=config.scheduler.max_num_seqs)
+        self.timer = PhaseTimer(device)  # per-phase step times, only while profiling (profiling.py)
+        self.runner.timer = self.timer
         # A draft's weights load before the probe too; its KV pool (a block per target block) shares the budget.
         self.speculator = build_speculator(config.speculative, config.model, arch, block_size, None, context_limit,
                                            draft)
@@ -100,7 +104,7 @@ class EngineCore:
 
     def abort(self, request_id: str) -> EngineOutput | None:
         request = self.scheduler.abort(request_id)
-        self.runner.sampler.forget(request_id)
+        self.runner.forget(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)
         if request is None:
@@ -115,6 +119,7 @@ class EngineCore:
         # The step-time fit describes the machine, not the requests: it survives the reset.
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len, self.scheduler.step_time)
         self.runner.sampler = Sampler(self.runner.device, self.config.model.seed)
+        self.runner.reset()
         if self.speculator is not None:
             self.speculator.reset()
 
@@ -124,14 +129,18 @@ class EngineCore:
 
     def step(self) -> StepResult:
         started = time.monotonic()
+        timer = self.timer
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)  # proposals ride on the requests into schedule()
-        scheduled = self.scheduler.schedule()
+            with timer.phase("propose"):
+                self.speculator.propose(self.scheduler.running)  # proposals ride on the requests into schedule()
+        with timer.phase("schedule"):
+            scheduled = self.scheduler.schedule()
         result = self.runner.execute(scheduled) if not scheduled.is_empty else RunnerOutput()
-        outputs = self.scheduler.update(scheduled, result)
+        with timer.phase("update"):
+            outputs = self.scheduler.update(scheduled, result)
         for o in outputs:
             if o.finished:
-                self.runner.sampler.forget(o.request_id)
+                self.runner.forget(o.request_id)
                 if self.speculator is not None:
                     self.speculator.forget(o.request_id)
         step_time_s = time.monotonic() - started

@@ -20,6 +20,7 @@ from tokenmill.engine.inputs import EncodedPrompt, RequestLimits
 from tokenmill.engine.loader import LoadedEngine, eos_ids, load_engine
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.profiling import StepProfiler
 from tokenmill.engine.request import SamplingParams
 from tokenmill.engine.service_class import ServiceClass
 from tokenmill.engine.stats import StepStats
@@ -47,6 +48,8 @@ class LLMEngine:
         # Grammars (structured outputs): compiled on first use, masks only rows that carry one.
         self.structured = StructuredOutputs(self.tokenizer, self.core.arch.vocab_size, self.eos_token_ids)
         self.core.runner.sampler.logits_processor = self.structured
+        profile = self.core.config.profile
+        self.profiler = StepProfiler(profile, self.core) if profile.enabled else None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -83,12 +86,22 @@ class LLMEngine:
         return self.core.has_unfinished
 
     def step(self) -> EngineStep:
+        if self.profiler is not None and not self.profiler.done:
+            step = self.profiler.step(self._step)
+            if not self.has_unfinished and self.profiler.result.records:
+                self.profiler.finish()  # the work ran out before the window did: write what there is
+            return step
+        return self._step()
+
+    def _step(self) -> EngineStep:
         result = self.core.step()
-        processed = self.processor.process_outputs(result.outputs)
+        with self.core.timer.phase("output"):
+            processed = self.processor.process_outputs(result.outputs)
+            if processed.reqs_to_abort:
+                for request_id in processed.reqs_to_abort:
+                    self.core.abort(request_id)  # its text already ended: free its blocks now
         if not processed.reqs_to_abort:
             return EngineStep(processed.outputs, result.stats)
-        for request_id in processed.reqs_to_abort:
-            self.core.abort(request_id)  # its text already ended: free its blocks now
         # The step's gauges predate these aborts; an engine that now idles must not report them running.
         now = self.core.stats()
         stats = replace(result.stats, num_running=now.num_running, num_waiting=now.num_waiting,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenmill.engine.input_buffers import PersistentBlockTables
 from tokenmill.engine.interfaces import ScheduledRequest
 from tokenmill.layers.attention import AttentionMetadata, GroupMetadata
 
@@ -35,24 +36,57 @@ class ModelInput:
     prompt_logprob_offsets: list[tuple[ScheduledRequest, int]]  # requests wanting prompt logprobs, flat start
 
 
+@dataclass(slots=True)
+class _Tables:
+    """Block tables of some requests: row `rows[i]` of `table` holds request i's block ids (zero padded)."""
+
+    table: np.ndarray
+    rows: np.ndarray
+
+    @classmethod
+    def rebuilt(cls, group: list[ScheduledRequest]) -> _Tables:
+        return cls(_block_table(group), np.arange(len(group)))
+
+    def part(self, start: int, stop: int) -> _Tables:
+        return _Tables(self.table, self.rows[start:stop])
+
+    def dense(self, width: int) -> np.ndarray:
+        """[len(rows), width], contiguous (attention reads it through a flat view)."""
+        return np.ascontiguousarray(self.table[self.rows, :width])
+
+
 def build_model_input(scheduled: list[ScheduledRequest], block_size: int, sliding_window: int | None,
-                      device: torch.device) -> ModelInput:
+                      device: torch.device, tables: PersistentBlockTables | None = None,
+                      decode_mask: bool = True) -> ModelInput:
+    """`tables`: the runner's persistent block tables (None: rebuilt from the block lists, the old
+    path). `decode_mask` False: the decode group is served by the paged decode kernel, which needs
+    no dense mask (it walks each row's keys up to seq_lens)."""
     decodes = [s for s in scheduled if s.num_new_tokens <= MAX_DECODE_QUERY]
     prefills = [s for s in scheduled if s.num_new_tokens > MAX_DECODE_QUERY]
     ordered = decodes + prefills
+    if tables is not None:
+        rows = tables.rows_for(ordered)  # first: it may grow (replace) the table
+        persistent = _Tables(tables.table, rows)
+        all_rows, decode_rows = persistent, persistent.part(0, len(decodes))
+        prefill_rows = persistent.part(len(decodes), len(ordered))
+    else:  # as before: one table per use, from the lists
+        all_rows = _Tables.rebuilt(ordered)
+        decode_rows = _Tables.rebuilt(decodes) if decodes else all_rows
+        prefill_rows = _Tables.rebuilt(prefills) if prefills else all_rows
     starts = np.array([s.num_computed_tokens for s in ordered], dtype=np.int64)
     lens = np.array([s.num_new_tokens for s in ordered], dtype=np.int64)
     positions = _positions(starts, lens)
     input_ids = np.concatenate([np.asarray(_query_tokens(s), dtype=np.int64) for s in ordered])
-    slots = _slots(ordered, lens, positions, block_size)
+    slots = _slots(all_rows, lens, positions, block_size)
     ends = np.cumsum(lens)
     sampled_idx = [i for i, s in enumerate(ordered) if s.needs_sample]
     sample_rows = _sample_rows(ordered, sampled_idx, ends)
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(slots).to(device),
-        decode=_decode_group(decodes, block_size, sliding_window, device) if decodes else None,
-        prefill=_group(prefills, sum(s.num_new_tokens for s in decodes), block_size, sliding_window, device)
-        if prefills else None,
+        decode=_decode_group(decodes, decode_rows, block_size, sliding_window, device, decode_mask)
+        if decodes else None,
+        prefill=_group(prefills, prefill_rows, sum(s.num_new_tokens for s in decodes), block_size, sliding_window,
+                       device) if prefills else None,
     )
     return ModelInput(
         input_ids=torch.from_numpy(input_ids).to(device),
@@ -85,10 +119,9 @@ def _positions(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     return np.repeat(starts, lens) + np.arange(total, dtype=np.int64) - offsets
 
 
-def _slots(ordered: list[ScheduledRequest], lens: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
-    table = _block_table(ordered)
-    rows = np.repeat(np.arange(len(ordered)), lens)
-    return table[rows, positions // block_size] * block_size + positions % block_size
+def _slots(tables: _Tables, lens: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    rows = np.repeat(tables.rows, lens)
+    return tables.table[rows, positions // block_size] * block_size + positions % block_size
 
 
 def _block_table(group: list[ScheduledRequest]) -> np.ndarray:
@@ -99,26 +132,28 @@ def _block_table(group: list[ScheduledRequest]) -> np.ndarray:
     return table
 
 
-def _decode_group(group: list[ScheduledRequest], block_size: int, sliding_window: int | None,
-                  device: torch.device) -> GroupMetadata:
+def _decode_group(group: list[ScheduledRequest], tables: _Tables, block_size: int, sliding_window: int | None,
+                  device: torch.device, need_mask: bool = True) -> GroupMetadata:
     """One attention row per query token: request i's j-th new token is a one-token decode at
     position num_computed_tokens + j over its request's block table."""
     starts = np.array([s.num_computed_tokens for s in group], dtype=np.int64)
     lens = np.array([s.num_new_tokens for s in group], dtype=np.int64)
     if not (lens > 1).any():
-        return _group(group, 0, block_size, sliding_window, device)
+        return _group(group, tables, 0, block_size, sliding_window, device, need_mask)
     positions = _positions(starts, lens)
     seq_lens = positions + 1
     ctx_blocks = -(-int(seq_lens.max()) // block_size)
-    table = np.ascontiguousarray(np.repeat(_block_table(group)[:, :ctx_blocks], lens, axis=0))
-    k_pos = np.arange(ctx_blocks * block_size)[None, :]
-    q_pos = positions[:, None]
-    mask = k_pos <= q_pos  # [R, Lk]
-    sliding = None if sliding_window is None else mask & (k_pos > q_pos - sliding_window)
+    table = np.ascontiguousarray(np.repeat(tables.dense(ctx_blocks), lens, axis=0))
+    mask = sliding = None
+    if need_mask:
+        k_pos = np.arange(ctx_blocks * block_size)[None, :]
+        q_pos = positions[:, None]
+        mask = k_pos <= q_pos  # [R, Lk]
+        sliding = None if sliding_window is None else mask & (k_pos > q_pos - sliding_window)
     return GroupMetadata(
         block_table=torch.from_numpy(table).to(device),
         seq_lens=torch.from_numpy(seq_lens).to(device),
-        mask=torch.from_numpy(mask[:, None, None]).to(device),
+        mask=None if mask is None else torch.from_numpy(mask[:, None, None]).to(device),
         sliding_mask=None if sliding is None else torch.from_numpy(sliding[:, None, None]).to(device),
         token_start=0,
         num_tokens=int(lens.sum()),
@@ -127,14 +162,14 @@ def _decode_group(group: list[ScheduledRequest], block_size: int, sliding_window
     )
 
 
-def _group(group: list[ScheduledRequest], token_start: int, block_size: int, sliding_window: int | None,
-           device: torch.device) -> GroupMetadata:
+def _group(group: list[ScheduledRequest], tables: _Tables, token_start: int, block_size: int,
+           sliding_window: int | None, device: torch.device, need_mask: bool = True) -> GroupMetadata:
     starts = np.array([s.num_computed_tokens for s in group], dtype=np.int64)[:, None]
     lens = np.array([s.num_new_tokens for s in group], dtype=np.int64)[:, None]
     ctx_blocks = -(-(starts + lens).max() // block_size)
     # Contiguous: a table can be wider than this step's context (blocks held for proposals, or
     # kept after a rollback), and the attention gathers through a flat view of it.
-    table = np.ascontiguousarray(_block_table(group)[:, :ctx_blocks])
+    table = tables.dense(int(ctx_blocks))
     max_q = int(lens.max())
     q_idx = np.arange(max_q)[None, :, None]  # [1, Lq, 1]
     k_pos = np.arange(ctx_blocks * block_size)[None, None, :]  # [1, 1, Lk]
@@ -142,10 +177,11 @@ def _group(group: list[ScheduledRequest], token_start: int, block_size: int, sli
     is_pad = q_idx >= lens[:, :, None]
     # Causal: key j visible to the query at position p iff j <= p. Padding query rows see key 0
     # only, so softmax never meets an all-masked row (their output is discarded).
-    mask = (k_pos <= q_pos) & ~is_pad | (is_pad & (k_pos == 0))
-    sliding = None
-    if sliding_window is not None:
-        sliding = mask & ((k_pos > q_pos - sliding_window) | is_pad)
+    mask = sliding = None
+    if need_mask or max_q > 1:  # one query per sequence on the paged decode kernel: no mask
+        mask = (k_pos <= q_pos) & ~is_pad | (is_pad & (k_pos == 0))
+        if sliding_window is not None:
+            sliding = mask & ((k_pos > q_pos - sliding_window) | is_pad)
     pad_index = None
     if len(group) > 1 and max_q > 1:
         rows = np.repeat(np.arange(len(group)), lens[:, 0])
@@ -154,7 +190,7 @@ def _group(group: list[ScheduledRequest], token_start: int, block_size: int, sli
     return GroupMetadata(
         block_table=torch.from_numpy(table).to(device),
         seq_lens=torch.from_numpy((starts + lens)[:, 0]).to(device),
-        mask=torch.from_numpy(mask[:, None]).to(device),
+        mask=None if mask is None else torch.from_numpy(mask[:, None]).to(device),
         sliding_mask=None if sliding is None else torch.from_numpy(sliding[:, None]).to(device),
         token_start=token_start,
         num_tokens=int(lens.sum()),

@@ -8,8 +8,10 @@ from collections.abc import Mapping
 import torch
 
 from tokenmill.config import CacheConfig, ModelConfig
+from tokenmill.engine.input_buffers import PersistentBlockTables
 from tokenmill.engine.interfaces import RunnerOutput, SampledTokens, ScheduledRequest, SchedulerOutput
 from tokenmill.engine.model_input import ModelInput, build_model_input
+from tokenmill.engine.profiling import PhaseTimer, StepShape
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.engine.sampler import Sampler, token_logprobs
 from tokenmill.layers.kv_cache import KVCacheSpec, LayerKVCache, kv_cache_spec
@@ -48,9 +50,11 @@ def num_kv_blocks(arch: ArchConfig, cache: CacheConfig, spec: KVCacheSpec, devic
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, arch: ArchConfig, tensors: Mapping[str, torch.Tensor],
                  max_model_len: int, block_size: int, num_blocks: int | None,
-                 kv_spec: KVCacheSpec | None = None) -> None:
+                 kv_spec: KVCacheSpec | None = None, max_num_seqs: int | None = None) -> None:
         """`num_blocks` None: no KV cache yet; the caller sizes it once the weights are in memory
-        (`allocate_kv_cache`). `max_model_len` bounds the positions the model can take."""
+        (`allocate_kv_cache`). `max_model_len` bounds the positions the model can take.
+        `max_num_seqs`: keep persistent block tables of that many rows, which needs `forget` for
+        every request that ends (the engine core calls it); None rebuilds the tables every step."""
         self.device = model_config.torch_device()
         self.dtype = model_config.torch_dtype()
         self.arch = arch
@@ -64,6 +68,29 @@ class ModelRunner:
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler(self.device, model_config.seed)
+        self.timer = PhaseTimer(self.device)  # the engine core shares its own (profiling.py)
+        self.tables: PersistentBlockTables | None = None
+        if max_num_seqs is not None:
+            self.tables = PersistentBlockTables(max_num_seqs, -(-max_model_len // block_size) + 1)
+        # False: the previous per-step path (tables rebuilt, masks for every group), for
+        # benchmarks/host_overhead.py's before/after in one process.
+        self.persistent_inputs = self.tables is not None
+
+    def forget(self, request_id: str) -> None:
+        """A request ended (finished or aborted): free its row and its sampler state."""
+        self.sampler.forget(request_id)
+        if self.tables is not None:
+            self.tables.forget(request_id)
+
+    def reset(self) -> None:
+        if self.tables is not None:
+            self.tables.reset()
+
+    def _input(self, out: SchedulerOutput) -> ModelInput:
+        fast = self.persistent_inputs and self.tables is not None
+        return build_model_input(out.scheduled, self.block_size, self.arch.sliding_window, self.device,
+                                 self.tables if fast else None,
+                                 decode_mask=not fast or self.model.attn.decode_kernel is None)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self._allocate_kv(num_blocks)
@@ -79,18 +106,28 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one step; sample for every request whose chunk reached its last known token."""
-        inp = build_model_input(out.scheduled, self.block_size, self.arch.sliding_window, self.device)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
-        result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, inp))
-        if inp.sampled:
-            logits = self.model.compute_logits(hidden[inp.sample_indices])
-            if any(s.spec_token_ids for s in inp.sampled):
-                result.sampled = self._verify(logits, inp)
-            else:
-                requests = [s.request for s in inp.sampled]
-                samples = self.sampler(logits, requests)
-                result.sampled = {r.request_id: SampledTokens([token], [logprob])
-                                  for r, (token, logprob) in zip(requests, samples, strict=True)}
+        timer = self.timer
+        with timer.phase("build_input"):
+            inp = self._input(out)
+        if timer.enabled:
+            timer.shape = _shape(inp)
+        with timer.phase("sample"):
+            if inp.sampled and not any(s.spec_token_ids for s in inp.sampled):
+                self.sampler.prepare([s.request for s in inp.sampled])  # grammar masks overlap the forward
+        with timer.phase("forward"):
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        with timer.phase("logits"):
+            result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, inp))
+            logits = self.model.compute_logits(hidden[inp.sample_indices]) if inp.sampled else None
+        if logits is not None:
+            with timer.phase("sample"):
+                if any(s.spec_token_ids for s in inp.sampled):
+                    result.sampled = self._verify(logits, inp)
+                else:
+                    requests = [s.request for s in inp.sampled]
+                    samples = self.sampler(logits, requests)
+                    result.sampled = {r.request_id: SampledTokens([token], [logprob])
+                                      for r, (token, logprob) in zip(requests, samples, strict=True)}
         return result
 
     def _verify(self, logits: torch.Tensor, inp: ModelInput) -> dict[str, SampledTokens]:
@@ -106,7 +143,7 @@ class ModelRunner:
     def sample_logits(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:
         """Run one step without sampling (a draft model's forward): the requests whose chunk reached
         their last token, in row order, and the float32 logits of their last token."""
-        inp = build_model_input(out.scheduled, self.block_size, self.arch.sliding_window, self.device)
+        inp = self._input(out)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         return inp.sampled, self.model.compute_logits(hidden[inp.sample_indices])
 
@@ -128,6 +165,15 @@ class ModelRunner:
     @torch.inference_mode()
     def logits_for(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step and return the float32 logits of every scheduled token (for parity tests)."""
-        inp = build_model_input(out.scheduled, self.block_size, self.arch.sliding_window, self.device)
+        inp = self._input(out)
         return self.model.compute_logits(self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta))
 
+
+
+def _shape(inp: ModelInput) -> StepShape:
+    meta = inp.meta
+    num_decode = meta.decode.num_tokens if meta.decode is not None else 0
+    num_prefill = meta.prefill.num_tokens if meta.prefill is not None else 0
+    num_seqs = (meta.decode.block_table.shape[0] if meta.decode is not None else 0) + \
+        (meta.prefill.block_table.shape[0] if meta.prefill is not None else 0)
+    return StepShape(num_decode, num_prefill, num_seqs)

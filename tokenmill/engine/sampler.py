@@ -50,6 +50,9 @@ class LogitsProcessor(Protocol):
 
     def forget(self, request_id: str) -> None: ...
 
+    def prepare(self, requests: Sequence[Request]) -> None:
+        """Before the forward, the rows this step will sample (so masks can be built meanwhile)."""
+
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
@@ -58,6 +61,10 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
+        # True: rows without penalties, min_tokens, seeds, logprobs or a grammar are sampled in a few
+        # batched ops (argmax; temperature/top-k/top-p/min-p with shared noise) and only the others
+        # take the per-request path. False: every row takes it (the previous path, for benchmarks).
+        self.fast_path = True
 
     def generator_for(self, request: Request) -> torch.Generator | None:
         seed = request.params.seed
@@ -75,8 +82,41 @@ class Sampler:
         if self.logits_processor is not None:
             self.logits_processor.forget(request_id)
 
+    def prepare(self, requests: list[Request]) -> None:
+        """Called before the forward with the rows `__call__` will get: the logits processor starts
+        their masks on a worker thread, overlapped with the forward (structured outputs). It sees
+        the rows the per-request path will hand it, in the same order."""
+        if self.logits_processor is not None:
+            self.logits_processor.prepare([r for r in requests if needs_python(r)] if self.fast_path else requests)
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
         """logits: float32 [N, vocab], one row per request. Returns the token (and logprob) per row."""
+        if not self.fast_path:
+            return self._sample_each(logits, requests)
+        special = [i for i, r in enumerate(requests) if needs_python(r)]
+        if len(special) == len(requests):
+            return self._sample_each(logits, requests)
+        ids = self._pick_plain(logits, requests, set(special)).tolist()
+        result: list[tuple[int, TokenLogprob | None]] = [(t, None) for t in ids]
+        if special:
+            rows = torch.tensor(special, device=logits.device)
+            for i, pair in zip(special, self._sample_each(logits[rows], [requests[i] for i in special]), strict=True):
+                result[i] = pair
+        return result
+
+    def _pick_plain(self, logits: torch.Tensor, requests: list[Request], special: set[int]) -> torch.Tensor:
+        """Tokens of the plain rows (the others' entries are discarded): logits are read, never written."""
+        picked = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy and i not in special]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            probs = _filtered_probs(logits[rows], [requests[i] for i in random_rows])
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            picked[rows] = (probs / noise).argmax(dim=-1)
+        return picked
+
+    def _sample_each(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
+        """The general path: penalties, min_tokens, the logits processor, seeds and logprobs per row."""
         raw = logits
         logits = self._apply_penalties(logits.clone(), requests)
         logits = _mask_early_stop(logits, requests)
@@ -215,6 +255,13 @@ class Sampler:
             if gen is not None:
                 noise[row].exponential_(generator=gen)
         return noise
+
+
+def needs_python(request: Request) -> bool:
+    """Whether a row needs the per-request sampling path (anything beyond temperature/top-k/top-p/min-p)."""
+    p = request.params
+    return (p.uses_penalties or bool(p.min_tokens) or p.seed is not None or p.logprobs is not None
+            or p.structured is not None)
 
 
 def _mask_early_stop(logits: torch.Tensor, requests: list[Request],

@@ -1,0 +1,188 @@
+"""Host overhead of an engine step: everything but the model's forward and lm_head, old path vs new.
+
+One process, one engine per (model, quantization). For each shape (decode at each --batch-sizes,
+one --prefill-len prefill) the script alternates rounds of --steps steps on the previous host path
+(block tables rebuilt from Python lists every step, dense masks for every group, every sampling
+row through the per-request path) and on the current one (persistent block tables updated
+incrementally, no mask for the decode kernel's group, batched sampling for plain rows), on the
+same requests, so machine drift hits both alike. Every step is timed per phase by the engine's
+PhaseTimer (engine/profiling.py):
+
+    host = step - forward - logits        host fraction = host / step
+
+Figures are medians over all rounds; ratios are old / new in the same run. First, greedy outputs
+of both paths (8 prompts, 24 tokens, batched) are compared token for token.
+
+    flock /tmp/tokenmill-bench.lock python benchmarks/host_overhead.py --model smollm2-135m --quantization none
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import common
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=common.MODELS, default="smollm2-135m")
+    p.add_argument("--quantization", default="none", choices=["none", "auto"])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--prefill-len", type=int, default=512, help="0: no prefill shape")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt of each decoding request")
+    p.add_argument("--steps", type=int, default=8, help="steps per round")
+    p.add_argument("--rounds", type=int, default=3, help="old/new alternations per shape")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quiet-wait-s", type=float, default=30.0)
+    return p.parse_args()
+
+
+def set_path(llm: Any, new: bool) -> None:
+    runner = llm.core.runner
+    runner.persistent_inputs = new
+    runner.sampler.fast_path = new
+
+
+def timed_steps(llm: Any, num_steps: int) -> list[dict[str, Any]]:
+    """Run steps with the phase timer on; per step: wall time and phases (seconds)."""
+    engine, timer = llm.engine, llm.core.timer
+    records = []
+    for _ in range(num_steps):
+        if not engine.has_unfinished:
+            break
+        timer.enabled = True
+        timer.take()
+        started = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - started
+        timer.enabled = False
+        phases, shape = timer.take()
+        records.append({"step_s": elapsed, "phases": phases, "shape": None if shape is None else shape.key})
+    return records
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    def med(values: list[float]) -> float:
+        return common.Stats.of(values).median if values else 0.0
+
+    step = med([r["step_s"] for r in records])
+    forward = med([r["phases"].get("forward", 0.0) + r["phases"].get("logits", 0.0) for r in records])
+    host = med([r["step_s"] - r["phases"].get("forward", 0.0) - r["phases"].get("logits", 0.0) for r in records])
+    names = sorted({k for r in records for k in r["phases"]})
+    return {"steps": len(records), "step_ms": step * 1e3, "forward_ms": forward * 1e3, "host_ms": host * 1e3,
+            "host_fraction": host / step if step else 0.0,
+            "phases_ms": {k: med([r["phases"].get(k, 0.0) for r in records]) * 1e3 for k in names}}
+
+
+def decode_shape(llm: Any, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    from tokenmill.engine.request import SamplingParams
+
+    engine = llm.engine
+    total_steps = 2 * args.rounds * args.steps + 4
+    params = SamplingParams(max_tokens=total_steps + 8, ignore_eos=True, temperature=0.0)
+    vocab = llm.core.arch.vocab_size
+    prompts = [[1 + (i * 131 + j * 17) % (vocab - 2) for j in range(args.prompt_len)] for i in range(batch)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"d{batch}-{i}", engine.encode(prompt), params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in llm.core.scheduler.running) \
+            or llm.core.scheduler.waiting:
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    rounds: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
+    for _ in range(args.rounds):
+        for label in ("old", "new"):
+            set_path(llm, label == "new")
+            rounds[label] += timed_steps(llm, args.steps)
+    set_path(llm, True)
+    requests = list(llm.core.scheduler.requests.values())
+    outputs = {r.request_id: r.output_token_ids for r in requests}
+    for r in requests:
+        engine.abort(r.request_id)
+    return {"old": summarize(rounds["old"]), "new": summarize(rounds["new"]), "outputs": outputs}
+
+
+def prefill_shape(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from tokenmill.engine.request import SamplingParams
+
+    engine = llm.engine
+    vocab = llm.core.arch.vocab_size
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    rounds: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
+    n = 0
+    for _ in range(args.rounds):
+        for label in ("old", "new"):
+            set_path(llm, label == "new")
+            for _ in range(max(1, args.steps // 4)):
+                prompt = [1 + (n * 7919 + j * 31) % (vocab - 2) for j in range(args.prefill_len)]  # no cache hits
+                n += 1
+                engine.add_request(f"p{n}", engine.encode(prompt), params)
+                rounds[label] += timed_steps(llm, 1)
+                while engine.has_unfinished:
+                    engine.step()
+    set_path(llm, True)
+    return {"old": summarize(rounds["old"]), "new": summarize(rounds["new"])}
+
+
+def greedy_identical(llm: Any) -> bool:
+    from tokenmill.engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+    prompts = [f"Question {i}: what is {i} times {i + 3}? Answer:" for i in range(8)]
+    texts = {}
+    for new in (False, True):
+        set_path(llm, new)
+        texts[new] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    set_path(llm, True)
+    return texts[False] == texts[True]
+
+
+def run_model(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    from tokenmill.llm import LLM
+
+    common.pin_threads(args.threads)
+    llm = LLM(args.model, quantization=args.quantization, num_threads=args.threads,
+              max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max(2048, args.prefill_len),
+              enable_prefix_caching=False, kv_cache_bytes=1 << 30)
+    shapes: dict[str, Any] = {}
+    identical = greedy_identical(llm)
+    for batch in args.batch_sizes:
+        common.wait_for_quiet(args.quiet_wait_s)
+        meter = common.NoiseMeter()
+        result = decode_shape(llm, batch, args)
+        result["others_cores"] = meter.others_cores()
+        shapes[f"decode batch={batch}"] = result
+    if args.prefill_len:
+        common.wait_for_quiet(args.quiet_wait_s)
+        meter = common.NoiseMeter()
+        result = prefill_shape(llm, args)
+        result["others_cores"] = meter.others_cores()
+        shapes[f"prefill {args.prefill_len}"] = result
+    return identical, shapes
+
+
+def main() -> None:
+    args = parse_args()
+    identical, shapes = run_model(args)
+    rows = []
+    print(f"greedy outputs identical on both paths: {identical}")
+    for key, s in shapes.items():
+        old, new = s["old"], s["new"]
+        rows.append([key, f"{old['step_ms']:.1f}", f"{new['step_ms']:.1f}", f"{new['forward_ms']:.1f}",
+                     f"{old['host_ms']:.2f}", f"{new['host_ms']:.2f}",
+                     f"{old['host_ms'] / new['host_ms']:.2f}x" if new["host_ms"] else "-",
+                     f"{old['host_fraction']:.1%}", f"{new['host_fraction']:.1%}", f"{s['others_cores']:.2f}"])
+    cpu = common.environment()["cpu"]
+    print(f"{args.model} --quantization {args.quantization}, {args.threads} threads, cpu: {cpu}")
+    common.print_table(["shape", "old step ms", "new step ms", "forward ms", "old host ms", "new host ms",
+                        "host old/new", "old host %", "new host %", "others cores"], rows)
+    for key, s in shapes.items():
+        print(f"{key} new-path phases (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in s["new"]["phases_ms"].items()))
+    payload = {"args": vars(args), "greedy_identical": identical, "shapes": shapes}
+    common.save_json("host_overhead", f"{args.model}_{args.quantization}", payload)
+
+
+if __name__ == "__main__":
+    main()
