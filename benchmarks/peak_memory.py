@@ -76,6 +76,8 @@ def parse_args() -> argparse.Namespace:
     common.workload_arguments(p)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--quantization", default=None, choices=["auto", "none", "q8", "q4"],
+                   help="weights (default: the engine's); auto/q8/q4 reuse $TOKENMILL_HOME/repack when warm")
     p.add_argument("--sample-ms", type=float, default=20.0)
     return p.parse_args()
 
@@ -88,7 +90,8 @@ def measure(args: argparse.Namespace, sampler: RssSampler) -> dict[str, Any]:
     figures: dict[str, Any] = {"baseline_rss": status_bytes("VmRSS"), "hwm_reset_supported": reset_peak()}
     sampler.phase = "load"
     # Engine defaults (KV budget a fraction of free memory, lazily zeroed): the figure is what a user gets.
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_num_seqs=args.num_prompts)
+    quant = {} if args.quantization is None else {"quantization": args.quantization}
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_num_seqs=args.num_prompts, **quant)
     prompts = common.build_prompts(llm.tokenizer.encode, args.num_prompts, args.prompt_len,
                                    common.prompt_bos(llm.tokenizer))
     gc.collect()
@@ -122,7 +125,7 @@ def model_budget(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def report(args: argparse.Namespace, f: dict[str, Any]) -> None:
     print(f"\nmodel {args.model}: {args.num_prompts} concurrent requests, {args.prompt_len}-token prompts, "
-          f"{args.output_len} outputs each, {f['weight_dtypes']} weights")
+          f"{args.output_len} outputs each, {f['weight_dtypes']} weights ({args.quantization or 'default'} mode)")
     rows = [
         ("RSS baseline (torch imported)", f["baseline_rss"] / MB),
         ("VmHWM during load", f["load_peak_hwm"] / MB),
@@ -165,7 +168,8 @@ def main() -> None:
     report(args, figures)
     series = [(round(t, 3), rss, p) for t, rss, p in sampler.samples]
     in_mb = {k: figures[k] / MB for k in _BYTE_FIGURES}
-    common.save_json("peak_memory", args.model, {"config": vars(args), "figures_mb": in_mb,
+    tag = args.model if args.quantization is None else f"{args.model}-{args.quantization}"
+    common.save_json("peak_memory", tag, {"config": vars(args), "figures_mb": in_mb,
                                                  "figures": figures, "rss_samples": series})
     plot(args, sampler.samples, figures)
 
