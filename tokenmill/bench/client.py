@@ -52,6 +52,7 @@ class _StreamState:
     usage: dict[str, Any] | None = None
     server_s: dict[str, float | None] | None = None
     error: str | None = None
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # chat: delta.tool_calls by index
 
     def on_chunk(self, data: dict[str, Any], api: Api, now: float) -> None:
         if isinstance(data.get("usage"), dict):
@@ -65,6 +66,15 @@ class _StreamState:
             return
         choice = choices[0]
         text = choice.get("text") if api is Api.COMPLETIONS else (choice.get("delta") or {}).get("content")
+        calls = None if api is Api.COMPLETIONS else (choice.get("delta") or {}).get("tool_calls")
+        if isinstance(calls, list) and calls:
+            self._add_calls(calls)
+            text = text or ""  # a tool-call delta is output: it sets TTFT and the ITL gaps like text
+            if self.first_output_at is None:
+                self.first_output_at = now
+            if self.last_content_at is not None:
+                self.itl_s.append(now - self.last_content_at)
+            self.last_content_at = now
         if not text and not choice.get("finish_reason"):
             return  # a role-only opener, or a keep-alive with nothing in it
         if self.first_output_at is None:
@@ -75,10 +85,32 @@ class _StreamState:
             self.last_content_at = now
             self.pieces.append(text)
 
+    def _add_calls(self, deltas: list[Any]) -> None:
+        """Accumulate streamed tool calls as the OpenAI SDK does: by index, id/name/arguments appended."""
+        for delta in deltas:
+            if not isinstance(delta, dict) or not isinstance(delta.get("index"), int):
+                continue
+            call = self.tool_calls.setdefault(delta["index"], {"id": "", "type": "function",
+                                                               "function": {"name": "", "arguments": ""}})
+            call["id"] += delta.get("id") or ""
+            fn = delta.get("function") or {}
+            call["function"]["name"] += fn.get("name") or ""
+            call["function"]["arguments"] += fn.get("arguments") or ""
+
+    def calls(self) -> list[dict[str, Any]]:
+        return [self.tool_calls[i] for i in sorted(self.tool_calls)]
+
 
 async def send(client: httpx.AsyncClient, target: Target, api: Api, payload: dict[str, Any],
                record: RequestRecord, run_start: float) -> str:
     """Sends one request, fills `record` in place and returns the generated text."""
+    text, _ = await send_message(client, target, api, payload, record, run_start)
+    return text
+
+
+async def send_message(client: httpx.AsyncClient, target: Target, api: Api, payload: dict[str, Any],
+                       record: RequestRecord, run_start: float) -> tuple[str, list[dict[str, Any]]]:
+    """`send`, and the reply's tool calls (chat: `delta.tool_calls` reassembled; [] for none)."""
     body = {"model": target.model, **payload, "stream": True, "stream_options": {"include_usage": True}}
     state = _StreamState(sent_at=time.perf_counter())
     record.start_s = state.sent_at - run_start
@@ -87,22 +119,22 @@ async def send(client: httpx.AsyncClient, target: Target, api: Api, payload: dic
             if response.status_code != 200:
                 text = (await response.aread()).decode("utf-8", "replace")
                 _fail(record, f"http_{response.status_code}", text)
-                return ""
+                return "", []
             await _read_events(response, api, state)
     except httpx.TimeoutException as exc:
         _fail(record, "timeout", repr(exc))
-        return ""
+        return "", []
     except httpx.ConnectError as exc:
         _fail(record, "connect_error", repr(exc))
-        return ""
+        return "", []
     except (httpx.TransportError, httpx.StreamError) as exc:  # the server went away mid-stream
         _fail(record, "connection_lost", repr(exc))
-        return ""
+        return "", []
     except ValueError as exc:  # a chunk that is not JSON
         _fail(record, "bad_chunk", repr(exc))
-        return ""
+        return "", []
     _finish(record, state, time.perf_counter())
-    return "".join(state.pieces)
+    return "".join(state.pieces), state.calls()
 
 
 async def _read_events(response: httpx.Response, api: Api, state: _StreamState) -> None:

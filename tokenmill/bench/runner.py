@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from tokenmill.bench.client import Target, send
+from tokenmill.bench.client import Target, send_message
 from tokenmill.bench.errors import BenchError
 from tokenmill.bench.records import RequestRecord, failed
 from tokenmill.bench.sessions import Api, Conversation, Session
@@ -73,9 +73,9 @@ async def _run_session(client: httpx.AsyncClient, target: Target, spec: RunSpec,
         conversation.ask(turn)
         record = RequestRecord(index, turn_index, prompt_tokens=conversation.prompt_tokens_estimate(turn_index))
         async with gate:
-            reply = await send(client, target, spec.api, _payload(spec, conversation, turn.max_tokens),
-                               record, run_start)
-        conversation.answer(reply)
+            reply, calls = await send_message(client, target, spec.api,
+                                              _payload(spec, conversation, turn.max_tokens), record, run_start)
+        conversation.answer(reply, calls)
         records.append(record)
     return records
 

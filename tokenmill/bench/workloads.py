@@ -7,6 +7,8 @@ SLOs their users care about. Add one by subclassing `Workload` and listing it in
     dataproc  a large burst of independent long generations; only throughput and cost count
     mixed     chatbot sessions (interactive) arriving while a dataproc burst (batch) runs on the
               same target: chat goodput and batch throughput at once (run by bench/mixed.py)
+    tool_agent  the agent with real tool calls (bench/tool_agent.py): tools in the system prompt, one
+              required call per turn under the server's grammar, tool results appended
 """
 
 from __future__ import annotations
@@ -181,3 +183,8 @@ def get_workload(name: str) -> Workload:
     if name not in WORKLOADS:
         raise BenchError(f"unknown workload {name!r}: pick one of {', '.join(WORKLOADS)}")
     return WORKLOADS[name]
+
+
+# The tool-calling agent lives in its own module and registers itself in WORKLOADS; imported last,
+# after everything it uses from here is defined.
+import tokenmill.bench.tool_agent  # noqa: E402, F401
