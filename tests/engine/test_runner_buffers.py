@@ -30,8 +30,8 @@ BS = 4
 CPU = torch.device("cpu")
 
 
-def _fake(rid: str, blocks: list[int], preemptions: int) -> ScheduledRequest:
-    request = Request(rid, [1, 2, 3], SamplingParams())
+def _fake(rid: str, blocks: list[int], preemptions: int, request: Request | None = None) -> ScheduledRequest:
+    request = request or Request(rid, [1, 2, 3], SamplingParams())
     request.num_preemptions = preemptions
     return ScheduledRequest(request, 0, 1, blocks)
 
@@ -58,6 +58,7 @@ def test_persistent_tables_equal_the_block_lists_after_any_history(ops: list[tup
     live: dict[str, list[int]] = {}
     given: dict[str, list[int]] = {}  # each request's list when it was last scheduled: what its row must hold
     preemptions: dict[str, int] = {}
+    objects: dict[str, Request] = {}  # one Request per admission, as the engine has
     next_block = 0
 
     def new_blocks(n: int) -> list[int]:
@@ -71,7 +72,8 @@ def test_persistent_tables_equal_the_block_lists_after_any_history(ops: list[tup
         rid = f"r{who}"
         if op == "add" and rid not in live:
             live[rid] = new_blocks(n)
-            preemptions.setdefault(rid, 0)
+            preemptions[rid] = 0
+            objects[rid] = Request(rid, [1, 2, 3], SamplingParams())
         elif op == "grow" and rid in live:
             live[rid] = live[rid] + new_blocks(n)  # a new list object, as KVCacheManager.allocate makes
         elif op == "finish" and rid in live:
@@ -84,7 +86,7 @@ def test_persistent_tables_equal_the_block_lists_after_any_history(ops: list[tup
             live[rid] = live[rid][:n % (len(live[rid]) + 1)] + new_blocks(n)
         elif op == "step" and live:
             chosen = sorted(live)[: 1 + who % len(live)]
-            rows = tables.rows_for([_fake(r, live[r], preemptions[r]) for r in chosen])
+            rows = tables.rows_for([_fake(r, live[r], preemptions[r], objects[r]) for r in chosen])
             assert [tables.rows[r] for r in chosen] == rows.tolist()
             given.update({r: live[r] for r in chosen})
         _check_rows(tables, given)

@@ -7,7 +7,8 @@ A request's block list only grows while it runs (the KV cache manager appends; a
 rollback keeps its blocks), so a step writes just the new tail of each row instead of rebuilding
 the table from Python lists. A list can be replaced only by a free: the request finished or was
 aborted (the core calls `forget`, which zeroes and frees the row) or was preempted (its
-`num_preemptions` moves on, and the row is rewritten whole). A cheap guard (the last known block
+`num_preemptions` moves on, and the row is rewritten whole; so is a row whose id another Request
+object took over, should a forget ever be missed). A cheap guard (the last known block
 id still matches) rewrites any row that disagrees anyway, so the table always equals a rebuild.
 """
 
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tokenmill.engine.interfaces import ScheduledRequest
+from tokenmill.engine.request import Request
 
 
 class PersistentBlockTables:
@@ -26,6 +28,7 @@ class PersistentBlockTables:
         self.rows: dict[str, int] = {}
         self._known: list[int] = [0] * self.table.shape[0]  # blocks written in each row
         self._preemptions: list[int] = [0] * self.table.shape[0]
+        self._owners: list[Request | None] = [None] * self.table.shape[0]
         self._free: list[int] = list(range(self.table.shape[0] - 1, -1, -1))
 
     @property
@@ -35,16 +38,16 @@ class PersistentBlockTables:
     def rows_for(self, scheduled: Sequence[ScheduledRequest]) -> np.ndarray:
         """Bring the rows of `scheduled` up to date; their row indices, in order."""
         out = np.empty(len(scheduled), dtype=np.int64)
-        table, known_of, preempted_of = self.table, self._known, self._preemptions
+        table, known_of, preempted_of, owners = self.table, self._known, self._preemptions, self._owners
         for i, s in enumerate(scheduled):
             request, blocks = s.request, s.block_ids
             row = self.rows.get(request.request_id)
             if row is None:
                 row = self._take_row(request.request_id)
-                table, known_of, preempted_of = self.table, self._known, self._preemptions
+                table, known_of, preempted_of, owners = self.table, self._known, self._preemptions, self._owners
                 preempted_of[row] = request.num_preemptions
             n, known = len(blocks), known_of[row]
-            if known and (preempted_of[row] != request.num_preemptions or known > n
+            if known and (preempted_of[row] != request.num_preemptions or owners[row] is not request or known > n
                           or table[row, known - 1] != blocks[known - 1]):
                 table[row, :known] = 0  # replaced (preemption) or disagreeing: rewrite the row whole
                 known = 0
@@ -55,6 +58,7 @@ class PersistentBlockTables:
                     table = self.table
                 table[row, known:n] = blocks[known:]
             known_of[row] = n
+            owners[row] = request
             out[i] = row
         return out
 
@@ -64,6 +68,7 @@ class PersistentBlockTables:
             return
         self.table[row, :self._known[row]] = 0
         self._known[row] = 0
+        self._owners[row] = None
         self._free.append(row)
 
     def reset(self) -> None:
@@ -71,6 +76,7 @@ class PersistentBlockTables:
         self.rows.clear()
         n = self.table.shape[0]
         self._known, self._preemptions = [0] * n, [0] * n
+        self._owners = [None] * n
         self._free = list(range(n - 1, -1, -1))
 
     def _take_row(self, request_id: str) -> int:
@@ -92,4 +98,5 @@ class PersistentBlockTables:
         self.table = grown
         self._known.extend([0] * (rows - old_rows))
         self._preemptions.extend([0] * (rows - old_rows))
+        self._owners.extend([None] * (rows - old_rows))
 
