@@ -80,9 +80,9 @@ def add_quantization_argument(parser: Any) -> None:
     from tokenmill.kernels import DEFAULT_QUANTIZATION, QUANTIZATIONS
 
     parser.add_argument("--quantization", default=DEFAULT_QUANTIZATION, choices=QUANTIZATIONS,
-                        help="weights: auto = a GGUF's own 8/4-bit blocks with native integer kernels (faster; "
-                             "see docs/quantization.md for its accuracy); none = dequantized to --dtype (the "
-                             "default); q8/q4 = quantize every matrix at load")
+                        help="weights: auto (the default) = a GGUF's own 8/4-bit blocks with native integer "
+                             "kernels (faster; docs/quantization.md has its accuracy gate); none = dequantized to "
+                             "--dtype (the reference path); q8/q4 = quantize every matrix at load")
 
 
 def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
