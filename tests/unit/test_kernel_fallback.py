@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,3 +44,46 @@ def test_auto_falls_back_and_native_is_a_clear_error(no_compiler: None) -> None:
 
 def test_gpu_auto_never_builds_the_cpu_kernel() -> None:
     assert decode_kernel("auto", torch.device("cuda")) is None
+
+
+@pytest.fixture
+def recorded_load(monkeypatch: pytest.MonkeyPatch, tmp_path):  # type: ignore[no-untyped-def]
+    import torch.utils.cpp_extension
+
+    calls: list[dict[str, object]] = []
+
+    def build_directory(name: str, verbose: bool) -> str:
+        path = tmp_path / "extensions" / name
+        path.mkdir(parents=True, exist_ok=True)
+        return str(path)
+
+    def load(**kwargs: object) -> object:
+        calls.append(kwargs)
+        assert not (Path(str(kwargs["build_directory"])) / "lock").exists(), "torch would wait on this lock forever"
+        return "module"
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "_get_build_directory", build_directory)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    return calls
+
+
+def test_a_killed_builds_lock_is_removed_and_two_checkouts_share_one_build(
+        recorded_load: list[dict[str, object]], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    sources = []
+    for checkout in ("main", "ci-clone"):
+        source = tmp_path / checkout / "kernel.cpp"
+        source.parent.mkdir()
+        source.write_text("// the same kernel in two checkouts\n")
+        sources.append(source)
+    name = kernels._build_name("k", sources[0])
+    stale = tmp_path / "extensions" / name / "lock"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("")  # what a builder killed mid-build leaves behind
+    with caplog.at_level(logging.WARNING, logger="tokenmill.kernels"):
+        assert kernels._build("k", sources[0], [], "k", "none") == "module"
+    assert not stale.exists()
+    assert any("stale build lock" in r.getMessage() for r in caplog.records)
+    assert kernels._build("k", sources[1], [], "k", "none") == "module"
+    # The same build arguments from both checkouts: torch keeps one build instead of alternating.
+    assert recorded_load[0]["sources"] == recorded_load[1]["sources"] == [str(stale.parent / "kernel.cpp")]
+    assert (stale.parent / "kernel.cpp").read_text() == sources[0].read_text()

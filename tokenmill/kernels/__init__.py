@@ -16,11 +16,13 @@ pure-PyTorch path and a single warning says why.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -102,14 +104,57 @@ def _module(key: str, stem: str, source_name: str, cflags: list[str], what: str,
 def _build(stem: str, source: Path, cflags: list[str], what: str, fallback: str) -> ModuleType | None:
     log.info("loading %s (the first build on a machine takes about a minute on 2 cores)", what)
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        return load(name=_build_name(stem, source), sources=[str(source)], extra_cflags=cflags,
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        name = _build_name(stem, source)
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        with _build_lock(build_dir):
+            stable_source = _stable_source(source, build_dir)
+            return load(name=name, sources=[str(stable_source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                        build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: all mean "use the fallback"
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.warning("%s unavailable, using %s: %s", what, fallback, first_line)
         return None
+
+
+def _stable_source(source: Path, build_dir: Path) -> Path:
+    """The source copied into its build folder, and built from there.
+
+    torch rebuilds whenever the source *path* in its build arguments changes, so two checkouts (a CI
+    clone, a worktree) sharing one cache would rebuild each other's identical module every time they
+    alternate. The build name carries the source hash, so the copy under it never changes."""
+    stable = build_dir / source.name
+    data = source.read_bytes()
+    if not stable.is_file() or stable.read_bytes() != data:
+        tmp = stable.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, stable)
+    return stable
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Serialise tokenmill's builds of one module with a lock the kernel drops when its holder dies.
+
+    torch's own lock is a file that exists while a build runs; a builder killed mid-build (a test
+    timeout, Ctrl-C) leaves it behind and every later load waits on it forever. Holding this flock,
+    no other tokenmill process is building the module, so a torch lock still present is stale."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): torch's own lock alone
+        yield
+        return
+    with open(build_dir.parent / f"{build_dir.name}.tokenmill-lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing a stale build lock left by a killed build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def available_quant_isas() -> tuple[str, ...]:
