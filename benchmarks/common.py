@@ -19,7 +19,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -74,6 +74,52 @@ def build_prompts(encode: Callable[..., list[int]], num_prompts: int, prompt_len
 
 def prompt_bos(tokenizer: Any) -> int | None:
     return tokenizer.bos_token_id if tokenizer.add_bos_token else None
+
+
+# ---------------------------------------------------------------- servers under test
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def server_process(argv: list[str], ready_url: str, log_path: Path, threads: int,
+                   timeout_s: float = 300.0) -> Iterator[int]:
+    """The pid of a server started from `argv` (log to `log_path`), once `ready_url` answers 200;
+    stopped (SIGTERM, then SIGKILL) on the way out. A server that dies first is a one-line exit."""
+    import subprocess
+
+    import httpx
+
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    with log_path.open("w") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if process.poll() is not None:
+                    raise SystemExit(f"the server exited with {process.returncode} before it was ready: see {log_path}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(ready_url, timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{ready_url} was not ready after {timeout_s:.0f} s")
+                time.sleep(0.5)
+            yield process.pid
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 # ---------------------------------------------------------------- machine noise

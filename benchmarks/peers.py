@@ -21,7 +21,6 @@ import datetime as dt
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import llama_server  # noqa: E402
+from common import free_port, server_process  # noqa: E402
 
 from tokenmill.bench.arrivals import ArrivalOptions  # noqa: E402
 from tokenmill.bench.bench import BenchConfig, RunResult, finish, measure, prepare, ratios, warm_up  # noqa: E402
@@ -106,13 +106,6 @@ Report = dict[str, dict[str, PeerPair]]  # model → workload → pair
 # ---------------------------------------------------------------- servers
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def server_argv(server: str, gguf: Path, model: str, port: int, settings: Settings) -> tuple[list[str], str]:
     """The command line and the path that answers 200 once the model is loaded."""
     if server == "llama.cpp":
@@ -130,33 +123,9 @@ def running(server: str, gguf: Path, model: str, settings: Settings) -> Iterator
     """(url, pid) of a started server; stopped (SIGTERM, then SIGKILL) on the way out."""
     port = free_port()
     argv, ready_path = server_argv(server, gguf, model, port, settings)
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    with (LOG_DIR / f"{server}_{model}.log").open("w") as log:
-        env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads), "PYTHONPATH": str(ROOT)}
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            _wait_ready(url + ready_path, process)
-            yield url, process.pid
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode} before it was ready: see {LOG_DIR}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise SystemExit(f"{url} was not ready after {timeout_s:.0f} s")
+    url = f"http://127.0.0.1:{port}"
+    with server_process(argv, url + ready_path, LOG_DIR / f"{server}_{model}.log", settings.threads) as pid:
+        yield url, pid
 
 
 # ---------------------------------------------------------------- machine noise

@@ -26,8 +26,6 @@ import asyncio
 import contextlib
 import os
 import re
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -35,7 +33,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import ROOT, environment, new_figure, print_table, save_figure, save_json, wait_for_quiet
+from common import (
+    ROOT,
+    environment,
+    free_port,
+    new_figure,
+    print_table,
+    save_figure,
+    save_json,
+    server_process,
+    wait_for_quiet,
+)
 
 from tokenmill.bench.arrivals import ArrivalOptions
 from tokenmill.bench.metrics import SLO
@@ -81,42 +89,14 @@ def mixed_config(args: argparse.Namespace, phases: tuple[str, ...], seed: int = 
 # ---------------------------------------------------------------- the server
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @contextlib.contextmanager
 def serving(args: argparse.Namespace, name: str, extra: list[str]) -> Iterator[tuple[str, int]]:
     port = free_port()
     argv = [sys.executable, "-m", "tokenmill", "serve", args.model, "--port", str(port), "--threads",
             str(args.threads), "--log-level", "warning", *args.serve_arg, *extra]
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
-    with (LOG_DIR / f"{name}.log").open("w") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 600
-            while True:
-                if process.poll() is not None:
-                    raise SystemExit(f"tokenmill serve exited with {process.returncode}: see {LOG_DIR}/{name}.log")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"{url} was not ready after 600 s")
-                time.sleep(0.5)
-            yield url, process.pid
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    url = f"http://127.0.0.1:{port}"
+    with server_process(argv, url + "/ready", LOG_DIR / f"{name}.log", args.threads, timeout_s=600) as pid:
+        yield url, pid
 
 
 def _busy_jiffies() -> int:
