@@ -130,11 +130,22 @@ def test_a_new_interactive_prompt_is_prefilled_in_chunks_that_fit_the_target() -
 
 def test_an_interactive_prompt_advances_min_prefill_chunk_when_decodes_fill_the_target() -> None:
     sched = _scheduler()
-    _interactive_decoding(sched, 6)  # 6 decodes alone: 16 ms, over the 15 ms target
+    _interactive_decoding(sched, 4)  # 4 decodes: 14 ms of the 15 ms target, room for 1 token < the floor of 2
     sched.add(_request("b0", 4, arrival=0, cls=BAT))
     sched.add(_request("p", 10, arrival=200, cls=INT))
     out = _step(sched)
     assert _plan(out)[-1] == ("p", 0, 2) and "b0" not in _ids(out)
+
+
+def test_an_interactive_prompt_is_prefilled_whole_when_its_decodes_already_miss_the_target() -> None:
+    # Chunking could not save the decodes' TPOT (16 ms > 15 ms whatever the prompt does); it would
+    # only stretch the prompt's TTFT, so the prompt gets the budget. Batch still waits.
+    sched = _scheduler()
+    _interactive_decoding(sched, 6)
+    sched.add(_request("b0", 4, arrival=0, cls=BAT))
+    sched.add(_request("p", 10, arrival=200, cls=INT))
+    out = _step(sched)
+    assert _plan(out)[-1] == ("p", 0, 10) and "b0" not in _ids(out)
 
 
 def test_standard_fills_before_batch_under_the_interactive_target() -> None:
