@@ -207,12 +207,10 @@ class Scheduler:
             allowed = budget if cap is None else min(budget, cap(full - budget, len(out.scheduled)))
             if allowed <= 0:
                 break
-            cached = self.kv.find_cached_prefix(request)
-            num_computed = len(cached) * self.kv.block_size
-            num_new = request.num_tokens - num_computed
-            if not self.config.enable_chunked_prefill and num_new > allowed:
+            chunk = self._first_chunk(request, allowed)
+            if chunk is None:
                 break
-            num_new = min(num_new, allowed)
+            cached, num_computed, num_new = chunk
             while not self.kv.allocate(request, num_new, cached):
                 victim = self._lower_class_victim(cls, ids) if preempt_lower else None
                 if victim is None:
@@ -333,17 +331,25 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            cached = self.kv.find_cached_prefix(request)
-            num_computed = len(cached) * self.kv.block_size
-            num_new = request.num_tokens - num_computed
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            chunk = self._first_chunk(request, budget)
+            if chunk is None:
                 break
-            num_new = min(num_new, budget)
+            cached, num_computed, num_new = chunk
             if not self.kv.allocate(request, num_new, cached):
                 break
             self.waiting.pop()
             self._admit(out, request, num_computed, num_new)
             budget -= num_new
+
+    def _first_chunk(self, request: Request, allowed: int) -> tuple[list[int], int, int] | None:
+        """(cached blocks, tokens they cover, tokens to compute now) for a waiting request within
+        `allowed` tokens, or None when its prompt must go whole and does not fit (no chunked prefill)."""
+        cached = self.kv.find_cached_prefix(request)
+        num_computed = len(cached) * self.kv.block_size
+        num_new = request.num_tokens - num_computed
+        if not self.config.enable_chunked_prefill and num_new > allowed:
+            return None
+        return cached, num_computed, min(num_new, allowed)
 
     def _admit(self, out: SchedulerOutput, request: Request, num_computed: int, num_new: int) -> None:
         """A waiting request whose blocks are allocated starts running with its first chunk."""
