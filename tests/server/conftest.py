@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -140,3 +141,17 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+@pytest.fixture
+def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """`tokenmill serve`'s parsed configs, captured instead of starting a server."""
+    seen: dict[str, Any] = {}
+
+    def fake_run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+        seen.update(engine=engine_config, server=server_config)
+        return 0
+
+    monkeypatch.setattr("tokenmill.server.serve.run_server", fake_run_server)
+    monkeypatch.setattr("tokenmill.server.request_log.configure_logging", lambda *a, **k: None)
+    return seen

@@ -11,19 +11,6 @@ from tokenmill import cli
 from tokenmill.config import EngineConfig, ServerConfig
 
 
-@pytest.fixture
-def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
-
-    def fake_run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-        seen.update(engine=engine_config, server=server_config)
-        return 0
-
-    monkeypatch.setattr("tokenmill.server.serve.run_server", fake_run_server)
-    monkeypatch.setattr("tokenmill.server.request_log.configure_logging", lambda *a, **k: None)
-    return seen
-
-
 def test_defaults_bind_loopback_and_name_the_model(captured: dict[str, Any], tiny_model_dir: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TOKENMILL_API_KEY", raising=False)

@@ -20,7 +20,7 @@ import pytest
 from tests.server.conftest import MODEL, LiveServer, start_server, wait_until
 from tokenmill import cli
 from tokenmill.batch.requests import BatchLineError, Endpoint, build_request
-from tokenmill.config import EngineConfig, ServerConfig, ServiceClassConfig, SLOTarget
+from tokenmill.config import ServerConfig, ServiceClassConfig, SLOTarget
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.request import FinishReason
@@ -351,17 +351,10 @@ def test_batch_job_lines_default_to_the_batch_class(tiny_engine: AsyncEngine) ->
 
 
 @pytest.fixture
-def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
-
-    def fake_run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-        seen.update(engine=engine_config, server=server_config)
-        return 0
-
-    monkeypatch.setattr("tokenmill.server.serve.run_server", fake_run_server)
-    monkeypatch.setattr("tokenmill.server.request_log.configure_logging", lambda *a, **k: None)
+def captured(captured: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """conftest's capture, with the served model name fixed (these tests pass no model path)."""
     monkeypatch.setattr("tokenmill.cli.serve._installed_model_name", lambda model: MODEL)
-    return seen
+    return captured
 
 
 def test_serve_flags_set_slo_targets_key_classes_and_the_reserve(captured: dict[str, Any]) -> None:
