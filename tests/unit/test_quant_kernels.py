@@ -61,7 +61,7 @@ def gguf_format(ggml_type: GGMLQuantizationType) -> qf.QuantFormat:
 
 def run(mat: qf.QuantMatrix, x: torch.Tensor, isa: int, passes: int = 2) -> torch.Tensor:
     assert kernels is not None
-    return kernels.quant_linear(x, [mat.qs], [mat.scale], [mat.offset], passes, isa)
+    return kernels.quant_linear(x, [mat.qs], [mat.scale], [mat.offset], [mat.rows], passes, isa)
 
 
 def combined(qa: torch.Tensor) -> torch.Tensor:
@@ -156,7 +156,7 @@ def test_segments_of_mixed_formats_fill_one_output(isa: int) -> None:
     assert [s.fmt for s in segments] == ["q4", "q8", "q4"]
     x = torch.randn(6, 256)
     y = kernels.quant_linear(x, [s.qs for s in segments], [s.scale for s in segments],
-                             [s.offset for s in segments], 2, isa)
+                             [s.offset for s in segments], [s.rows for s in segments], 2, isa)
     expected = torch.cat([run(m, x, isa) for m in (a, b, c)], dim=1)
     torch.testing.assert_close(y, expected, rtol=0, atol=0)
 
@@ -192,10 +192,10 @@ def test_bad_inputs_are_errors_not_crashes() -> None:
     assert kernels is not None
     mat = qf.quantize(torch.randn(4, 64), "q8")
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        kernels.quant_linear(torch.randn(2, 40), [mat.qs], [mat.scale], [mat.offset], 2, 0)
+        kernels.quant_linear(torch.randn(2, 40), [mat.qs], [mat.scale], [mat.offset], [mat.rows], 2, 0)
     with pytest.raises(RuntimeError, match="qs shape"):
-        kernels.quant_linear(torch.randn(2, 96), [mat.qs], [mat.scale], [mat.offset], 2, 0)
+        kernels.quant_linear(torch.randn(2, 96), [mat.qs], [mat.scale], [mat.offset], [mat.rows], 2, 0)
     with pytest.raises(RuntimeError, match="unknown quant ISA"):
-        kernels.quant_linear(torch.randn(2, 64), [mat.qs], [mat.scale], [mat.offset], 2, 7)
+        kernels.quant_linear(torch.randn(2, 64), [mat.qs], [mat.scale], [mat.offset], [mat.rows], 2, 7)
     with pytest.raises(RuntimeError, match="passes must be 1 or 2"):
-        kernels.quant_linear(torch.randn(2, 64), [mat.qs], [mat.scale], [mat.offset], 3, 0)
+        kernels.quant_linear(torch.randn(2, 64), [mat.qs], [mat.scale], [mat.offset], [mat.rows], 3, 0)

@@ -1,35 +1,42 @@
 // Quantized linear layers with integer dot products (built by tokenmill/kernels/__init__.py).
 //
-// Weights (see tokenmill/layers/quant_formats.py for how GGUF blocks land here), row-major,
-// K = 32 * nb, one block = 32 consecutive weights of one output row:
-//   q8: qs int8  [N, K]       w = scale[n, b] * q                      (q in [-127, 127])
-//   q4: qs uint8 [N, K / 2]   w = scale[n, b] * q + offset[n, b]        (q in [0, 15]); the 16 bytes
-//       of block b hold weight j in the low nibble of byte j and weight j + 16 in its high nibble.
+// Weights: blocks of 32 consecutive weights of one output row (K = 32 * nb), in the interleaved
+// layout of tokenmill/layers/quant_formats.py: rows in groups of 8, and inside block b of group g
+// 16 pairs of neighbouring columns, each pair stored for the 8 rows side by side:
+//   q8: w = scale[n, b] * q                 (q int8 in [-127, 127], 16 bytes per pair: 8 rows x 2)
+//   q4: w = scale[n, b] * q + offset[n, b]  (q in [0, 15]; a 16-byte chunk c holds pair c in its low
+//                                            nibbles and pair c + 8 in its high nibbles)
 // Activations: each row of x is quantized once per call to int8 blocks of 32. With P = 2 passes (the
 // default) a block is two int8 vectors, the first rounding and its residual at a 254x finer step:
 //   d1 = max|x| / 127,  q1 = round(x / d1),  q2 = round((x - d1 q1) * 254 / d1) in [-127, 127]
 //   x ~ d (254 q1 + q2),  d = d1 / 254          (a 15-bit activation, error <= d1 / 508)
-// so both passes multiply the same loaded weight block and their integer sums combine exactly in
-// int32 (254 * dot1 + dot2 <= 32 * 127 * 127 * 255 < 2^31) before one float conversion. P = 1 is the
-// plain int8 rounding (q2 = 0, d = d1). The block sum s = d * sum_j (254 q1 + q2)_j is the offset
-// term's, so the result is exactly (rounded x) . (dequantized W) up to float summation order. (The
-// sum of the rounded activations, not of x: with q4's uncentred q in [0, 15] the rounding errors
-// then cancel against the offset instead of being scaled by ~8x the centred weight.)
-//   y[m, n] = sum_b scale[n,b] * d[m,b] * sum_j q[n,b,j] qa[m,b,j]  +  sum_b offset[n,b] * s[m,b]
-// The inner sum is exact integer math: u8 x s8 pairs through maddubs + madd (AVX2), vpdpbusd
-// (AVX-512 VNNI), or plain int loops (portable). q8 weights are signed: |w| x (a * sign(w)), the
-// usual trick that makes a signed x signed product fit the unsigned x signed instruction.
+// and the kernel multiplies the combined int16 value a = 254 q1 + q2 (P = 1: a = q1, d = d1). The
+// block sum s = d * sum_j a_j is the offset term's, so the result is exactly (rounded x) . (dequantized
+// W) up to float summation order. (The sum of the rounded activations, not of x: with q4's uncentred
+// q in [0, 15] the rounding errors then cancel against the offset instead of being scaled by ~8x.)
+//   y[m, n] = sum_b scale[n,b] * d[m,b] * sum_j q[n,b,j] a[m,b,j]  +  sum_b offset[n,b] * s[m,b]
+//
+// The inner sum is exact int32 math on int16 pairs (`madd`: |a| <= 32385, |q| <= 127, so a block's
+// sum is below 32 * 127 * 32385 < 2^31). One 16-byte load of a pair, widened to int16 (q8: sign
+// extension; q4: zero extension, then & 0xF and >> 4 give two pairs), is 8 rows x 2 weights: `madd`
+// against the activation pair broadcast to all lanes leaves row r's partial sum in lane r. So a block
+// is 16 madds into one int32 vector per activation row, converted and scaled once (8 rows' scales are
+// one load), with no horizontal sums; each widened weight vector serves RM activation rows (register
+// tile RM x 8, RM <= 4), which is what makes M > 1 (batched decode, verification, prefill) cheap:
+// the weights stream once per RM rows and the per-row work is one broadcast, one madd, one add.
+// AVX-512 VNNI fuses the madd and the add (`vpdpwssd`); the portable path is plain int loops.
 //
 // One object runs on every x86-64 CPU: it is compiled for the baseline ISA and each fast path
 // carries its own target attribute; the caller picks the path (cpu_isas() says what this CPU has).
-// Work: threads split the output rows; within a thread, rows are taken in cache-sized chunks and
-// each loaded weight block is reused for up to 4 activation rows (register tile 1 x RM).
+// Work: threads split the row groups; within a thread, groups are taken in L2-sized chunks and every
+// RM-row tile of activations passes over a chunk while it is cached.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -40,26 +47,26 @@
 namespace {
 
 constexpr int64_t QK = 32;  // weights per block
+constexpr int64_t RG = 8;   // output rows per interleaved group
 enum Isa : int64_t { PORTABLE = 0, AVX2 = 1, AVX512VNNI = 2 };
+constexpr float kFine = 254.f;  // pass 2's step is 1/254 of pass 1's
 
-struct Act {  // quantized activations: qa [M, nb, P, 32] int8 (P = passes), d/s [M, nb] float
-  const int8_t* qa;
+struct Act {  // quantized activations: a [M, K] int16 (the combined integer), d/s [M, nb] float
+  const int16_t* a;
   const float* d;
   const float* s;
   int64_t K, nb;
-  // The P int8 vectors of block b of row m, back to back (pass 1 at +0, pass 2 at +32).
-  template <int P>
-  const int8_t* block(int64_t m, int64_t b) const { return qa + (m * nb + b) * (P * QK); }
 };
 
-constexpr float kFine = 254.f;  // pass 2's step is 1/254 of pass 1's
-
-struct Weights {
-  const uint8_t* qs;       // q8: int8 bytes; q4: packed nibbles
-  const float* scale;      // [N, nb]
-  const float* offset;     // [N, nb] (q4) or nullptr (q8)
-  int64_t row_bytes, nb;
+struct Weights {           // one interleaved matrix (quant_formats.py)
+  const uint8_t* qs;       // [G, nb * (q4 ? 128 : 256)]
+  const float* scale;      // [G, nb * 8]
+  const float* offset;     // [G, nb * 8] (q4) or nullptr (q8)
+  int64_t nb, rows;
   bool q4;
+  int64_t block_bytes() const { return q4 ? 128 : 256; }
+  const uint8_t* block(int64_t g, int64_t b) const { return qs + (g * nb + b) * block_bytes(); }
+  int64_t lanes(int64_t g, int64_t b) const { return (g * nb + b) * RG; }
 };
 
 // ---- activation quantization ---------------------------------------------------------------
@@ -96,154 +103,124 @@ void quantize_rows_portable(const float* x, int64_t M, int64_t K, int64_t P, int
   }
 }
 
-// ---- portable kernels ------------------------------------------------------------------------
 
-// y for one weight row n and one activation row m (int dot per block, then the float terms).
-template <int P>
-float row_dot_portable(const Weights& w, int64_t n, const Act& a, int64_t m) {
-  const uint8_t* row = w.qs + n * w.row_bytes;
-  const float* sc = w.scale + n * w.nb;
-  const float* da = a.d + m * a.nb;
-  float acc = 0.f;
-  for (int64_t b = 0; b < w.nb; ++b) {
-    const int8_t* ab = a.block<P>(m, b);
-    int32_t isum[P] = {};
-    for (int p = 0; p < P; ++p) {
-      const int8_t* ap = ab + p * QK;
-      if (w.q4) {
-        const uint8_t* wb = row + b * (QK / 2);
-        for (int j = 0; j < QK / 2; ++j)
-          isum[p] += static_cast<int32_t>(wb[j] & 0x0F) * ap[j] + static_cast<int32_t>(wb[j] >> 4) * ap[j + QK / 2];
-      } else {
-        const int8_t* wb = reinterpret_cast<const int8_t*>(row) + b * QK;
-        for (int j = 0; j < QK; ++j) isum[p] += static_cast<int32_t>(wb[j]) * ap[j];
-      }
-    }
-    const int32_t total = P == 2 ? static_cast<int32_t>(kFine) * isum[0] + isum[P - 1] : isum[0];
-    acc += sc[b] * da[b] * static_cast<float>(total);
+// a [M, K] int16 = 254 q1 + q2 (P = 2) or q1 (P = 1), from the int8 passes [M, nb, P, 32].
+void combine_passes(const int8_t* qa, int64_t M, int64_t K, int64_t P, int16_t* a) {
+  for (int64_t i = 0; i < M * K / QK; ++i) {
+    const int8_t* q = qa + i * P * QK;
+    int16_t* out = a + i * QK;
+    if (P == 2) for (int j = 0; j < QK; ++j) out[j] = static_cast<int16_t>(static_cast<int>(kFine) * q[j] + q[QK + j]);
+    else for (int j = 0; j < QK; ++j) out[j] = q[j];
   }
-  if (w.q4) {
-    const float* off = w.offset + n * w.nb;
-    const float* sa = a.s + m * a.nb;
-    float o = 0.f;
-    for (int64_t b = 0; b < w.nb; ++b) o += off[b] * sa[b];
-    acc += o;
-  }
-  return acc;
 }
 
-template <int P>
-void rows_portable(const Weights& w, const Act& a, int64_t M, int64_t n0, int64_t n1, float* out, int64_t ld) {
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) out[m * ld + n] = row_dot_portable<P>(w, n, a, m);
+// ---- portable kernel -------------------------------------------------------------------------
+
+// Weight (r, j) of block (g, b): the layout's inverse, one element at a time.
+inline int32_t weight_at(const Weights& w, const uint8_t* blk, int r, int j) {
+  const int p = j / 2, e = j % 2;
+  if (!w.q4) return reinterpret_cast<const int8_t*>(blk)[(p * RG + r) * 2 + e];
+  const uint8_t byte = blk[((p % 8) * RG + r) * 2 + e];
+  return p < 8 ? (byte & 0x0F) : (byte >> 4);
+}
+
+void groups_portable(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t valid = std::min<int64_t>(RG, w.rows - g * RG);
+    for (int64_t m = 0; m < M; ++m) {
+      float y[RG] = {};
+      for (int64_t b = 0; b < w.nb; ++b) {
+        const uint8_t* blk = w.block(g, b);
+        const int16_t* ab = a.a + m * a.K + b * QK;
+        const float* sc = w.scale + w.lanes(g, b);
+        for (int r = 0; r < RG; ++r) {
+          int32_t isum = 0;
+          for (int j = 0; j < QK; ++j) isum += weight_at(w, blk, r, j) * ab[j];
+          y[r] += sc[r] * a.d[m * a.nb + b] * static_cast<float>(isum);
+          if (w.q4) y[r] += w.offset[w.lanes(g, b) + r] * a.s[m * a.nb + b];
+        }
+      }
+      for (int64_t r = 0; r < valid; ++r) out[m * ld + g * RG + r] = y[r];
+    }
+  }
 }
 
 #ifdef TM_X86
 
 // ---- shared SIMD tile code, stamped out once per ISA --------------------------------------------
 // Each ISA namespace defines, under its own target pragma:
-//   dot_u8s8(u, s): 8 int32 lanes, each the sum of 4 adjacent u8 x s8 products
+//   madd_acc(acc, w, a): acc + the int32 pair sums of int16 w x a (madd + add, or one vpdpwssd)
 // and the macro below builds the tiles from it, so the two fast paths share one body.
 
 #define TM_SIMD_TILES                                                                                            \
-inline float hsum(__m256 v) {                                                                                          \
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));                                       \
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));                                                                              \
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));                                                                               \
-  return _mm_cvtss_f32(x);                                                                                             \
+inline __m256i bcast_pair(const int16_t* p) {                                                                          \
+  int32_t v;                                                                                                           \
+  std::memcpy(&v, p, sizeof v);                                                                                        \
+  return _mm256_set1_epi32(v);                                                                                         \
 }                                                                                                                      \
-/* sum_b off[b] * s[b]: the offset (min) term of a q4 row against one activation row. */                               \
-inline float dot_f32(const float* off, const float* s, int64_t nb) {                                                   \
-  __m256 acc = _mm256_setzero_ps();                                                                                    \
-  int64_t b = 0;                                                                                                       \
-  for (; b + 8 <= nb; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(off + b), _mm256_loadu_ps(s + b), acc);            \
-  float r = hsum(acc);                                                                                                 \
-  for (; b < nb; ++b) r += off[b] * s[b];                                                                              \
-  return r;                                                                                                            \
-}                                                                                                                      \
-/* Sums of 8 int32x8 vectors, one lane per vector: [sum d0, sum d1, ..., sum d7]. */                                   \
-inline __m256i reduce8(const __m256i* d) {                                                                             \
-  const __m256i h01 = _mm256_hadd_epi32(d[0], d[1]), h23 = _mm256_hadd_epi32(d[2], d[3]);                              \
-  const __m256i h45 = _mm256_hadd_epi32(d[4], d[5]), h67 = _mm256_hadd_epi32(d[6], d[7]);                              \
-  const __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);                                    \
-  return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));           \
-}                                                                                                                      \
-/* Block b of a row as the unsigned operand (q4: the nibbles; q8: |q|) and, for q8, its signs. */                      \
-template <bool Q4>                                                                                                     \
-inline void load_block(const uint8_t* row, int64_t b, __m256i& u, __m256i& sign) {                                     \
-  if (Q4) {                                                                                                            \
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * (QK / 2)));                         \
-    u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));                       \
-  } else {                                                                                                             \
-    sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * QK));                                         \
-    u = _mm256_sign_epi8(sign, sign);                                                                                  \
-  }                                                                                                                    \
-}                                                                                                                      \
-/* One weight block (u, sign) against one activation block's P passes: 8 int32 lanes whose sum is                      \
-   the block's integer dot (P = 2: 254 dot1 + dot2). The weight registers serve both passes. */                        \
-template <bool Q4, int P>                                                                                              \
-inline __m256i block_dot(__m256i u, __m256i sign, const int8_t* qa) {                                                  \
-  __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa));                                               \
-  if (!Q4) a1 = _mm256_sign_epi8(a1, sign);                                                                            \
-  if (P == 1) return dot_u8s8(u, a1);                                                                                  \
-  __m256i a2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + QK));                                          \
-  if (!Q4) a2 = _mm256_sign_epi8(a2, sign);                                                                            \
-  return dot2_u8s8(u, a1, a2);                                                                                         \
-}                                                                                                                      \
-/* One weight row n against activation rows m0..m0+RM-1. Blocks go 8 at a time: 8 integer block                        \
-   dots are reduced to one vector of 8 block sums, converted once and scaled by the 8 (weight scale                    \
-   x activation scale) products in one multiply, so the float work is per 8 blocks, not per block. */                  \
-template <int RM, bool Q4, int P>                                                                                      \
-void tile(const Weights& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ld) {                             \
-  const uint8_t* row = w.qs + n * w.row_bytes;                                                                         \
-  const float* sc = w.scale + n * w.nb;                                                                                \
+/* Group g (8 output rows) against activation rows m0 .. m0 + RM - 1: one int32 vector per row and                     \
+   block (lane r = row r's block sum), then y += sum * (8 weight scales x the row's scale). */                         \
+template <int RM, bool Q4>                                                                                             \
+void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld) {                             \
   __m256 acc[RM];                                                                                                      \
-  float tail[RM];                                                                                                      \
-  for (int r = 0; r < RM; ++r) { acc[r] = _mm256_setzero_ps(); tail[r] = 0.f; }                                        \
-  int64_t b = 0;                                                                                                       \
-  for (; b + 8 <= w.nb; b += 8) {                                                                                      \
-    __m256i u[8], sign[8];                                                                                             \
-    for (int j = 0; j < 8; ++j) load_block<Q4>(row, b + j, u[j], sign[j]);                                             \
-    const __m256 sw = _mm256_loadu_ps(sc + b);                                                                         \
+  const int16_t* arow[RM];                                                                                             \
+  for (int r = 0; r < RM; ++r) { acc[r] = _mm256_setzero_ps(); arow[r] = a.a + (m0 + r) * a.K; }                       \
+  for (int64_t b = 0; b < w.nb; ++b) {                                                                                 \
+    const uint8_t* blk = w.block(g, b);                                                                                \
+    __m256i isum[RM];                                                                                                  \
+    for (int r = 0; r < RM; ++r) isum[r] = _mm256_setzero_si256();                                                     \
+    if (Q4) {                                                                                                          \
+      const __m256i low = _mm256_set1_epi16(0x0F);                                                                     \
+      for (int c = 0; c < 8; ++c) {                                                                                    \
+        const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * c)));     \
+        const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_srli_epi16(raw, 4);                                 \
+        for (int r = 0; r < RM; ++r) {                                                                                 \
+          const int16_t* ab = arow[r] + b * QK + 2 * c;                                                                \
+          isum[r] = madd_acc(madd_acc(isum[r], lo, bcast_pair(ab)), hi, bcast_pair(ab + 16));                          \
+        }                                                                                                              \
+      }                                                                                                                \
+    } else {                                                                                                           \
+      for (int p = 0; p < 16; ++p) {                                                                                   \
+        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * p)));     \
+        for (int r = 0; r < RM; ++r) isum[r] = madd_acc(isum[r], wv, bcast_pair(arow[r] + b * QK + 2 * p));            \
+      }                                                                                                                \
+    }                                                                                                                  \
+    const __m256 sw = _mm256_loadu_ps(w.scale + w.lanes(g, b));                                                        \
     for (int r = 0; r < RM; ++r) {                                                                                     \
-      const int8_t* qa = a.block<P>(m0 + r, b);                                                                        \
-      __m256i d[8];                                                                                                    \
-      for (int j = 0; j < 8; ++j) d[j] = block_dot<Q4, P>(u[j], sign[j], qa + j * P * QK);                             \
-      const __m256 scale = _mm256_mul_ps(sw, _mm256_loadu_ps(a.d + (m0 + r) * a.nb + b));                              \
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(d)), scale, acc[r]);                                         \
+      const __m256 scale = _mm256_mul_ps(sw, _mm256_set1_ps(a.d[(m0 + r) * a.nb + b]));                                \
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);                                            \
+    }                                                                                                                  \
+    if (Q4) {                                                                                                          \
+      const __m256 off = _mm256_loadu_ps(w.offset + w.lanes(g, b));                                                    \
+      for (int r = 0; r < RM; ++r) acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(a.s[(m0 + r) * a.nb + b]), acc[r]);    \
     }                                                                                                                  \
   }                                                                                                                    \
-  for (; b < w.nb; ++b) {                                                                                              \
-    __m256i u, sign;                                                                                                   \
-    load_block<Q4>(row, b, u, sign);                                                                                   \
-    for (int r = 0; r < RM; ++r) {                                                                                     \
-      const float isum = hsum(_mm256_cvtepi32_ps(block_dot<Q4, P>(u, sign, a.block<P>(m0 + r, b))));                   \
-      tail[r] += sc[b] * a.d[(m0 + r) * a.nb + b] * isum;                                                              \
-    }                                                                                                                  \
-  }                                                                                                                    \
+  const int64_t valid = std::min<int64_t>(RG, w.rows - g * RG);                                                        \
   for (int r = 0; r < RM; ++r) {                                                                                       \
-    float y = hsum(acc[r]) + tail[r];                                                                                  \
-    if (Q4) y += dot_f32(w.offset + n * w.nb, a.s + (m0 + r) * a.nb, w.nb);                                            \
-    out[(m0 + r) * ld + n] = y;                                                                                        \
+    float* y = out + (m0 + r) * ld + g * RG;                                                                           \
+    if (valid == RG) { _mm256_storeu_ps(y, acc[r]); continue; }                                                        \
+    alignas(32) float tmp[RG];                                                                                         \
+    _mm256_store_ps(tmp, acc[r]);                                                                                      \
+    for (int64_t i = 0; i < valid; ++i) y[i] = tmp[i];                                                                 \
   }                                                                                                                    \
 }                                                                                                                      \
-template <int RM, int P>                                                                                               \
-void tile(const Weights& w, int64_t n, const Act& a, int64_t m0, float* out, int64_t ld) {                             \
-  if (w.q4) tile<RM, true, P>(w, n, a, m0, out, ld); else tile<RM, false, P>(w, n, a, m0, out, ld);                    \
+template <int RM>                                                                                                      \
+void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld) {                             \
+  if (w.q4) tile<RM, true>(w, g, a, m0, out, ld); else tile<RM, false>(w, g, a, m0, out, ld);                          \
 }                                                                                                                      \
-template <int P>                                                                                                       \
-void rows(const Weights& w, const Act& a, int64_t M, int64_t n0, int64_t n1, float* out, int64_t ld) {                 \
-  /* Rows in chunks of ~128 KiB of weights, so a chunk stays in L2 while every m-tile passes over it. */               \
-  const int64_t chunk = std::max<int64_t>(1, (128 << 10) / std::max<int64_t>(1, w.row_bytes));                         \
-  for (int64_t c0 = n0; c0 < n1; c0 += chunk) {                                                                        \
-    const int64_t c1 = std::min(n1, c0 + chunk);                                                                       \
+void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld) {               \
+  /* Groups in chunks of ~128 KiB of weights, so a chunk stays in L2 while every m-tile passes over it. */             \
+  const int64_t group_bytes = w.nb * w.block_bytes();                                                                  \
+  const int64_t chunk = std::max<int64_t>(1, (128 << 10) / std::max<int64_t>(1, group_bytes));                         \
+  for (int64_t c0 = g0; c0 < g1; c0 += chunk) {                                                                        \
+    const int64_t c1 = std::min(g1, c0 + chunk);                                                                       \
     int64_t m0 = 0;                                                                                                    \
-    for (; m0 + 4 <= M; m0 += 4) for (int64_t n = c0; n < c1; ++n) tile<4, P>(w, n, a, m0, out, ld);                   \
+    for (; m0 + 4 <= M; m0 += 4) for (int64_t g = c0; g < c1; ++g) tile<4>(w, g, a, m0, out, ld);                      \
     const int64_t rest = M - m0;                                                                                       \
-    for (int64_t n = c0; n < c1; ++n) {                                                                                \
-      if (rest == 3) tile<3, P>(w, n, a, m0, out, ld);                                                                 \
-      else if (rest == 2) tile<2, P>(w, n, a, m0, out, ld);                                                            \
-      else if (rest == 1) tile<1, P>(w, n, a, m0, out, ld);                                                            \
+    for (int64_t g = c0; g < c1; ++g) {                                                                                \
+      if (rest == 3) tile<3>(w, g, a, m0, out, ld);                                                                    \
+      else if (rest == 2) tile<2>(w, g, a, m0, out, ld);                                                               \
+      else if (rest == 1) tile<1>(w, g, a, m0, out, ld);                                                               \
     }                                                                                                                  \
   }                                                                                                                    \
 }
@@ -251,14 +228,7 @@ void rows(const Weights& w, const Act& a, int64_t M, int64_t n0, int64_t n1, flo
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-// 254 u.s1 + u.s2: the first pass's int16 pair sums (|.| <= 2 * 127 * 127) weighted by 254 in the madd.
-inline __m256i dot2_u8s8(__m256i u, __m256i s1, __m256i s2) {
-  return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s1), _mm256_set1_epi16(254)),
-                          _mm256_madd_epi16(_mm256_maddubs_epi16(u, s2), _mm256_set1_epi16(1)));
-}
+inline __m256i madd_acc(__m256i acc, __m256i w, __m256i a) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a)); }
 TM_SIMD_TILES
 
 // Activation rows: amax, exact integer sums and nearest-even rounding (the portable path's steps).
@@ -325,11 +295,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t P, int8_t* qa, 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 namespace vnni {
-inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
-inline __m256i dot2_u8s8(__m256i u, __m256i s1, __m256i s2) {
-  const __m256i t = dot_u8s8(u, s1);  // 254 t = (t << 8) - (t << 1), then pass 2 accumulates on top
-  return _mm256_dpbusd_epi32(_mm256_sub_epi32(_mm256_slli_epi32(t, 8), _mm256_slli_epi32(t, 1)), u, s2);
-}
+inline __m256i madd_acc(__m256i acc, __m256i w, __m256i a) { return _mm256_dpwssd_epi32(acc, w, a); }
 TM_SIMD_TILES
 }  // namespace vnni
 #pragma GCC pop_options
@@ -371,16 +337,17 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int64_t P, int8_
   });
 }
 
-template <int P>
-void run_rows(const Weights& w, const Act& a, int64_t M, int64_t N, float* out, int64_t ld, int64_t isa) {
-  // Grain: enough rows per task that each thread streams a long run of the weight matrix.
-  const int64_t grain = std::max<int64_t>(8, (64 << 10) / std::max<int64_t>(1, w.row_bytes * std::max<int64_t>(1, M / 4)));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+void run_groups(const Weights& w, const Act& a, int64_t M, float* out, int64_t ld, int64_t isa) {
+  // Grain: enough groups per task that each thread streams a long run of the weight matrix.
+  const int64_t groups = (w.rows + RG - 1) / RG;
+  const int64_t group_bytes = w.nb * w.block_bytes() * std::max<int64_t>(1, M / 4);
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, group_bytes));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
 #ifdef TM_X86
-    if (isa == AVX512VNNI) return vnni::rows<P>(w, a, M, n0, n1, out, ld);
-    if (isa == AVX2) return avx2::rows<P>(w, a, M, n0, n1, out, ld);
+    if (isa == AVX512VNNI) return vnni::groups(w, a, M, g0, g1, out, ld);
+    if (isa == AVX2) return avx2::groups(w, a, M, g0, g1, out, ld);
 #endif
-    rows_portable<P>(w, a, M, n0, n1, out, ld);
+    groups_portable(w, a, M, g0, g1, out, ld);
   });
 }
 
@@ -390,44 +357,49 @@ void check_isa(int64_t isa, int64_t passes) {
   TORCH_CHECK(passes == 1 || passes == 2, "activation passes must be 1 or 2, not ", passes);
 }
 
-// y [M, sum N_i] = x [M, K] times the concatenated quantized matrices (qs_i, scale_i, offset_i).
-// qs int8 → q8 (offset ignored: pass an empty tensor), uint8 → q4. x: float32, contiguous.
-// passes: activation rounding passes (2: the 15-bit two-vector rounding, 1: plain int8).
+// y [M, sum rows_i] = x [M, K] times the concatenated interleaved matrices (qs_i, scale_i, offset_i)
+// of rows_i output rows each. qs int8 → q8 (offset ignored: pass an empty tensor), uint8 → q4.
+// x: float32, contiguous. passes: activation rounding passes (2: the 15-bit rounding, 1: plain int8).
 at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, const std::vector<at::Tensor>& scales,
-                        const std::vector<at::Tensor>& offsets, int64_t passes, int64_t isa) {
+                        const std::vector<at::Tensor>& offsets, const std::vector<int64_t>& rows, int64_t passes,
+                        int64_t isa) {
   check_isa(isa, passes);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
-  TORCH_CHECK(qs.size() == scales.size() && qs.size() == offsets.size() && !qs.empty(), "one scale/offset per matrix");
+  TORCH_CHECK(qs.size() == scales.size() && qs.size() == offsets.size() && qs.size() == rows.size() && !qs.empty(),
+              "one scale/offset/row count per matrix");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % QK == 0, "in_features ", K, " is not a multiple of 32");
   const int64_t nb = K / QK;
   int64_t total = 0;
   for (size_t i = 0; i < qs.size(); ++i) {
     const bool q4 = qs[i].scalar_type() == at::kByte;
+    const int64_t groups = (rows[i] + RG - 1) / RG;
     TORCH_CHECK(q4 || qs[i].scalar_type() == at::kChar, "qs must be int8 (q8) or uint8 (q4)");
-    TORCH_CHECK(qs[i].dim() == 2 && qs[i].is_contiguous() && qs[i].size(1) == (q4 ? K / 2 : K), "qs shape");
+    TORCH_CHECK(rows[i] > 0 && qs[i].dim() == 2 && qs[i].is_contiguous() && qs[i].size(0) == groups &&
+                qs[i].size(1) == nb * (q4 ? 128 : 256), "qs shape");
     TORCH_CHECK(scales[i].scalar_type() == at::kFloat && scales[i].is_contiguous() &&
-                scales[i].numel() == qs[i].size(0) * nb, "scale must be float32 [N, K/32]");
+                scales[i].numel() == groups * nb * RG, "scale must be float32 [ceil(rows/8), K/32 * 8]");
     TORCH_CHECK(!q4 || (offsets[i].scalar_type() == at::kFloat && offsets[i].is_contiguous() &&
-                        offsets[i].numel() == qs[i].size(0) * nb), "offset must be float32 [N, K/32]");
-    total += qs[i].size(0);
+                        offsets[i].numel() == groups * nb * RG), "offset must be float32 [ceil(rows/8), K/32 * 8]");
+    total += rows[i];
   }
   at::Tensor out = at::empty({M, total}, x.options());
   if (M == 0 || total == 0) return out;
   at::Tensor qa = at::empty({M, passes * K}, x.options().dtype(at::kChar));
+  at::Tensor a16 = at::empty({M, K}, x.options().dtype(at::kShort));
   at::Tensor ds = at::empty({2, M, nb}, x.options());
   float* d = ds.data_ptr<float>();
   float* s = d + M * nb;
   quantize_activations(x.data_ptr<float>(), M, K, passes, qa.data_ptr<int8_t>(), d, s, isa);
-  const Act act{qa.data_ptr<int8_t>(), d, s, K, nb};
+  combine_passes(qa.data_ptr<int8_t>(), M, K, passes, a16.data_ptr<int16_t>());
+  const Act act{a16.data_ptr<int16_t>(), d, s, K, nb};
   int64_t col = 0;
   for (size_t i = 0; i < qs.size(); ++i) {
     const bool q4 = qs[i].scalar_type() == at::kByte;
     const Weights w{static_cast<const uint8_t*>(qs[i].data_ptr()), scales[i].data_ptr<float>(),
-                    q4 ? offsets[i].data_ptr<float>() : nullptr, q4 ? K / 2 : K, nb, q4};
-    if (passes == 2) run_rows<2>(w, act, M, qs[i].size(0), out.data_ptr<float>() + col, total, isa);
-    else run_rows<1>(w, act, M, qs[i].size(0), out.data_ptr<float>() + col, total, isa);
-    col += qs[i].size(0);
+                    q4 ? offsets[i].data_ptr<float>() : nullptr, nb, rows[i], q4};
+    run_groups(w, act, M, out.data_ptr<float>() + col, total, isa);
+    col += rows[i];
   }
   return out;
 }
@@ -450,7 +422,7 @@ std::vector<at::Tensor> quantize_activations_op(const at::Tensor& x, int64_t pas
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_linear", &quant_linear, "y = x W^T for q8/q4 block-quantized W, int8 activations (CPU)");
+  m.def("quant_linear", &quant_linear, "y = x W^T for interleaved q8/q4 block-quantized W, int16 activations (CPU)");
   m.def("quantize_activations", &quantize_activations_op, "int8 blocks of 32 per row, 1 or 2 passes: (qa, scale, sum)");
   m.def("cpu_isas", &cpu_isas, "quant ISAs this CPU runs: 0 portable, 1 avx2, 2 avx512vnni");
 }

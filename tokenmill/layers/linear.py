@@ -157,7 +157,7 @@ class QuantLinear(Linear):
     positions against the float path (docs/quantization.md)."""
 
     __slots__ = ("bias", "dtype", "in_features", "isa", "module", "offsets", "out_features", "passes", "qs",
-                 "scales", "segments")
+                 "rows", "scales", "segments")
 
     def __init__(self, segments: list[qf.QuantMatrix], bias: torch.Tensor | None, dtype: torch.dtype,
                  module: Any, isa: str, passes: int = 2) -> None:
@@ -167,6 +167,7 @@ class QuantLinear(Linear):
         self.qs = [s.qs for s in segments]
         self.scales = [s.scale for s in segments]
         self.offsets = [s.offset for s in segments]
+        self.rows = [s.rows for s in segments]
         self.bias = None if bias is None else bias.float().contiguous()
         self.dtype = dtype
         self.module = module
@@ -180,7 +181,7 @@ class QuantLinear(Linear):
         x2 = x.reshape(-1, shape[-1])
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        y = self.module.quant_linear(x2, self.qs, self.scales, self.offsets, self.passes, self.isa)
+        y = self.module.quant_linear(x2, self.qs, self.scales, self.offsets, self.rows, self.passes, self.isa)
         if self.bias is not None:
             y += self.bias
         if self.dtype != torch.float32:

@@ -5,13 +5,27 @@ Both are blocks of 32 consecutive weights of one output row (K = in_features = 3
     q8:  w = scale * q             q int8 in [-127, 127]
     q4:  w = scale * q + offset    q in [0, 15], two per byte
 
-Kernel layout (what quant_kernels.cpp reads), one output row n:
+Kernel layout (what quant_kernels.cpp reads): rows in groups of 8 (ROW_GROUP; the last group
+padded with zero rows), each group's blocks back to back, and inside a block the 8 rows interleaved
+in pairs of neighbouring weights, so that one 16-byte load widened to int16 is [row 0: w_2p w_2p+1 |
+row 1: w_2p w_2p+1 | ... | row 7: ...]: 8 output rows in the 8 int32 lanes of one `madd`, no
+horizontal sums (the kernel's comment has the arithmetic).
 
-    qs     q8: [ q0 q1 ... q31 | q0 ... q31 | ... ]              int8,  K bytes
-           q4: [ b0 ... b15 | b0 ... b15 | ... ]                 uint8, K/2 bytes
-               byte j of a block = q_j | q_(j+16) << 4 (GGUF Q4_0/Q4_1's own order)
-    scale  [ s_0 s_1 ... s_(nb-1) ]                               float32, one per block
-    offset [ o_0 o_1 ... o_(nb-1) ]                               float32, q4 only
+    group g = rows 8g .. 8g+7, block b = columns 32b .. 32b+31, w(r, j) = weight of row 8g+r, column 32b+j
+    qs     q8: [G, nb * 256] int8    block (g, b) = 16 pairs p x 8 rows r x 2:  w(r, 2p), w(r, 2p+1)
+           q4: [G, nb * 128] uint8   block (g, b) = 8 pairs c x 8 rows r x 2 bytes, byte e of (c, r) =
+                                     w(r, 2c+e) | w(r, 2c+e+16) << 4  (low nibbles: pairs 0-7, high: 8-15)
+    scale  [G, nb * 8] float32       block (g, b) = the 8 rows' scales
+    offset [G, nb * 8] float32       q4 only, same order
+
+                 block b of group g (q8: 256 bytes)
+          pair 0            pair 1                 pair 15
+       ┌───────────────┬───────────────┬─── ... ─┬───────────────┐
+       │r0 r1 ... r7   │r0 r1 ... r7   │         │r0 r1 ... r7   │   each rN = 2 weights (cols 2p, 2p+1)
+       └───────────────┴───────────────┴─── ... ─┴───────────────┘
+         16 bytes → vpmovsxbw → 8 lanes x (2 x int16) → madd with the broadcast activation pair
+
+(The q4 byte keeps GGUF Q4_0/Q4_1's own nibble pairing j | j+16, so GGUF rows move as whole bytes.)
 
 GGUF types map without a second rounding where the arithmetic allows:
     Q8_0 → q8 (scale = d)                Q5_0 → q8 (q - 16 fits int8; scale = d)
@@ -35,7 +49,8 @@ from gguf.quants import dequantize as _gguf_dequantize
 QuantFormat = Literal["q8", "q4"]
 QUANT_FORMATS: tuple[QuantFormat, ...] = ("q8", "q4")
 BLOCK = 32
-QUANT_LAYOUT_VERSION = 1  # bump when packed bytes change meaning: it keys the on-disk cache (loading/repack_cache.py)
+ROW_GROUP = 8  # output rows interleaved per group (the kernel's 8 int32 lanes)
+QUANT_LAYOUT_VERSION = 2  # bump when packed bytes change meaning: it keys the on-disk cache (loading/repack_cache.py)
 _T = GGMLQuantizationType
 # GGUF type → (format, exact). Exact: the packed weights equal gguf's own dequantization bit for bit.
 GGUF_MAPPING: dict[GGMLQuantizationType, tuple[QuantFormat, bool]] = {
@@ -56,20 +71,17 @@ class RawBlocks:
 
 @dataclass(frozen=True, slots=True)
 class QuantMatrix:
-    """One packed [rows, cols] matrix in the kernel's layout."""
+    """One packed [rows, cols] matrix in the kernel's interleaved layout (module docstring)."""
 
     fmt: QuantFormat
-    qs: torch.Tensor  # q8: int8 [rows, cols]; q4: uint8 [rows, cols / 2]
-    scale: torch.Tensor  # float32 [rows, cols / 32]
-    offset: torch.Tensor  # float32 [rows, cols / 32] for q4; empty for q8
-
-    @property
-    def rows(self) -> int:
-        return int(self.qs.shape[0])
+    qs: torch.Tensor  # q8: int8 [G, nb * 256]; q4: uint8 [G, nb * 128]   (G = ceil(rows / 8))
+    scale: torch.Tensor  # float32 [G, nb * 8]
+    offset: torch.Tensor  # float32 [G, nb * 8] for q4; empty for q8
+    rows: int  # true output rows (the last group's padding excluded)
 
     @property
     def cols(self) -> int:
-        return int(self.scale.shape[1]) * BLOCK
+        return int(self.scale.shape[1]) // ROW_GROUP * BLOCK
 
     @property
     def nbytes(self) -> int:
@@ -77,12 +89,52 @@ class QuantMatrix:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols]: the weights the kernel multiplies by."""
-        nb = self.scale.shape[1]
-        q = _unpack_q4(self.qs) if self.fmt == "q4" else self.qs
-        w = q.view(self.rows, nb, BLOCK).float() * self.scale.unsqueeze(-1)
+        qs, scale, offset = row_major(self)
+        nb = scale.shape[1]
+        q = _unpack_q4(qs) if self.fmt == "q4" else qs
+        w = q.reshape(self.rows, nb, BLOCK).float() * scale.unsqueeze(-1)
         if self.fmt == "q4":
-            w = w + self.offset.unsqueeze(-1)
-        return w.view(self.rows, self.cols)
+            w = w + offset.unsqueeze(-1)
+        return w.reshape(self.rows, self.cols)
+
+
+def packed_shapes(fmt: QuantFormat, rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(qs shape, scale/offset shape) of a [rows, cols] matrix in the kernel layout."""
+    groups, nb = -(-rows // ROW_GROUP), cols // BLOCK
+    return (groups, nb * (256 if fmt == "q8" else 128)), (groups, nb * ROW_GROUP)
+
+
+def interleave(fmt: QuantFormat, qs: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> QuantMatrix:
+    """Row-major packed rows (q8: int8 [rows, cols]; q4: uint8 [rows, cols / 2], byte j of a block =
+    q_j | q_(j+16) << 4; scale/offset [rows, nb]) → the kernel layout. A pure byte permutation."""
+    rows, nb = scale.shape
+    pad = -rows % ROW_GROUP
+    if pad:
+        qs = torch.cat([qs, qs.new_zeros(pad, qs.shape[1])])
+        scale = torch.cat([scale, scale.new_zeros(pad, nb)])
+        offset = None if offset is None else torch.cat([offset, offset.new_zeros(pad, nb)])
+    groups = (rows + pad) // ROW_GROUP
+    # [G, 8 rows, nb, pairs, 2] → [G, nb, pairs, 8 rows, 2]: (16 pairs of int8 | 8 pairs of nibble bytes)
+    pairs = 16 if fmt == "q8" else 8
+    packed = qs.reshape(groups, ROW_GROUP, nb, pairs, 2).permute(0, 2, 3, 1, 4).reshape(groups, -1).contiguous()
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(groups, ROW_GROUP, nb).transpose(1, 2).reshape(groups, -1).contiguous()
+
+    return QuantMatrix(fmt, packed, lanes(scale), torch.empty(0) if offset is None else lanes(offset), rows)
+
+
+def row_major(mat: QuantMatrix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """interleave's inverse: (qs, scale, offset) row-major, padding rows dropped."""
+    groups, nb = mat.qs.shape[0], mat.cols // BLOCK
+    pairs = 16 if mat.fmt == "q8" else 8
+    qs = mat.qs.reshape(groups, nb, pairs, ROW_GROUP, 2).permute(0, 3, 1, 2, 4).reshape(groups * ROW_GROUP, -1)
+
+    def rows_of(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(groups, nb, ROW_GROUP).transpose(1, 2).reshape(groups * ROW_GROUP, nb)[:mat.rows]
+
+    offset = rows_of(mat.offset) if mat.fmt == "q4" else mat.offset
+    return qs[:mat.rows], rows_of(mat.scale), offset
 
 
 def concat(mats: list[QuantMatrix]) -> list[QuantMatrix]:
@@ -93,10 +145,17 @@ def concat(mats: list[QuantMatrix]) -> list[QuantMatrix]:
             segments[-1].append(mat)
         else:
             segments.append([mat])
-    return [group[0] if len(group) == 1 else QuantMatrix(group[0].fmt, torch.cat([m.qs for m in group]),
-                                                          torch.cat([m.scale for m in group]),
-                                                          torch.cat([m.offset for m in group]))
-            for group in segments]
+    return [group[0] if len(group) == 1 else _cat(group) for group in segments]
+
+
+def _cat(group: list[QuantMatrix]) -> QuantMatrix:
+    fmt, rows = group[0].fmt, sum(m.rows for m in group)
+    if all(m.rows % ROW_GROUP == 0 for m in group[:-1]):  # whole groups: the packed bytes simply follow
+        return QuantMatrix(fmt, torch.cat([m.qs for m in group]), torch.cat([m.scale for m in group]),
+                           torch.cat([m.offset for m in group]), rows)
+    parts = [row_major(m) for m in group]  # a part ends mid-group: regroup the rows
+    return interleave(fmt, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                      torch.cat([p[2] for p in parts]) if fmt == "q4" else None)
 
 
 # ---- float → packed -------------------------------------------------------------------------------
@@ -113,12 +172,12 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantMatrix:
         scale = amax / 127.0
         inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
         q = torch.round(w * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-        return QuantMatrix("q8", q.reshape(rows, cols).contiguous(), scale.contiguous(), torch.empty(0))
+        return interleave("q8", q.reshape(rows, cols), scale, None)
     lo, hi = w.amin(-1), w.amax(-1)
     scale = (hi - lo) / 15.0
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = torch.round((w - lo.unsqueeze(-1)) * inv.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
-    return QuantMatrix("q4", _pack_q4(q.reshape(rows, cols)), scale.contiguous(), lo.contiguous())
+    return interleave("q4", _pack_q4(q.reshape(rows, cols)), scale, lo)
 
 
 # ---- GGUF blocks → packed ---------------------------------------------------------------------------
@@ -137,7 +196,7 @@ def from_gguf(blocks: np.ndarray, ggml_type: GGMLQuantizationType, cols: int, fm
     # Through float in slices of rows: a vocabulary-sized Q6_K head would otherwise need a few GB of
     # float32 temporaries at once (the load's peak resident memory).
     rows = blocks.shape[0]
-    step = max(1, _REQUANT_ROW_ELEMENTS // cols)
+    step = max(1, _REQUANT_ROW_ELEMENTS // cols // ROW_GROUP) * ROW_GROUP  # whole row groups: concat appends
     parts = [quantize(gguf_dequantize(blocks[i:i + step], ggml_type, cols), fmt) for i in range(0, rows, step)]
     return concat(parts)[0]
 
@@ -199,9 +258,9 @@ _EXACT = {_T.Q8_0: _q8_0, _T.Q5_0: _q5_0, _T.Q4_0: _q4_0, _T.Q4_1: _q4_1, _T.Q4_
 
 
 def _matrix(fmt: QuantFormat, qs: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> QuantMatrix:
-    return QuantMatrix(fmt, torch.from_numpy(np.ascontiguousarray(qs)),
-                       torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)),
-                       torch.empty(0) if offset is None else torch.from_numpy(np.ascontiguousarray(offset, np.float32)))
+    return interleave(fmt, torch.from_numpy(np.ascontiguousarray(qs)),
+                      torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)),
+                      None if offset is None else torch.from_numpy(np.ascontiguousarray(offset, np.float32)))
 
 
 def _pack_q4(q: torch.Tensor) -> torch.Tensor:
