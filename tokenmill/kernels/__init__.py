@@ -3,6 +3,8 @@
 What is here is the product's own hot path where PyTorch has no fitting op:
   * `cpu_kernels()` (cpu_kernels.cpp): paged decode attention reading the block cache in place, and
     a skinny GEMM (1-4 rows) that streams each weight on all threads. Built with -march=native.
+  * `glue_kernels()` (glue_kernels.cpp): RMSNorm (the residual add fused in front) and in-place RoPE,
+    one call each where ATen takes five or more small ops. Built with -march=native.
   * `quant_kernels()` (quant_kernels.cpp): q8/q4 block-quantized linear layers with integer dot
     products. Built for the baseline ISA; each fast path (AVX2, AVX-512 VNNI) carries its own target
     attribute and is picked at run time (`quant_isa()`), so one object runs on every x86-64 CPU.
@@ -84,6 +86,12 @@ def cpu_kernels() -> ModuleType | None:
     # to the libgomp torch already loaded (same soname), so torch.set_num_threads holds.
     return _module("module", "tokenmill_cpu_kernels", "cpu_kernels.cpp", ["-O3", "-march=native", "-fopenmp"],
                    "native CPU kernels", "the PyTorch paths")
+
+
+def glue_kernels() -> ModuleType | None:
+    """RMSNorm (with the residual add fused) and RoPE as one native call each, or None (logged once)."""
+    return _module("glue", "tokenmill_glue_kernels", "glue_kernels.cpp", ["-O3", "-march=native", "-fopenmp"],
+                   "native norm/RoPE kernels", "the PyTorch ops")
 
 
 def quant_kernels() -> ModuleType | None:

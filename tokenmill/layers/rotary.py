@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, signed sin), each [T, 1, head_dim]
@@ -31,6 +33,12 @@ class RotaryEmbedding:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim] → x·cos + rotate_half(x)·sin, in three ops."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                 native: ModuleType | None = None) -> torch.Tensor:
+    """x: [T, heads, head_dim] → x·cos + rotate_half(x)·sin: in three ATen ops, or with `native`
+    (kernels/glue_kernels.cpp) in place, in one call, where x is float32 with contiguous heads."""
+    if (native is not None and x.dtype == torch.float32 and cos.dtype == torch.float32 and x.stride(-1) == 1
+            and x.stride(1) == x.shape[-1] and cos.is_contiguous() and signed_sin.is_contiguous()):
+        native.rope_(x, cos, signed_sin)
+        return x
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

@@ -9,12 +9,14 @@ reads and writes the paged KV cache through `PagedAttention`; nothing here loops
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.errors import ModelFormatError
+from tokenmill.kernels import glue_kernels
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention, decode_kernel
 from tokenmill.layers.kv_cache import LayerKVCache
 from tokenmill.layers.linear import Embedding, Linear, LinearConfig, build_embedding, build_linear
@@ -35,6 +37,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_offset)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_offset)
         self.act = _ACTIVATIONS[arch.hidden_act]
+        self.rope_kernel: ModuleType | None = None  # native in-place RoPE (set by load() on CPU)
         # Set by load(): one Linear per (fused) weight matrix.
         self.qkv_proj: Linear
         self.o_proj: Linear
@@ -57,6 +60,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = linear(["mlp.down_proj.weight"])
         for name, norm in self.norms().items():
             norm.load(_take(tensors, p + name + ".weight").to(config.device), config.dtype)
+        self.rope_kernel = glue_kernels() if config.device.type == "cpu" else None
 
     def linears(self) -> dict[str, Linear]:
         return {"qkv_proj": self.qkv_proj, "o_proj": self.o_proj, "gate_up_proj": self.gate_up_proj,
@@ -72,9 +76,9 @@ class DecoderLayer(nn.Module):
         v = heads[:, num_heads + num_kv_heads:]
         if self.has_qk_norm:
             q, k = self.qk_norm(heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads])
-            return apply_rotary(q, *rope), apply_rotary(k, *rope), v
+            return apply_rotary(q, *rope, self.rope_kernel), apply_rotary(k, *rope, self.rope_kernel), v
         # q and k rotate together: one set of RoPE ops per layer instead of two.
-        qk = apply_rotary(heads[:, :num_heads + num_kv_heads], *rope)
+        qk = apply_rotary(heads[:, :num_heads + num_kv_heads], *rope, self.rope_kernel)
         return qk[:, :num_heads], qk[:, num_heads:], v
 
     has_qk_norm = False
@@ -94,8 +98,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RopeTables, attn: PagedAttention,
                 kv: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
-        h = x + self.attention(self.input_layernorm(x), rope, attn, kv, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # x is this forward's own residual stream (the embedding's or the previous layer's output), so
+        # the attention output is added into it in place, fused with the norm that reads the sum.
+        attended = self.attention(self.input_layernorm(x), rope, attn, kv, meta)
+        normed = self.post_attention_layernorm.add_forward(attended, x)
+        return x + self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):
