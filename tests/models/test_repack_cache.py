@@ -25,6 +25,7 @@ from tokenmill import LLM
 from tokenmill.kernels import quant_kernels
 from tokenmill.layers import quant_formats
 from tokenmill.layers.linear import QuantLinear
+from tokenmill.layers.weight_arena import HUGE_PAGES_ENV
 from tokenmill.models.loading import repack_cache
 
 T = GGMLQuantizationType
@@ -105,6 +106,9 @@ def test_warm_load_maps_the_cache_and_gives_identical_logits(
         quantization: str, make_gguf: Callable[[str], Path], home: Path, packs: PackCounter,
         monkeypatch: pytest.MonkeyPatch) -> None:
     path = make_gguf(f"roundtrip-{quantization}")
+    # The weights stay where they load (no huge-page copy, layers/weight_arena.py): the zero-copy
+    # check below reads the cache's own mapping.
+    monkeypatch.setenv(HUGE_PAGES_ENV, "0")
     monkeypatch.setenv(repack_cache.CACHE_ENV, "0")
     _, uncached = _load(path, quantization)
     assert not _cache_files(home)

@@ -26,6 +26,7 @@ different summation order, so outputs differ by rounding only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -121,6 +122,15 @@ class Linear(ABC):
     def storage(self) -> tuple[torch.Tensor, ...]:
         """The tensors holding the weights (to tell shared storage apart)."""
 
+    @property
+    def relocatable(self) -> tuple[torch.Tensor, ...]:
+        """Tensors `relocate` may move (layers/weight_arena.py); none unless a layer opts in."""
+        return ()
+
+    def relocate(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Swap each relocatable tensor for `place(tensor)` (a copy elsewhere, same values)."""
+        return None
+
 
 class DenseLinear(Linear):
     __slots__ = ("bias", "fn", "in_features", "out_features", "weight")
@@ -199,6 +209,17 @@ class QuantLinear(Linear):
     @property
     def storage(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.qs)
+
+    @property
+    def relocatable(self) -> tuple[torch.Tensor, ...]:
+        return (*self.qs, *self.scales, *self.offsets)
+
+    def relocate(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.segments = [dataclasses.replace(s, qs=place(s.qs), scale=place(s.scale), offset=place(s.offset))
+                         for s in self.segments]
+        self.qs = [s.qs for s in self.segments]
+        self.scales = [s.scale for s in self.segments]
+        self.offsets = [s.offset for s in self.segments]
 
 
 # ---- methods and their registry ------------------------------------------------------------------

@@ -22,6 +22,7 @@ from tokenmill.layers.kv_cache import LayerKVCache
 from tokenmill.layers.linear import Embedding, Linear, LinearConfig, build_embedding, build_linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
+from tokenmill.layers.weight_arena import WeightArena, relocate
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.loading.weights import LazyTensors
 
@@ -121,6 +122,7 @@ class LlamaForCausalLM(nn.Module):
         # Set by load_weights().
         self.embedding: Embedding
         self.lm_head: Linear
+        self.weight_arena: WeightArena | None = None  # the huge-page copy of the quantized weights
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, self.attention_scale(),
                                    arch.attn_logit_softcapping, arch.sliding_window,
                                    decode_kernel(attention_backend, device))
@@ -149,6 +151,9 @@ class LlamaForCausalLM(nn.Module):
             layer.load(tensors, config)
         if isinstance(tensors, LazyTensors):
             tensors.release_pages()
+        if self.device.type == "cpu":
+            # After the repack cache is written: the arena's copies replace the loaded tensors.
+            self.weight_arena = relocate(self.linears().values())
 
     def linears(self) -> dict[str, Linear]:
         """Every linear layer by name (lm_head included): for benchmarks and tests."""
