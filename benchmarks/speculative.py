@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 from typing import Any
 
@@ -123,12 +122,14 @@ def measure(llm: Any, messages: list[list[dict[str, str]]], max_tokens: int, rou
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     speculator = llm.core.speculator
     counter = StepCounter(llm.core)
-    llm.chat(messages[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up: kernels, allocator
+    # Warm-up with every prompt: kernels, allocator, and the prefix cache, which both modes then hit
+    # alike (a cold first run would pay every prompt's prefill for whichever mode went first).
+    llm.chat(messages, SamplingParams(max_tokens=4, temperature=0.0))
     rates: dict[str, list[float]] = {"spec": [], "plain": []}
     tokens: dict[str, list[list[int]]] = {}
     stats = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "steps": 0, "controller_off_steps": 0}
-    for _ in range(rounds):
-        for mode in ("spec", "plain"):
+    for round_index in range(rounds):
+        for mode in ("spec", "plain") if round_index % 2 == 0 else ("plain", "spec"):  # neither always goes first
             llm.core.speculator = speculator if mode == "spec" else None
             counter.reset()
             start = time.perf_counter()
@@ -244,26 +245,19 @@ def run_llama(args: argparse.Namespace) -> list[dict[str, Any]]:
     ]
     rates: dict[tuple[str, bool], list[float]] = {}
     for method, model, gguf, extra, messages, max_tokens in configs:
-        port = peers.free_port()
+        port = common.free_port()
         argv = [*llama_server.server_argv(binary, gguf, port, model, 1, 2048, args.threads), *extra]
-        log = (peers.LOG_DIR / f"llama_spec_{method}_{bool(extra)}.log")
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("w") as out:
-            process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-            try:
-                url = f"http://127.0.0.1:{port}"
-                peers._wait_ready(url + "/health", process)
-                body = {"model": model, "messages": messages[0], "max_tokens": max_tokens, "temperature": 0.0,
-                        "ignore_eos": True}
-                httpx.post(url + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=600)
-                for _ in range(args.rounds):
-                    start = time.perf_counter()
-                    reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=600).json()
-                    rate = reply["usage"]["completion_tokens"] / (time.perf_counter() - start)
-                    rates.setdefault((method, bool(extra)), []).append(rate)
-            finally:
-                process.terminate()
-                process.wait(timeout=30)
+        log = peers.LOG_DIR / f"llama_spec_{method}_{bool(extra)}.log"
+        url = f"http://127.0.0.1:{port}"
+        with common.server_process(argv, url + "/health", log, args.threads):
+            body = {"model": model, "messages": messages[0], "max_tokens": max_tokens, "temperature": 0.0,
+                    "ignore_eos": True}
+            httpx.post(url + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=600)
+            for _ in range(args.rounds):
+                start = time.perf_counter()
+                reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=600).json()
+                rate = reply["usage"]["completion_tokens"] / (time.perf_counter() - start)
+                rates.setdefault((method, bool(extra)), []).append(rate)
     rows = []
     for method in ("ngram", "draft"):
         spec, plain = statistics.median(rates[(method, True)]), statistics.median(rates[(method, False)])

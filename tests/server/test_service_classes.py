@@ -242,6 +242,15 @@ def test_official_client_sends_service_tier_and_gets_the_class_back(live: LiveSe
     assert mine.model_extra is not None and mine.model_extra["service_tier"] == "interactive"
 
 
+def test_every_streamed_chunk_carries_the_class(live: LiveServer) -> None:
+    client = live.client()
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, stream=True,
+                                                 service_tier="flex", stream_options={"include_usage": True}))
+    assert len(chunks) >= 3 and {c.service_tier for c in chunks} == {"batch"}
+    pieces = list(client.completions.create(model=MODEL, prompt="hi", max_tokens=3, stream=True))
+    assert pieces and all(p.model_extra is not None and p.model_extra["service_tier"] == "standard" for p in pieces)
+
+
 def test_a_bad_service_tier_is_an_openai_style_400(live: LiveServer) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         _chat(live.client(), max_tokens=2, service_tier="scale")

@@ -51,7 +51,8 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
     service_class = service_class_for(request, body, ServiceClass.INTERACTIVE)
     run, response_id = start_run(state, request, inputs.children, "chatcmpl", body.priority, service_class)
-    ctx = _Context(body, prompt, texts, response_id, state.config.served_model_name, now_s(), inputs.tools)
+    ctx = _Context(body, prompt, texts, response_id, state.config.served_model_name, now_s(), service_class.value,
+                   inputs.tools)
     if body.stream:
         return sse_response(run, _ChatChunks(ctx), state)
     last = await collect(run, request)
@@ -59,8 +60,7 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     usage = Usage.of(len(prompt.token_ids), sum(len(u.output.token_ids) for u in last.values()),
                      cached_prompt_tokens(last.values()))
     response = ChatResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage,
-                            tokenmill=Timings.of(last.values()).extension(),
-                            service_tier=service_class.value)
+                            tokenmill=Timings.of(last.values()).extension(), service_tier=ctx.service_tier)
     return JSONResponse(response.model_dump(mode="json"))
 
 
@@ -72,6 +72,7 @@ class _Context:
     response_id: str
     model: str
     created: int
+    service_tier: str  # the class the request runs in, on the response and on every streamed chunk
     tools: ToolPlan | None = None  # the answer may hold tool calls: parse them out
 
     def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
@@ -145,4 +146,4 @@ class _ChatChunks:
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None) -> ChatChunk:
         return ChatChunk(id=self.ctx.response_id, created=self.ctx.created, model=self.ctx.model, choices=choices,
-                         usage=usage)
+                         usage=usage, service_tier=self.ctx.service_tier)

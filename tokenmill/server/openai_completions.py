@@ -38,7 +38,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
     service_class = service_class_for(request, body, ServiceClass.STANDARD)
     run, response_id = start_run(state, request, inputs.children, "cmpl", body.priority, service_class)
-    ctx = _Context(body, inputs.prompts, texts, response_id, state.config.served_model_name, now_s())
+    ctx = _Context(body, inputs.prompts, texts, response_id, state.config.served_model_name, now_s(),
+                   service_class.value)
     if body.stream:
         return sse_response(run, _CompletionChunks(ctx), state)
     last = await collect(run, request)
@@ -47,7 +48,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     usage = Usage.of(ctx.num_prompt_tokens, sum(len(u.output.token_ids) for u in last.values()),
                      cached_prompt_tokens(last.values()))
     response = CompletionResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage,
-                                  tokenmill=Timings.of(last.values()).extension(), service_tier=service_class.value)
+                                  tokenmill=Timings.of(last.values()).extension(), service_tier=ctx.service_tier)
     return JSONResponse(response.model_dump(mode="json"))
 
 
@@ -59,6 +60,7 @@ class _Context:
     response_id: str
     model: str
     created: int
+    service_tier: str  # the class the request runs in, on the response and on every streamed chunk
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -126,7 +128,7 @@ class _CompletionChunks:
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.ctx.response_id, created=self.ctx.created, model=self.ctx.model,
-                                  choices=choices, usage=usage)
+                                  choices=choices, usage=usage, service_tier=self.ctx.service_tier)
 
 
 def _next_offset(logprobs: CompletionLogprobs | None, offset: int) -> int:

@@ -345,6 +345,7 @@ class ChatChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    service_tier: str | None = Field(default=None, exclude_if=_omit_none)  # the class the request runs in
     tokenmill: TokenmillExtension | None = Field(default=None, exclude_if=_omit_none)
 
 
