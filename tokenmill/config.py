@@ -119,9 +119,13 @@ class ServiceClassConfig:
     # An interactive prompt advances at least this many tokens a step, even when the running
     # interactive decodes alone fill the target (else its TTFT would be unbounded).
     min_prefill_chunk: int = 16
+    # Synthetic steps run at engine start to fit the step-time model before the first request
+    # (engine/calibration.py); 0: learn from live traffic only. `tokenmill serve` sets 24.
+    calibration_steps: int = 0
 
     def __post_init__(self) -> None:
         _require(0.0 < self.step_time_margin <= 1.0, "step_time_margin must be in (0, 1]")
+        _require(self.calibration_steps >= 0, "calibration_steps must be >= 0")
         _require(self.min_step_samples >= 1, "min_step_samples must be positive")
         _require(self.unfitted_step_tokens >= 1, "unfitted_step_tokens must be positive")
         _require(self.min_prefill_chunk >= 1, "min_prefill_chunk must be positive")

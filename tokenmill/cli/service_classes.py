@@ -32,6 +32,9 @@ def add_service_class_arguments(parser: Any) -> None:
                             "a body service_tier or the x-tokenmill-service-tier header still overrides it")
     group.add_argument("--interactive-queue-reserve", type=float, default=0.25, metavar="FRACTION",
                        help="share of --max-queue-requests/--max-queue-tokens only interactive requests may fill")
+    group.add_argument("--calibration-steps", type=int, default=24, metavar="N",
+                       help="synthetic steps at start-up that fit the step-time model before the first request "
+                            "(0: learn from live traffic only)")
     group.add_argument("--no-slo-scheduling", action="store_true",
                        help="schedule without regard to classes (they still label metrics and logs)")
 
@@ -43,8 +46,11 @@ def service_class_config(args: argparse.Namespace) -> ServiceClassConfig:
     for item in args.slo:
         service_class, spec = _split_slo(item)
         targets[service_class] = _parse_targets(item, spec, targets[service_class])
+    if args.calibration_steps < 0:
+        raise TokenmillError(f"--calibration-steps must be >= 0, got {args.calibration_steps}")
     return ServiceClassConfig(enabled=not args.no_slo_scheduling, interactive=targets[ServiceClass.INTERACTIVE],
-                              standard=targets[ServiceClass.STANDARD], batch=targets[ServiceClass.BATCH])
+                              standard=targets[ServiceClass.STANDARD], batch=targets[ServiceClass.BATCH],
+                              calibration_steps=args.calibration_steps)
 
 
 def _split_slo(item: str) -> tuple[ServiceClass, str]:
