@@ -2,6 +2,7 @@
 
     python benchmarks/peers.py                       # both models, all three archetypes, ~10-15 min
     python benchmarks/peers.py --models smollm2-135m --workloads dataproc
+    python benchmarks/peers.py --models qwen2.5-coder-0.5b --workloads burst16 burst64 --slots 64
 
 Each server runs alone (ggml's threads spin: never beside another busy process), with the same
 thread count and the same number of parallel sequences; both get the very same sessions (cut
@@ -61,7 +62,12 @@ SIZES: dict[str, tuple[WorkloadParams, str, ArrivalOptions]] = {
     "agent": (WorkloadParams(num_sessions=3, turns=3, input_len=64, output_len=24, system_len=384),
               "poisson", ArrivalOptions(rate=0.5)),
     "dataproc": (WorkloadParams(num_sessions=12, turns=1, input_len=96, output_len=32), "burst", ArrivalOptions()),
+    # Issue 11's concurrency runs: 16 and 64 requests of ~110 prompt tokens and 64 output tokens at
+    # once (with --slots 64, as `llama-server -np 64`); each lasts 30 s or more on 2 cores.
+    "burst16": (WorkloadParams(num_sessions=16, turns=1, input_len=110, output_len=64), "burst", ArrivalOptions()),
+    "burst64": (WorkloadParams(num_sessions=64, turns=1, input_len=110, output_len=64), "burst", ArrivalOptions()),
 }
+DEFAULT_WORKLOADS = ("chatbot", "agent", "dataproc")
 
 
 @dataclass(slots=True)
@@ -294,7 +300,7 @@ def _markdown(report: Report, settings: Settings, command: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS))
-    parser.add_argument("--workloads", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--workloads", nargs="+", default=list(DEFAULT_WORKLOADS), choices=list(SIZES))
     parser.add_argument("--slots", type=int, default=8, help="llama-server -np; tokenmill --max-num-seqs")
     parser.add_argument("--ctx-per-slot", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=2)
