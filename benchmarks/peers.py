@@ -9,7 +9,8 @@ thread count and the same number of parallel sequences; both get the very same s
 once, with the first server's tokenizer: both read the GGUF's vocabulary) and arrival times
 (same seed). Before each run the script waits for the machine to go quiet and records how many
 cores other processes used during the run (`others_cores`: well above 0.1 means noise).
-Writes benchmarks/results/peers_<date>.{json,md} and one CDF plot per model and archetype.
+Writes benchmarks/results/peers_<date>.{json,md} (peers_burst_<date> for the burst runs) and one CDF
+plot per model and archetype.
 llama-server is built on first use into .cache/llama.cpp/ (see llama_server.py; 10-15+ min).
 """
 
@@ -184,8 +185,9 @@ class NoiseMeter:
 
 def bench_config(workload: str, seed: int) -> BenchConfig:
     params, arrival, options = SIZES[workload]
-    slo = get_workload(workload).default_slo()
-    return BenchConfig(workload, params, arrival, options, slo=slo, seed=seed)
+    base = workload.rstrip("0123456789").replace("burst", "dataproc")  # burst16 / burst64: dataproc bursts
+    slo = get_workload(base).default_slo()
+    return BenchConfig(base, params, arrival, options, slo=slo, seed=seed)
 
 
 async def run_server(server: str, url: str, pid: int, model: str, workloads: list[str], settings: Settings,
@@ -247,7 +249,10 @@ def environment(settings: Settings) -> dict[str, Any]:
 
 
 def write_report(report: Report, settings: Settings, command: list[str]) -> list[Path]:
-    stem = RESULTS_DIR / f"peers_{dt.date.today().isoformat()}"
+    # The burst (concurrency) runs get their own files, so they never replace the archetype report.
+    workloads = {w for pairs in report.values() for w in pairs}
+    kind = "burst_" if workloads and all(w.startswith("burst") for w in workloads) else ""
+    stem = RESULTS_DIR / f"peers_{kind}{dt.date.today().isoformat()}"
     plots = [_plot(stem, model, workload, pair) for model, pairs in report.items() for workload, pair in pairs.items()]
     doc = {"schema": "tokenmill-peers/1", "date": dt.date.today().isoformat(), "command": command,
            "environment": environment(settings), "sizes": {w: s[0].as_dict() for w, s in SIZES.items()},

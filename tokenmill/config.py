@@ -112,13 +112,19 @@ class ServiceClassConfig:
     batch: SLOTarget = SLOTarget()
     # Steps are planned to this fraction of the TPOT target: the rest pays for what happens between
     # steps (output processing, detokenization, streaming), which the step-time model does not see.
-    step_time_margin: float = 0.9
+    step_time_margin: float = 0.8
     min_step_samples: int = 16  # measured steps before the step-time fit is trusted
     # Until then, a step holding protected decodes carries at most this many tokens in all.
     unfitted_step_tokens: int = 32
     # An interactive prompt advances at least this many tokens a step, even when the running
     # interactive decodes alone fill the target (else its TTFT would be unbounded).
     min_prefill_chunk: int = 16
+    # While interactive traffic is recent (a request of the class seen within interactive_recent_s),
+    # even steps without protected work end within arrival_step_share x the interactive TTFT target:
+    # a chat that arrives while a batch prefill runs waits at most that long for its first step.
+    # Steps are capped in time, not in share: the batch work still has the whole machine.
+    arrival_step_share: float = 0.25
+    interactive_recent_s: float = 60.0
     # Synthetic steps run at engine start to fit the step-time model before the first request
     # (engine/calibration.py); 0: learn from live traffic only. `tokenmill serve` sets 24.
     calibration_steps: int = 0
@@ -126,6 +132,8 @@ class ServiceClassConfig:
     def __post_init__(self) -> None:
         _require(0.0 < self.step_time_margin <= 1.0, "step_time_margin must be in (0, 1]")
         _require(self.calibration_steps >= 0, "calibration_steps must be >= 0")
+        _require(0.0 <= self.arrival_step_share <= 1.0, "arrival_step_share must be in [0, 1]")
+        _require(self.interactive_recent_s >= 0, "interactive_recent_s must be >= 0")
         _require(self.min_step_samples >= 1, "min_step_samples must be positive")
         _require(self.unfitted_step_tokens >= 1, "unfitted_step_tokens must be positive")
         _require(self.min_prefill_chunk >= 1, "min_prefill_chunk must be positive")

@@ -208,6 +208,22 @@ def _trace(sched: Scheduler, requests: list[Request], steps: int) -> list[list[t
     return [_plan(_step(sched)) for _ in range(steps)]
 
 
+def test_after_interactive_traffic_batch_steps_end_within_a_share_of_the_ttft_target() -> None:
+    """A chat that arrives during a batch prefill waits for the step in flight: while chats are
+    recent, steps without protected work stay under arrival_step_share x the interactive TTFT target
+    (FIT: 10 ms + 1 ms a token; 0.25 x 1 s -> 240 tokens); before any chat, the whole budget."""
+    sched = _scheduler(num_blocks=512, budget=1024, arrival_step_share=0.25)
+    sched.add(_request("b0", 600, arrival=0, cls=BAT))
+    assert _plan(_step(sched)) == [("b0", 0, 600)]  # no chat seen yet: one step, whole prompt
+    sched.add(_request("i0", 4, arrival=1, cls=INT, max_tokens=1))
+    _step(sched)  # the chat runs (and finishes): interactive traffic is now recent
+    assert "i0" not in sched.requests
+    sched.add(_request("b1", 600, arrival=2, cls=BAT))
+    assert _plan(_step(sched)) == [("b0", 601, 1), ("b1", 0, 239)]  # 240 tokens in all: b0's decode + a chunk
+    sched.classes = _classes(arrival_step_share=0.25, interactive_recent_s=0.0)
+    assert _plan(_step(sched)) == [("b0", 602, 1), ("b1", 239, 361)]  # the chat is no longer recent
+
+
 def test_batch_alone_is_scheduled_exactly_as_without_classes() -> None:
     def requests(cls: ServiceClass) -> list[Request]:
         return [_request(f"r{i}", 4 + i, arrival=i, cls=cls, max_tokens=5 + i) for i in range(12)]

@@ -86,6 +86,7 @@ class Scheduler:
         self.last_plan = ClassStepStats()
         self._step_index = 0
         self._last_scheduled: dict[str, int] = {}  # request id -> the step it last ran in (rotation)
+        self._interactive_seen_s: float | None = None  # monotonic time an interactive request was last present
 
     @property
     def has_work(self) -> bool:
@@ -109,9 +110,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         protected = self._protected_class()
+        if protected is ServiceClass.INTERACTIVE:
+            self._interactive_seen_s = time.monotonic()
         limit = None
         if protected is None:
-            budget = self._schedule_running(out, list(self.running), self.config.max_num_batched_tokens, set())
+            budget = self._schedule_running(out, list(self.running), self._unprotected_budget(), set())
             if out.num_preempted == 0:
                 self._schedule_waiting(out, budget)
         else:
@@ -139,6 +142,19 @@ class Scheduler:
         if protected is ServiceClass.INTERACTIVE or any(c.rank > protected.rank for c in present):
             return protected
         return None
+
+    def _unprotected_budget(self) -> int:
+        """A step's tokens with no protected work: all of max_num_batched_tokens, unless interactive
+        requests were here within interactive_recent_s: then what the fit says ends within
+        arrival_step_share x their TTFT target (the running sequences' tokens always fit)."""
+        full = self.config.max_num_batched_tokens
+        now = time.monotonic()
+        ttft_s, fit = self.classes.interactive.ttft_s, self.step_time.fit()
+        if (not self.classes.enabled or ttft_s is None or fit is None or self._interactive_seen_s is None
+                or now - self._interactive_seen_s > self.classes.interactive_recent_s):
+            return full
+        tokens = fit.tokens_within(self.classes.arrival_step_share * ttft_s, len(self.running))
+        return full if tokens is None else min(full, max(tokens, len(self.running), self.classes.min_prefill_chunk))
 
     def _step_limit(self, protected: ServiceClass) -> StepTimeLimit:
         tpot_s = self.classes.target(protected).tpot_s
