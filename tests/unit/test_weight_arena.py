@@ -41,3 +41,26 @@ def test_nothing_moves_when_huge_pages_are_off(monkeypatch: pytest.MonkeyPatch) 
     layer = _layer(8, "q8", 3)
     ptr = layer.qs[0].data_ptr()
     assert weight_arena.relocate([layer]) is None and layer.qs[0].data_ptr() == ptr
+
+
+def test_file_pages_are_released_and_anonymous_memory_is_never_touched(tmp_path: pytest.TempPathFactory) -> None:
+    import mmap
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "weights.bin"
+    data = torch.arange(4 * mmap.PAGESIZE, dtype=torch.uint8)
+    path.write_bytes(data.numpy().tobytes())
+    with path.open("rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    from_file = torch.frombuffer(mapped, dtype=torch.uint8)
+    assert int(from_file.sum()) == int(data.sum())  # fault every page in
+    anonymous = data.clone()
+    ranges = weight_arena._file_backed_ranges()
+    assert any(lo <= from_file.data_ptr() < hi for lo, hi in ranges)
+    assert not any(lo <= anonymous.data_ptr() < hi for lo, hi in ranges)
+    weight_arena._release_file_pages(anonymous, ranges)  # not file-backed: left alone
+    assert torch.equal(anonymous, data)
+    weight_arena._release_file_pages(from_file, ranges)  # dropped from RSS, read back from the file
+    assert torch.equal(from_file, data)
+    del from_file
+    mapped.close()
