@@ -410,3 +410,36 @@ def test_dashboard_has_slo_attainment_by_class() -> None:
     exprs = [t["expr"] for t in panel["targets"]]
     assert all("tokenmill:slo_met_total" in e and "tokenmill:slo_requests_total" in e for e in exprs)
     assert all("by (service_class)" in e for e in exprs) and any('slo="all"' in e for e in exprs)
+
+
+def test_the_engine_calibrates_while_idle_and_a_request_meanwhile_is_served(tiny_model_dir: Any) -> None:
+    """engine/calibration.py in the engine thread: a request sent while the synthetic steps run is
+    answered exactly as by an engine that never calibrated, and calibration then ends for good."""
+    import asyncio
+    from dataclasses import replace
+
+    from tests.server.conftest import tiny_engine_config
+    from tokenmill.engine.request import SamplingParams
+
+    base = tiny_engine_config(tiny_model_dir)
+    classes = ServiceClassConfig(calibration_steps=24)
+    calibrating = AsyncEngine.from_config(replace(base, scheduler=replace(base.scheduler, service_classes=classes)))
+    plain = AsyncEngine.from_config(base)
+
+    async def tokens(engine: AsyncEngine) -> list[int]:
+        last = None
+        async for out in engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=8, temperature=0.0)):
+            last = out
+        assert last is not None
+        return list(last.outputs[0].token_ids)
+
+    try:
+        assert calibrating.calibration is not None
+        first = asyncio.run(tokens(calibrating))  # lands during calibration (or right after it)
+        assert first == asyncio.run(tokens(plain))
+        wait_until(lambda: calibrating.calibration is not None and not calibrating.calibration.active, 30)
+        assert not calibrating.core.scheduler.requests  # no synthetic request left behind
+        assert asyncio.run(tokens(calibrating)) == first
+    finally:
+        calibrating.shutdown()
+        plain.shutdown()

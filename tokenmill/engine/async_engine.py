@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.calibration import IdleCalibration
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.inputs import EncodedPrompt, RequestLimits
 from tokenmill.engine.llm_engine import LLMEngine
@@ -87,6 +88,10 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopped = False
         self._ids = itertools.count()
+        classes = loaded.core.config.scheduler.service_classes
+        # The step-time fit, from synthetic steps while the fresh engine idles (engine/calibration.py).
+        self.calibration = (IdleCalibration(self.engine.core, classes.calibration_steps)
+                            if classes.enabled and classes.calibration_steps else None)
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
 
@@ -169,6 +174,12 @@ class AsyncEngine:
                 aborted = self._drain_commands()
                 if aborted:
                     self._publish(self.engine.stats(), aborted)
+                calibration = self.calibration
+                if calibration is not None and calibration.active:
+                    if not calibration.has_other_work():
+                        calibration.step()
+                        continue
+                    calibration.stop()  # real work came: its synthetic requests go, the samples stay
                 if not self.engine.has_unfinished:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()

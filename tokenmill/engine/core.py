@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.calibration import calibrate
 from tokenmill.engine.inputs import RequestLimits
 from tokenmill.engine.interfaces import RunnerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
@@ -70,9 +69,6 @@ class EngineCore:
                  kv_spec.describe(), num_blocks * block_size, num_blocks, block_size,
                  self.runner.kv_cache_bytes / 2**20, kv_spec.bytes_per_token(arch.num_kv_heads, arch.head_dim)
                  * arch.num_layers, arch.num_layers)
-        classes = config.scheduler.service_classes
-        if classes.enabled and classes.calibration_steps:
-            calibrate(self, classes.calibration_steps)
         log.info("engine ready: %s, %d KV blocks of %d tokens, context %d, %s on %s",
                  arch.architecture, num_blocks, block_size, self.max_model_len, dtype, device)
 
