@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
+from tokenmill.layers.weight_arena import release_free_memory
 from tokenmill.models.loading.tokenizer import Tokenizer
 from tokenmill.models.loading.weights import load_checkpoint
 from tokenmill.models.resolve import ModelSource, resolve_model
@@ -33,6 +35,9 @@ def load_engine(config: EngineConfig) -> LoadedEngine:
     tokenizer = load_tokenizer(source)
     checkpoint = load_checkpoint(source.path, source.format)
     core = EngineCore(config, checkpoint.arch, checkpoint.tensors)
+    del checkpoint  # the loader's tensors (and a repack cache's packed copies) are garbage now
+    gc.collect()
+    release_free_memory()
     elapsed = time.monotonic() - started
     log.info("loaded %s from %s in %.1f s", source.name, source.path, elapsed)
     return LoadedEngine(core, tokenizer, source, elapsed)
