@@ -59,3 +59,17 @@ def test_real_work_stops_idle_calibration_at_once_and_the_samples_stay() -> None
             out.extend(o.new_token_ids)
     assert out == _run(_core(), prompts)[0]
 
+
+
+def test_a_real_request_is_never_run_by_a_synthetic_step() -> None:
+    """After a wave finishes, its ids are stale: a real request added then must still count as other
+    work, and step() must not run it (its tokens would be lost)."""
+    core = _core()
+    calibration = IdleCalibration(core, 24)
+    calibration.step()
+    while core.scheduler.requests:  # let the first wave finish outside the calibration
+        core.step()
+    core.add_request("real", random_prompts([5], seed=6)[0], greedy(4), ())
+    assert calibration.has_other_work()
+    calibration.step()
+    assert core.scheduler.requests["real"].num_computed_tokens == 0  # untouched

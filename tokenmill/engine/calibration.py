@@ -49,11 +49,12 @@ class IdleCalibration:
         self._wave = 0
 
     def has_other_work(self) -> bool:
-        """Requests in the engine that are not this calibration's."""
-        return len(self.core.scheduler.requests) > len(self._in_flight)
+        """Requests in the engine that are not this calibration's (a synthetic step must never
+        run one: its tokens would go to nobody)."""
+        return any(request_id not in self._in_flight for request_id in self.core.scheduler.requests)
 
     def step(self) -> None:
-        if not self.active:
+        if not self.active or self.has_other_work():
             return
         self._in_flight &= set(self.core.scheduler.requests)  # the finished ones are gone
         if not self._in_flight and not self._add_wave():
