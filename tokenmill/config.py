@@ -125,8 +125,9 @@ class ServiceClassConfig:
     # Steps are capped in time, not in share: the batch work still has the whole machine.
     arrival_step_share: float = 0.25
     interactive_recent_s: float = 60.0
-    # Synthetic steps run at engine start to fit the step-time model before the first request
-    # (engine/calibration.py); 0: learn from live traffic only. `tokenmill serve` sets 24.
+    # Synthetic steps that fit the step-time model while a fresh server's engine idles, stopped by
+    # the first real request (engine/calibration.py); 0: learn from live traffic only. `tokenmill
+    # serve` sets 24.
     calibration_steps: int = 0
 
     def __post_init__(self) -> None:

@@ -33,8 +33,8 @@ def add_service_class_arguments(parser: Any) -> None:
     group.add_argument("--interactive-queue-reserve", type=float, default=0.25, metavar="FRACTION",
                        help="share of --max-queue-requests/--max-queue-tokens only interactive requests may fill")
     group.add_argument("--calibration-steps", type=int, default=24, metavar="N",
-                       help="synthetic steps at start-up that fit the step-time model before the first request "
-                            "(0: learn from live traffic only)")
+                       help="synthetic steps that fit the step-time model while the new server idles, stopped by "
+                            "the first request (0: learn from live traffic only)")
     group.add_argument("--no-slo-scheduling", action="store_true",
                        help="schedule without regard to classes (they still label metrics and logs)")
 

@@ -44,7 +44,6 @@ class IdleCalibration:
         self.steps = 0
         self.active = max_steps > 0
         self._rng = random.Random(seed)
-        self._waves = list(_WAVES)
         self._in_flight: set[str] = set()
         self._wave = 0
 
@@ -75,9 +74,9 @@ class IdleCalibration:
             _log_fit(self.core.scheduler.step_time.fit(), self.steps)
 
     def _add_wave(self) -> bool:
-        if self._wave >= len(self._waves):
+        if self._wave >= len(_WAVES):
             return False
-        prompt_len, count, output_len = self._waves[self._wave]
+        prompt_len, count, output_len = _WAVES[self._wave]
         prompt_len = max(1, min(prompt_len, self.core.max_model_len - output_len - 1))
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         vocab = self.core.limits.vocab_size

@@ -79,8 +79,10 @@ class ClassScheduling:
         if (not self.classes.enabled or ttft_s is None or fit is None or self._interactive_seen_s is None
                 or now - self._interactive_seen_s > self.classes.interactive_recent_s):
             return full
-        tokens = fit.tokens_within(self.classes.arrival_step_share * ttft_s, len(self.running))
-        return full if tokens is None else min(full, max(tokens, len(self.running), self.classes.min_prefill_chunk))
+        # The tokens one more sequence may add to a step of the other running ones, under the cap.
+        limit = StepTimeLimit(self.classes.arrival_step_share * ttft_s, fit, full)
+        tokens = limit.max_new_tokens(0, len(self.running) - 1)
+        return min(full, max(tokens, len(self.running), self.classes.min_prefill_chunk))
 
     def _step_limit(self, protected: ServiceClass) -> StepTimeLimit:
         tpot_s = self.classes.target(protected).tpot_s

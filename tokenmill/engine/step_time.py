@@ -37,13 +37,6 @@ class StepTimeFit:
     def predict(self, num_tokens: int, num_seqs: int) -> float:
         return self.base_s + self.per_token_s * num_tokens + self.per_seq_s * num_seqs
 
-    def tokens_within(self, seconds: float, num_seqs: int) -> int | None:
-        """The most tokens a step over num_seqs sequences may hold to take at most `seconds` (None:
-        tokens cost nothing in this fit, so any number fits)."""
-        if self.per_token_s <= 0:
-            return None
-        return max(int((seconds - self.base_s - self.per_seq_s * num_seqs) / self.per_token_s), 0)
-
 
 class StepTimeModel(ABC):
     @abstractmethod

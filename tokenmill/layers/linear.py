@@ -173,11 +173,7 @@ class QuantLinear(Linear):
                  module: Any, isa: str, passes: int = 2) -> None:
         if passes not in (1, 2):
             raise ValueError(f"activation passes must be 1 or 2, not {passes}")
-        self.segments = segments
-        self.qs = [s.qs for s in segments]
-        self.scales = [s.scale for s in segments]
-        self.offsets = [s.offset for s in segments]
-        self.rows = [s.rows for s in segments]
+        self._set_segments(segments)
         self.bias = None if bias is None else bias.float().contiguous()
         self.dtype = dtype
         self.module = module
@@ -215,11 +211,16 @@ class QuantLinear(Linear):
         return (*self.qs, *self.scales, *self.offsets)
 
     def relocate(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.segments = [dataclasses.replace(s, qs=place(s.qs), scale=place(s.scale), offset=place(s.offset))
-                         for s in self.segments]
-        self.qs = [s.qs for s in self.segments]
-        self.scales = [s.scale for s in self.segments]
-        self.offsets = [s.offset for s in self.segments]
+        self._set_segments([dataclasses.replace(s, qs=place(s.qs), scale=place(s.scale), offset=place(s.offset))
+                            for s in self.segments])
+
+    def _set_segments(self, segments: list[qf.QuantMatrix]) -> None:
+        """The segments and, per segment, the tensors and row counts the kernel call takes."""
+        self.segments = segments
+        self.qs = [s.qs for s in segments]
+        self.scales = [s.scale for s in segments]
+        self.offsets = [s.offset for s in segments]
+        self.rows = [s.rows for s in segments]
 
 
 # ---- methods and their registry ------------------------------------------------------------------

@@ -50,6 +50,9 @@ QuantFormat = Literal["q8", "q4"]
 QUANT_FORMATS: tuple[QuantFormat, ...] = ("q8", "q4")
 BLOCK = 32
 ROW_GROUP = 8  # output rows interleaved per group (the kernel's 8 int32 lanes)
+# 16-byte chunks per (group, block), each 8 rows x 2 bytes: q8 16 (a column pair of int8 per row),
+# q4 8 (two column pairs per row, in the bytes' low and high nibbles).
+_PAIRS: dict[str, int] = {"q8": 16, "q4": 8}
 QUANT_LAYOUT_VERSION = 2  # bump when packed bytes change meaning: it keys the on-disk cache (loading/repack_cache.py)
 _T = GGMLQuantizationType
 # GGUF type → (format, exact). Exact: the packed weights equal gguf's own dequantization bit for bit.
@@ -101,7 +104,7 @@ class QuantMatrix:
 def packed_shapes(fmt: QuantFormat, rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """(qs shape, scale/offset shape) of a [rows, cols] matrix in the kernel layout."""
     groups, nb = -(-rows // ROW_GROUP), cols // BLOCK
-    return (groups, nb * (256 if fmt == "q8" else 128)), (groups, nb * ROW_GROUP)
+    return (groups, nb * _PAIRS[fmt] * ROW_GROUP * 2), (groups, nb * ROW_GROUP)
 
 
 def interleave(fmt: QuantFormat, qs: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> QuantMatrix:
@@ -115,7 +118,7 @@ def interleave(fmt: QuantFormat, qs: torch.Tensor, scale: torch.Tensor, offset: 
         offset = None if offset is None else torch.cat([offset, offset.new_zeros(pad, nb)])
     groups = (rows + pad) // ROW_GROUP
     # [G, 8 rows, nb, pairs, 2] → [G, nb, pairs, 8 rows, 2]: (16 pairs of int8 | 8 pairs of nibble bytes)
-    pairs = 16 if fmt == "q8" else 8
+    pairs = _PAIRS[fmt]
     packed = qs.reshape(groups, ROW_GROUP, nb, pairs, 2).permute(0, 2, 3, 1, 4).reshape(groups, -1).contiguous()
 
     def lanes(t: torch.Tensor) -> torch.Tensor:
@@ -127,7 +130,7 @@ def interleave(fmt: QuantFormat, qs: torch.Tensor, scale: torch.Tensor, offset: 
 def row_major(mat: QuantMatrix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """interleave's inverse: (qs, scale, offset) row-major, padding rows dropped."""
     groups, nb = mat.qs.shape[0], mat.cols // BLOCK
-    pairs = 16 if mat.fmt == "q8" else 8
+    pairs = _PAIRS[mat.fmt]
     qs = mat.qs.reshape(groups, nb, pairs, ROW_GROUP, 2).permute(0, 3, 1, 2, 4).reshape(groups * ROW_GROUP, -1)
 
     def rows_of(t: torch.Tensor) -> torch.Tensor:

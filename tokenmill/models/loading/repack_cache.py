@@ -184,13 +184,14 @@ class RepackCache:
 
     def _segment(self, entry: str, index: int, fmt: str, rows: int, cols: int) -> qf.QuantMatrix:
         prefix = f"{entry}#{index}."
-        qs_shape, lane_shape = qf.packed_shapes("q8" if fmt == "q8" else "q4", rows, cols)
-        qs = _checked(self._tensors, prefix + "qs", torch.int8 if fmt == "q8" else torch.uint8, qs_shape)
+        quant: qf.QuantFormat = "q8" if fmt == "q8" else "q4"
+        qs_shape, lane_shape = qf.packed_shapes(quant, rows, cols)
+        qs = _checked(self._tensors, prefix + "qs", torch.int8 if quant == "q8" else torch.uint8, qs_shape)
         scale = _checked(self._tensors, prefix + "scale", torch.float32, lane_shape)
         offset = torch.empty(0)
-        if fmt == "q4":
+        if quant == "q4":
             offset = _checked(self._tensors, prefix + "offset", torch.float32, lane_shape)
-        return qf.QuantMatrix("q8" if fmt == "q8" else "q4", qs, scale, offset, rows)
+        return qf.QuantMatrix(quant, qs, scale, offset, rows)
 
     # -- writing ---------------------------------------------------------------------------------
 
