@@ -206,3 +206,18 @@ def test_logprobs_accumulate_only_when_asked() -> None:
     completion = last.output.outputs[0]
     assert completion.logprobs == lps
     assert completion.cumulative_logprob == -2.0
+
+
+def test_an_earlier_output_keeps_its_own_tokens_and_logprobs_after_later_steps() -> None:
+    """A streaming handler may render update k after step k + 1 was processed (CI caught it as a
+    fuzzed stream whose logprobs outnumbered its tokens): each output is a snapshot."""
+    processor = OutputProcessor(FakeTokenizer(["a", "b"]))
+    processor.add("r", None, [5], SamplingParams(logprobs=1))
+    first = process(processor, EngineOutput(request_id="r", new_token_ids=[1], new_logprobs=[TokenLogprob(1, -0.5, 1, [])],
+                                            finish_reason=None, num_prompt_tokens=1, num_cached_tokens=0))
+    process(processor, EngineOutput(request_id="r", new_token_ids=[2], new_logprobs=[TokenLogprob(2, -1.0, 1, [])],
+                                    finish_reason=FinishReason.LENGTH, num_prompt_tokens=1, num_cached_tokens=0))
+    assert first is not None
+    completion = first.output.outputs[0]
+    assert completion.token_ids == [1]
+    assert completion.logprobs is not None and len(completion.logprobs) == 1

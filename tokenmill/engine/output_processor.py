@@ -84,8 +84,10 @@ class OutputProcessor:
             del self.states[out.request_id]
         delta = self._emit(state, finished)
         metrics = None if out.times is None else RequestMetrics.from_times(out.times, out.num_cached_tokens, out.spec)
+        # Snapshots, not the live lists: the server renders an update on its own thread, possibly
+        # after this processor has appended the next step's tokens; ids and logprobs must agree.
         completion = CompletionOutput(state.index, state.text[:state.num_emitted_chars], list(state.token_ids),
-                                      state.logprobs if state.params.logprobs is not None else None,
+                                      list(state.logprobs) if state.params.logprobs is not None else None,
                                       finish, stop_reason, delta, len(out.new_token_ids))
         result = RequestOutput(out.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
                                metrics, out.num_cached_tokens)
