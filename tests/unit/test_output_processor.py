@@ -213,10 +213,13 @@ def test_an_earlier_output_keeps_its_own_tokens_and_logprobs_after_later_steps()
     fuzzed stream whose logprobs outnumbered its tokens): each output is a snapshot."""
     processor = OutputProcessor(FakeTokenizer(["a", "b"]))
     processor.add("r", None, [5], SamplingParams(logprobs=1))
-    first = process(processor, EngineOutput(request_id="r", new_token_ids=[1], new_logprobs=[TokenLogprob(1, -0.5, 1, [])],
-                                            finish_reason=None, num_prompt_tokens=1, num_cached_tokens=0))
-    process(processor, EngineOutput(request_id="r", new_token_ids=[2], new_logprobs=[TokenLogprob(2, -1.0, 1, [])],
-                                    finish_reason=FinishReason.LENGTH, num_prompt_tokens=1, num_cached_tokens=0))
+    def step(token_id: int, finish: FinishReason | None) -> ProcessedOutput | None:
+        return process(processor, EngineOutput(request_id="r", new_token_ids=[token_id],
+                                               new_logprobs=[TokenLogprob(token_id, -0.5, 1, [])],
+                                               finish_reason=finish, num_prompt_tokens=1, num_cached_tokens=0))
+
+    first = step(1, None)
+    step(2, FinishReason.LENGTH)
     assert first is not None
     completion = first.output.outputs[0]
     assert completion.token_ids == [1]
