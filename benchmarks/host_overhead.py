@@ -13,7 +13,14 @@ PhaseTimer (engine/profiling.py):
 Figures are medians over all rounds; ratios are old / new in the same run. First, greedy outputs
 of both paths (8 prompts, 24 tokens, batched) are compared token for token.
 
+`--compare glue` puts the native decoder-layer glue against the ATen ops it replaced, on the same
+engine: RMSNorm with the fused residual add and RoPE (glue_kernels.cpp), the SwiGLU silu·mul and the
+KV write (cpu_kernels.cpp). Outputs then agree to float rounding, not bit for bit (the greedy check
+says whether a token moved); the step time is the figure, since the glue runs inside the forward.
+
     flock /tmp/tokenmill-bench.lock python benchmarks/host_overhead.py --model smollm2-135m --quantization none
+    flock /tmp/tokenmill-bench.lock python benchmarks/host_overhead.py --compare glue --quantization auto \
+        --prefill-len 0
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=common.MODELS, default="smollm2-135m")
     p.add_argument("--quantization", default="none", choices=["none", "auto"])
+    p.add_argument("--compare", default="host", choices=["host", "glue"],
+                   help="host: the old host path vs the new; glue: ATen glue ops vs the native glue kernels")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     p.add_argument("--prefill-len", type=int, default=512, help="0: no prefill shape")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt of each decoding request")
@@ -40,9 +49,32 @@ def parse_args() -> argparse.Namespace:
 
 
 def set_path(llm: Any, new: bool) -> None:
+    if COMPARE[0] == "glue":
+        set_glue(llm, new)
+        return
     runner = llm.core.runner
     runner.persistent_inputs = new
     runner.sampler.fast_path = new
+
+
+COMPARE = ["host"]  # set by main() from --compare
+_GLUE: dict[int, tuple[Any, str, Any]] = {}  # id(holder, name) → (holder, attribute, native module)
+
+
+def set_glue(llm: Any, native: bool) -> None:
+    """Point every layer's glue hook at its native kernel or at None (the ATen ops), remembering the
+    kernels the load chose so they can be put back."""
+    if not _GLUE:
+        model, runner = llm.core.runner.model, llm.core.runner
+        holders: list[tuple[Any, str]] = [(model.norm, "native")]
+        for layer in model.layers:
+            holders += [(layer.input_layernorm, "native"), (layer.post_attention_layernorm, "native"),
+                        (layer, "rope_kernel"), (layer, "silu_mul_kernel")]
+        holders += [(cache, "writer") for cache in runner.kv_caches]
+        for holder, name in holders:
+            _GLUE[hash((id(holder), name))] = (holder, name, getattr(holder, name))
+    for holder, name, module in _GLUE.values():
+        setattr(holder, name, module if native else None)
 
 
 def timed_steps(llm: Any, num_steps: int) -> list[dict[str, Any]]:
@@ -165,23 +197,29 @@ def run_model(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
 
 def main() -> None:
     args = parse_args()
+    COMPARE[0] = args.compare
     identical, shapes = run_model(args)
     rows = []
+    print(f"old = {'ATen glue ops' if args.compare == 'glue' else 'old host path'}, new = "
+          f"{'native glue kernels' if args.compare == 'glue' else 'current host path'}")
     print(f"greedy outputs identical on both paths: {identical}")
     for key, s in shapes.items():
         old, new = s["old"], s["new"]
-        rows.append([key, f"{old['step_ms']:.1f}", f"{new['step_ms']:.1f}", f"{new['forward_ms']:.1f}",
+        rows.append([key, f"{old['step_ms']:.1f}", f"{new['step_ms']:.1f}", f"{old['step_ms'] / new['step_ms']:.2f}x",
+                     f"{new['forward_ms']:.1f}",
                      f"{old['host_ms']:.2f}", f"{new['host_ms']:.2f}",
                      f"{old['host_ms'] / new['host_ms']:.2f}x" if new["host_ms"] else "-",
                      f"{old['host_fraction']:.1%}", f"{new['host_fraction']:.1%}", f"{s['others_cores']:.2f}"])
     cpu = common.environment()["cpu"]
     print(f"{args.model} --quantization {args.quantization}, {args.threads} threads, cpu: {cpu}")
-    common.print_table(["shape", "old step ms", "new step ms", "forward ms", "old host ms", "new host ms",
+    common.print_table(["shape", "old step ms", "new step ms", "step old/new", "forward ms", "old host ms",
+                        "new host ms",
                         "host old/new", "old host %", "new host %", "others cores"], rows)
     for key, s in shapes.items():
         print(f"{key} new-path phases (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in s["new"]["phases_ms"].items()))
     payload = {"args": vars(args), "greedy_identical": identical, "shapes": shapes}
-    common.save_json("host_overhead", f"{args.model}_{args.quantization}", payload)
+    suffix = "" if args.compare == "host" else f"_{args.compare}"
+    common.save_json("host_overhead", f"{args.model}_{args.quantization}{suffix}", payload)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 import torch
 
+from tokenmill.kernels import cpu_kernels
 from tokenmill.layers import KV_CACHE_DTYPES
 
 _FP16_MAX = 65504.0
@@ -42,6 +43,13 @@ class NativeDecodeKernels(Protocol):
                                     k_scale: torch.Tensor, v_scale: torch.Tensor, block_table: torch.Tensor,
                                     seq_lens: torch.Tensor, scale: float, window: int,
                                     softcap: float) -> torch.Tensor: ...
+
+
+class NativeKVWriter(Protocol):
+    """The compiled KV write (kernels/cpu_kernels.cpp): k, v [T, KVH, hd] into the caches at slots [T]."""
+
+    def kv_write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None: ...
 
 
 class LayerKVCache(ABC):
@@ -73,10 +81,17 @@ class LayerKVCache(ABC):
 
 
 class DenseKVCache(LayerKVCache):
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    """`writer`: the native KV write (CPU), one call for both rows of every token, reading the fused
+    projection's strided k/v views as they are; else two `index_copy_` of contiguous copies."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, writer: NativeKVWriter | None = None) -> None:
         self.k, self.v = k, v
+        self.writer = writer
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.writer is not None:
+            self.writer.kv_write(self.k, self.v, slots, k, v)
+            return
         kv_dim = self.k.shape[2] * self.k.shape[3]
         self.k.view(-1, kv_dim).index_copy_(0, slots, k.reshape(-1, kv_dim).to(self.k.dtype))
         self.v.view(-1, kv_dim).index_copy_(0, slots, v.reshape(-1, kv_dim).to(self.v.dtype))
@@ -136,7 +151,7 @@ class KVCacheSpec:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         k, v = zeros(shape, self.dtype, device), zeros(shape, self.dtype, device)
         if self.scale_dtype is None:
-            return DenseKVCache(k, v)
+            return DenseKVCache(k, v, cast(NativeKVWriter | None, cpu_kernels()) if device.type == "cpu" else None)
         scale_shape = shape[:3]
         return Int8KVCache(k, v, zeros(scale_shape, self.scale_dtype, device),
                            zeros(scale_shape, self.scale_dtype, device))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.errors import ModelFormatError
-from tokenmill.kernels import glue_kernels
+from tokenmill.kernels import cpu_kernels, glue_kernels
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention, decode_kernel
 from tokenmill.layers.kv_cache import LayerKVCache
 from tokenmill.layers.linear import Embedding, Linear, LinearConfig, build_embedding, build_linear
@@ -39,6 +39,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, norm_offset)
         self.act = _ACTIVATIONS[arch.hidden_act]
         self.rope_kernel: ModuleType | None = None  # native in-place RoPE (set by load() on CPU)
+        self.silu_mul_kernel: ModuleType | None = None  # native SwiGLU glue (set by load() on CPU for silu)
         # Set by load(): one Linear per (fused) weight matrix.
         self.qkv_proj: Linear
         self.o_proj: Linear
@@ -62,6 +63,8 @@ class DecoderLayer(nn.Module):
         for name, norm in self.norms().items():
             norm.load(_take(tensors, p + name + ".weight").to(config.device), config.dtype)
         self.rope_kernel = glue_kernels() if config.device.type == "cpu" else None
+        self.silu_mul_kernel = cpu_kernels() if config.device.type == "cpu" and self.arch.hidden_act == "silu" \
+            else None
 
     def linears(self) -> dict[str, Linear]:
         return {"qkv_proj": self.qkv_proj, "o_proj": self.o_proj, "gate_up_proj": self.gate_up_proj,
@@ -88,7 +91,10 @@ class DecoderLayer(nn.Module):
         return q, k
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu_mul_kernel is not None and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
+            return self.down_proj(self.silu_mul_kernel.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
     def attention(self, x: torch.Tensor, rope: RopeTables, attn: PagedAttention,
