@@ -12,7 +12,8 @@ kernels = cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the native CPU kernel cannot be built here")
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 32), (6, 6, 20), (16, 2, 8)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 32), (6, 6, 20), (16, 2, 8),
+                                                                 (12, 2, 64), (14, 2, 16)])
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (5, 0.0), (0, 30.0)])
 @pytest.mark.parametrize("num_seqs", [1, 3, 12])
 def test_matches_reference_fp32(num_heads: int, num_kv_heads: int, head_dim: int, window: int, softcap: float,

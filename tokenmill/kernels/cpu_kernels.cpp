@@ -194,13 +194,72 @@ inline void axpy_rows(const float* w, int64_t w_stride, const T* v, float* out, 
   }
 }
 
-// The cache slot of position `pos` of a sequence, through its block table.
-inline int64_t slot_of(const int64_t* table, int64_t pos, int64_t block_size) {
-  return table[pos / block_size] * block_size + pos % block_size;
+// The cache slots of positions [lo, lo + n) of a sequence, through its block table, a block at a
+// time (one division per block, not two per key and pass).
+inline void slots_of(const int64_t* table, int64_t lo, int64_t n, int64_t block_size, int64_t* slots) {
+  for (int64_t pos = lo, t = 0; t < n;) {
+    const int64_t off = pos % block_size, run = std::min(block_size - off, n - t);
+    const int64_t base = table[pos / block_size] * block_size + off;
+    for (int64_t i = 0; i < run; ++i) slots[t + i] = base + i;
+    pos += run;
+    t += run;
+  }
 }
 
-// The K and V passes prefetch the row two positions ahead: it may sit in another block, where the
+#if defined(TM_AVX2)
+// acc[r, d0 .. d0 + 16) = sum_t p[r * n + t] v_t[d0 .. d0 + 16) for RB heads: 2 * RB accumulators stay in
+// registers while the keys stream by (the axpy form sends every accumulator through memory per key,
+// a store-to-load chain each time).
+template <typename TC, int RB>
+inline void values_tile(const float* p, int64_t n, const int64_t* slots, const TC* v, int64_t token_stride,
+                        int64_t d0, float* acc, int64_t head_dim) {
+  __m256 a0[RB], a1[RB];
+  for (int r = 0; r < RB; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const TC* row = v + slots[t] * token_stride + d0;  // prefetched by the key pass
+    const __m256 v0 = load8(row), v1 = load8(row + 8);
+    for (int r = 0; r < RB; ++r) {
+      const __m256 w = _mm256_broadcast_ss(p + r * n + t);
+      a0[r] = _mm256_fmadd_ps(w, v0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(w, v1, a1[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    _mm256_storeu_ps(acc + r * head_dim + d0, a0[r]);
+    _mm256_storeu_ps(acc + r * head_dim + d0 + 8, a1[r]);
+  }
+}
+#endif
+
+// acc[r, :] = sum_t p[r * n + t] v_t for the `rep` query heads sharing one kv head (v: that head's
+// first element in slot 0; rows `token_stride` apart).
+template <typename TC>
+void weighted_values(const float* p, int64_t n, const int64_t* slots, const TC* v, int64_t token_stride,
+                     int64_t rep, int64_t head_dim, float* acc) {
+#if defined(TM_AVX2)
+  if constexpr (kVector<TC>) {
+    if (head_dim % 16 == 0) {
+      for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+        int64_t r0 = 0;
+        for (; r0 + 4 <= rep; r0 += 4)
+          values_tile<TC, 4>(p + r0 * n, n, slots, v, token_stride, d0, acc + r0 * head_dim, head_dim);
+        float* a = acc + r0 * head_dim;
+        const float* pr = p + r0 * n;
+        if (rep - r0 == 3) values_tile<TC, 3>(pr, n, slots, v, token_stride, d0, a, head_dim);
+        if (rep - r0 == 2) values_tile<TC, 2>(pr, n, slots, v, token_stride, d0, a, head_dim);
+        if (rep - r0 == 1) values_tile<TC, 1>(pr, n, slots, v, token_stride, d0, a, head_dim);
+      }
+      return;
+    }
+  }
+#endif
+  std::fill(acc, acc + rep * head_dim, 0.f);
+  for (int64_t t = 0; t < n; ++t) axpy_rows(p + t, n, v + slots[t] * token_stride, acc, rep, head_dim);
+}
+
+// Rows are prefetched through the slot list: the next row may sit in another block, where the
 // hardware prefetcher cannot follow.
+constexpr int64_t kAhead = 12;  // rows in flight ahead of the key pass
 inline void prefetch_rows(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
@@ -225,26 +284,38 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
   const float qscale = softcap > 0 ? 1.f : static_cast<float>(scale);  // with a softcap, scale goes inside tanh
   at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, scores, inv_sum;
+    std::vector<int64_t> slots;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / items_per_seq, g0 = (item % items_per_seq) * heads_per_item;
       const int64_t nh = heads_per_item * rep;  // query heads of this item, consecutive in q
       const int64_t len = seq_lens[s];
       const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - lo;
-      const int64_t* table = block_table + s * table_width;
+      slots.resize(n);
+      slots_of(block_table + s * table_width, lo, n, block_size, slots.data());
       const TQ* qs = q + (s * num_heads + g0 * rep) * head_dim;
       qf.resize(nh * head_dim);
       for (int64_t i = 0; i < nh * head_dim; ++i) qf[i] = static_cast<float>(qs[i]) * qscale;
       const int64_t item_bytes = heads_per_item * head_dim * static_cast<int64_t>(sizeof(TC));
       scores.resize(nh * n);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t slot = slot_of(table, lo + t, block_size);
-        const TC* row = k_cache + slot * token_stride;
-        if (t + 2 < n) {
-          const int64_t ahead = slot_of(table, lo + t + 2, block_size);
-          prefetch_rows(k_cache + ahead * token_stride + g0 * head_dim, item_bytes);
-          if constexpr (kQuant) __builtin_prefetch(k_scale + ahead * num_kv_heads + g0);
+      // The key pass prefetches keys *and values* kAhead rows ahead: the rows come cold from DRAM
+      // (the layer's weights streamed through the caches since the last step), and a few rows in
+      // flight left the kernel latency-bound (115 us cold vs 15 us warm for 93 keys of SmolLM2). The
+      // values then wait in L2 for their pass.
+      const auto prefetch_kv = [&](int64_t t) {
+        const int64_t at = slots[t] * token_stride + g0 * head_dim;
+        prefetch_rows(k_cache + at, item_bytes);
+        prefetch_rows(v_cache + at, item_bytes);
+        if constexpr (kQuant) {
+          __builtin_prefetch(k_scale + slots[t] * num_kv_heads + g0);
+          __builtin_prefetch(v_scale + slots[t] * num_kv_heads + g0);
         }
+      };
+      for (int64_t t = 0; t < std::min<int64_t>(n, kAhead); ++t) prefetch_kv(t);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t slot = slots[t];
+        const TC* row = k_cache + slot * token_stride;
+        if (t + kAhead < n) prefetch_kv(t + kAhead);
         for (int64_t g = 0; g < heads_per_item; ++g) {
           float mul = 1.f;
           if constexpr (kQuant) mul = static_cast<float>(k_scale[slot * num_kv_heads + g0 + g]);
@@ -261,23 +332,17 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
         }
         inv_sum[h] = 1.f / softmax_numerators(sh, n);
       }
-      acc.assign(nh * head_dim, 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t slot = slot_of(table, lo + t, block_size);
-        const TC* row = v_cache + slot * token_stride;
-        if (t + 2 < n) {
-          const int64_t ahead = slot_of(table, lo + t + 2, block_size);
-          prefetch_rows(v_cache + ahead * token_stride + g0 * head_dim, item_bytes);
-          if constexpr (kQuant) __builtin_prefetch(v_scale + ahead * num_kv_heads + g0);
-        }
-        for (int64_t g = 0; g < heads_per_item; ++g) {
-          float* w = scores.data() + g * rep * n + t;  // p_t of the group's heads, stride n
-          if constexpr (kQuant) {
-            const float vs = static_cast<float>(v_scale[slot * num_kv_heads + g0 + g]);
-            for (int64_t r = 0; r < rep; ++r) w[r * n] *= vs;  // p_t is read once more, here
+      acc.resize(nh * head_dim);
+      for (int64_t g = 0; g < heads_per_item; ++g) {
+        float* p = scores.data() + g * rep * n;  // p_t of the kv head's query heads, rows of n
+        if constexpr (kQuant) {  // the value scale folds into the weight: sum_t (p_t vs_t) vq_t
+          for (int64_t t = 0; t < n; ++t) {
+            const float vs = static_cast<float>(v_scale[slots[t] * num_kv_heads + g0 + g]);
+            for (int64_t r = 0; r < rep; ++r) p[r * n + t] *= vs;
           }
-          axpy_rows(w, n, row + (g0 + g) * head_dim, acc.data() + g * rep * head_dim, rep, head_dim);
         }
+        weighted_values(p, n, slots.data(), v_cache + (g0 + g) * head_dim, token_stride, rep, head_dim,
+                        acc.data() + g * rep * head_dim);
       }
       TQ* os = out + (s * num_heads + g0 * rep) * head_dim;
       for (int64_t h = 0; h < nh; ++h)
