@@ -396,14 +396,20 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, 
   }
   at::Tensor out = at::empty({M, total}, x.options());
   if (M == 0 || total == 0) return out;
-  at::Tensor qa = at::empty({M, passes * K}, x.options().dtype(at::kChar));
-  at::Tensor a16 = at::empty({M, K}, x.options().dtype(at::kShort));
-  at::Tensor ds = at::empty({2, M, nb}, x.options());
-  float* d = ds.data_ptr<float>();
+  // The quantized activations live in a per-thread scratch buffer, grown as needed: three tensor
+  // allocations a call were ~1 us each against a few us of work for a batch-1 matrix.
+  thread_local std::vector<float> scratch;
+  const size_t floats = 2 * M * nb + (M * passes * K + 3) / 4 + (M * K + 1) / 2 + 16;
+  if (scratch.size() < floats) scratch.resize(floats);
+  float* d = scratch.data();
   float* s = d + M * nb;
-  quantize_activations(x.data_ptr<float>(), M, K, passes, qa.data_ptr<int8_t>(), d, s, isa);
-  combine_passes(qa.data_ptr<int8_t>(), M, K, passes, a16.data_ptr<int16_t>());
-  const Act act{a16.data_ptr<int16_t>(), d, s, K, nb};
+  int8_t* qa = reinterpret_cast<int8_t*>(s + M * nb);
+  // int16 activations 32-byte aligned after the int8 passes (the tiles load them as pairs).
+  auto a_at = reinterpret_cast<std::uintptr_t>(qa + M * passes * K);
+  int16_t* a16 = reinterpret_cast<int16_t*>((a_at + 31) & ~static_cast<std::uintptr_t>(31));
+  quantize_activations(x.data_ptr<float>(), M, K, passes, qa, d, s, isa);
+  combine_passes(qa, M, K, passes, a16);
+  const Act act{a16, d, s, K, nb};
   int64_t col = 0;
   for (size_t i = 0; i < qs.size(); ++i) {
     const bool q4 = qs[i].scalar_type() == at::kByte;
@@ -430,9 +436,44 @@ std::vector<at::Tensor> quantize_activations_op(const at::Tensor& x, int64_t pas
   return {qa, d, s};
 }
 
+// One linear layer's kernel arguments bound once (layers/linear.py's QuantLinear holds one): the
+// call is x → y in C++ (any leading shape, a dtype other than float32 converted in, the bias added),
+// where the Python wrapper's reshapes, checks and list conversions cost ~9 us a call, more than
+// the kernel itself for a batch-1 matrix of SmolLM2 (121 calls a step).
+struct QuantPlan {
+  std::vector<at::Tensor> qs, scales, offsets;
+  std::vector<int64_t> rows;
+  int64_t passes, isa;
+  c10::optional<at::Tensor> bias;
+
+  at::Tensor forward(const at::Tensor& x) const {
+    TORCH_CHECK(x.dim() >= 1, "x must have a feature dimension");
+    at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+    if (x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
+    x2 = x2.contiguous();
+    at::Tensor y = quant_linear(x2, qs, scales, offsets, rows, passes, isa);
+    if (bias.has_value()) y.add_(*bias);
+    if (x.dim() == 2) return y;
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = y.size(1);
+    return y.view(sizes);
+  }
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<QuantPlan>(m, "QuantPlan")
+      .def(pybind11::init([](std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
+                             std::vector<at::Tensor> offsets, std::vector<int64_t> rows, int64_t passes, int64_t isa,
+                             c10::optional<at::Tensor> bias) {
+             check_isa(isa, passes);
+             TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+                         "bias must be contiguous float32");
+             return QuantPlan{std::move(qs), std::move(scales), std::move(offsets), std::move(rows), passes, isa,
+                              std::move(bias)};
+           }))
+      .def("__call__", &QuantPlan::forward, "y = x W^T (+ bias) over x's last dimension (float32 out)");
   m.def("quant_linear", &quant_linear, "y = x W^T for interleaved q8/q4 block-quantized W, int16 activations (CPU)");
   m.def("quantize_activations", &quantize_activations_op, "int8 blocks of 32 per row, 1 or 2 passes: (qa, scale, sum)");
   m.def("cpu_isas", &cpu_isas, "quant ISAs this CPU runs: 0 portable, 1 avx2, 2 avx512vnni");

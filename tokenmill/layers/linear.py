@@ -166,33 +166,26 @@ class QuantLinear(Linear):
     1: plain int8 (one rounding at max|x|/127), which moved SmolLM2's greedy top-1 on 3.5% of
     positions against the float path (docs/quantization.md)."""
 
-    __slots__ = ("bias", "dtype", "in_features", "isa", "module", "offsets", "out_features", "passes", "qs",
-                 "rows", "scales", "segments")
+    __slots__ = ("bias", "dtype", "in_features", "isa", "module", "offsets", "out_features", "passes", "plan",
+                 "qs", "rows", "scales", "segments")
 
     def __init__(self, segments: list[qf.QuantMatrix], bias: torch.Tensor | None, dtype: torch.dtype,
                  module: Any, isa: str, passes: int = 2) -> None:
         if passes not in (1, 2):
             raise ValueError(f"activation passes must be 1 or 2, not {passes}")
-        self._set_segments(segments)
         self.bias = None if bias is None else bias.float().contiguous()
         self.dtype = dtype
         self.module = module
         self.isa = QUANT_ISAS.index(isa)
+        self.passes = passes
+        self._set_segments(segments)
         self.in_features = segments[0].cols
         self.out_features = sum(s.rows for s in segments)
-        self.passes = passes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.float().contiguous()
-        y = self.module.quant_linear(x2, self.qs, self.scales, self.offsets, self.rows, self.passes, self.isa)
-        if self.bias is not None:
-            y += self.bias
-        if self.dtype != torch.float32:
-            y = y.to(self.dtype)
-        return y.view(*shape[:-1], self.out_features)
+        # The native plan does the whole call (reshape, float32 in, bias): Python here is one frame.
+        y = self.plan(x)
+        return y if self.dtype is torch.float32 else y.to(self.dtype)
 
     @property
     def method(self) -> str:
@@ -221,6 +214,8 @@ class QuantLinear(Linear):
         self.scales = [s.scale for s in segments]
         self.offsets = [s.offset for s in segments]
         self.rows = [s.rows for s in segments]
+        self.plan = self.module.QuantPlan(self.qs, self.scales, self.offsets, self.rows, self.passes, self.isa,
+                                          self.bias)
 
 
 # ---- methods and their registry ------------------------------------------------------------------
