@@ -8,6 +8,8 @@ roundings held fixed, the kernel must agree to float summation error; every case
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -199,3 +201,35 @@ def test_bad_inputs_are_errors_not_crashes() -> None:
         kernels.quant_linear(torch.randn(2, 64), [mat.qs], [mat.scale], [mat.offset], [mat.rows], 2, 7)
     with pytest.raises(RuntimeError, match="passes must be 1 or 2"):
         kernels.quant_linear(torch.randn(2, 64), [mat.qs], [mat.scale], [mat.offset], [mat.rows], 3, 0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+def test_gguf_fp16_scales_stay_fp16_and_give_the_float32_result_exactly(isa: int,
+                                                                       ggml_type: GGMLQuantizationType) -> None:
+    """Types whose blocks store fp16 scales pack them as fp16: half the scale bytes, the same values."""
+    raw = gguf_blocks(ggml_type, 37, 768, seed=4)
+    mat = qf.from_gguf(raw, ggml_type, 768, gguf_format(ggml_type))
+    assert mat.scale.dtype == torch.float16 and (mat.fmt == "q8" or mat.offset.dtype == torch.float16)
+    wide = dataclasses.replace(mat, scale=mat.scale.float(), offset=mat.offset.float())
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(run(mat, x, isa), run(wide, x, isa))
+    assert mat.nbytes < wide.nbytes
+
+
+def test_q4_k_and_requantized_types_keep_float32_scales() -> None:
+    """Q4_K's d·sc products and a re-rounding's own scales are not fp16 values: they stay float32."""
+    for ggml_type in (T.Q4_K, T.Q6_K):
+        mat = qf.from_gguf(gguf_blocks(ggml_type, 8, 256, 2), ggml_type, 256, gguf_format(ggml_type))
+        assert mat.scale.dtype == torch.float32
+
+
+def test_parts_of_one_format_with_fp16_and_float32_scales_join_as_float32() -> None:
+    """One segment per run of a format (the repack cache counts them so); the values survive."""
+    q4_0 = qf.from_gguf(gguf_blocks(T.Q4_0, 8, 256, 1), T.Q4_0, 256, "q4")
+    q4_k = qf.from_gguf(gguf_blocks(T.Q4_K, 5, 256, 2), T.Q4_K, 256, "q4")
+    (joined,) = qf.concat([q4_0, q4_k])
+    assert joined.scale.dtype == torch.float32 and joined.offset.dtype == torch.float32
+    assert torch.equal(joined.dequantize(), torch.cat([q4_0.dequantize(), q4_k.dequantize()]))
+    (same,) = qf.concat([q4_0, q4_0])
+    assert same.scale.dtype == torch.float16

@@ -6,6 +6,7 @@
 //   q8: w = scale[n, b] * q                 (q int8 in [-127, 127], 16 bytes per pair: 8 rows x 2)
 //   q4: w = scale[n, b] * q + offset[n, b]  (q in [0, 15]; a 16-byte chunk c holds pair c in its low
 //                                            nibbles and pair c + 8 in its high nibbles)
+// Scales and offsets are float32, or fp16 where the GGUF block stored them so (exact; half the bytes).
 // Activations: each row of x is quantized once per call to int8 blocks of 32. With P = 2 passes (the
 // default) a block is two int8 vectors, the first rounding and its residual at a 254x finer step:
 //   d1 = max|x| / 127,  q1 = round(x / d1),  q2 = round((x - d1 q1) * 254 / d1) in [-127, 127]
@@ -62,10 +63,18 @@ struct Act {  // quantized activations: a [M, K] int16 (the combined integer), d
 
 struct Weights {           // one interleaved matrix (quant_formats.py)
   const uint8_t* qs;       // [G, nb * (q4 ? 128 : 256)]
-  const float* scale;      // [G, nb * 8]
-  const float* offset;     // [G, nb * 8] (q4) or nullptr (q8)
+  const void* scale;       // [G, nb * 8] float32, or fp16 (`half`: where GGUF's own fp16 scales are exact)
+  const void* offset;      // [G, nb * 8] like scale (q4) or nullptr (q8)
   int64_t nb, rows;
-  bool q4;
+  bool q4, half;
+  int64_t lane_bytes() const { return half ? 2 : 4; }
+  // Lane i of scale / offset (the portable path; the SIMD tiles load eight at a time).
+  float scale_at(int64_t i) const { return lane(scale, i); }
+  float offset_at(int64_t i) const { return lane(offset, i); }
+  float lane(const void* p, int64_t i) const {
+    return half ? static_cast<float>(static_cast<const c10::Half*>(p)[i]) : static_cast<const float*>(p)[i];
+  }
+  const char* lane_ptr(const void* p, int64_t i) const { return static_cast<const char*>(p) + i * lane_bytes(); }
   int64_t block_bytes() const { return q4 ? 128 : 256; }
   const uint8_t* block(int64_t g, int64_t b) const { return qs + (g * nb + b) * block_bytes(); }
   int64_t lanes(int64_t g, int64_t b) const { return (g * nb + b) * RG; }
@@ -134,12 +143,12 @@ void groups_portable(const Weights& w, const Act& a, int64_t M, int64_t g0, int6
       for (int64_t b = 0; b < w.nb; ++b) {
         const uint8_t* blk = w.block(g, b);
         const int16_t* ab = a.a + m * a.K + b * QK;
-        const float* sc = w.scale + w.lanes(g, b);
+        const int64_t lanes = w.lanes(g, b);
         for (int r = 0; r < RG; ++r) {
           int32_t isum = 0;
           for (int j = 0; j < QK; ++j) isum += weight_at(w, blk, r, j) * ab[j];
-          y[r] += sc[r] * a.d[m * a.nb + b] * static_cast<float>(isum);
-          if (w.q4) y[r] += w.offset[w.lanes(g, b) + r] * a.s[m * a.nb + b];
+          y[r] += w.scale_at(lanes + r) * a.d[m * a.nb + b] * static_cast<float>(isum);
+          if (w.q4) y[r] += w.offset_at(lanes + r) * a.s[m * a.nb + b];
         }
       }
       for (int64_t r = 0; r < valid; ++r) out[m * ld + g * RG + r] = y[r];
@@ -155,6 +164,11 @@ void groups_portable(const Weights& w, const Act& a, int64_t M, int64_t g0, int6
 // and the macro below builds the tiles from it, so the two fast paths share one body.
 
 #define TM_SIMD_TILES                                                                                            \
+/* Eight scale or offset lanes as float32, from float32 or fp16 storage. */                                            \
+inline __m256 lanes8(const Weights& w, const void* p, int64_t i) {                                                     \
+  if (w.half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.lane_ptr(p, i))));            \
+  return _mm256_loadu_ps(reinterpret_cast<const float*>(w.lane_ptr(p, i)));                                            \
+}                                                                                                                      \
 inline __m256i bcast_pair(const int16_t* p) {                                                                          \
   int32_t v;                                                                                                           \
   std::memcpy(&v, p, sizeof v);                                                                                        \
@@ -177,7 +191,7 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
       _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + 128, _MM_HINT_T0);                                 \
       _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + 192, _MM_HINT_T0);                                 \
     }                                                                                                                  \
-    if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w.scale + w.lanes(g, b)) + kPrefetch / 4, _MM_HINT_T0); \
+    if ((b & 1) == 0) _mm_prefetch(w.lane_ptr(w.scale, w.lanes(g, b)) + kPrefetch / 4, _MM_HINT_T0);                 \
     __m256i isum[RM];                                                                                                  \
     for (int r = 0; r < RM; ++r) isum[r] = _mm256_setzero_si256();                                                     \
     if (Q4) {                                                                                                          \
@@ -196,13 +210,13 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
         for (int r = 0; r < RM; ++r) isum[r] = madd_acc(isum[r], wv, bcast_pair(arow[r] + b * QK + 2 * p));            \
       }                                                                                                                \
     }                                                                                                                  \
-    const __m256 sw = _mm256_loadu_ps(w.scale + w.lanes(g, b));                                                        \
+    const __m256 sw = lanes8(w, w.scale, w.lanes(g, b));                                                               \
     for (int r = 0; r < RM; ++r) {                                                                                     \
       const __m256 scale = _mm256_mul_ps(sw, _mm256_set1_ps(a.d[(m0 + r) * a.nb + b]));                                \
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);                                            \
     }                                                                                                                  \
     if (Q4) {                                                                                                          \
-      const __m256 off = _mm256_loadu_ps(w.offset + w.lanes(g, b));                                                    \
+      const __m256 off = lanes8(w, w.offset, w.lanes(g, b));                                                           \
       for (int r = 0; r < RM; ++r) acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(a.s[(m0 + r) * a.nb + b]), acc[r]);    \
     }                                                                                                                  \
   }                                                                                                                    \
@@ -388,10 +402,11 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, 
     TORCH_CHECK(q4 || qs[i].scalar_type() == at::kChar, "qs must be int8 (q8) or uint8 (q4)");
     TORCH_CHECK(rows[i] > 0 && qs[i].dim() == 2 && qs[i].is_contiguous() && qs[i].size(0) == groups &&
                 qs[i].size(1) == nb * (q4 ? 128 : 256), "qs shape");
-    TORCH_CHECK(scales[i].scalar_type() == at::kFloat && scales[i].is_contiguous() &&
-                scales[i].numel() == groups * nb * RG, "scale must be float32 [ceil(rows/8), K/32 * 8]");
-    TORCH_CHECK(!q4 || (offsets[i].scalar_type() == at::kFloat && offsets[i].is_contiguous() &&
-                        offsets[i].numel() == groups * nb * RG), "offset must be float32 [ceil(rows/8), K/32 * 8]");
+    const at::ScalarType lane_type = scales[i].scalar_type();
+    TORCH_CHECK((lane_type == at::kFloat || lane_type == at::kHalf) && scales[i].is_contiguous() &&
+                scales[i].numel() == groups * nb * RG, "scale must be float32 or fp16 [ceil(rows/8), K/32 * 8]");
+    TORCH_CHECK(!q4 || (offsets[i].scalar_type() == lane_type && offsets[i].is_contiguous() &&
+                        offsets[i].numel() == groups * nb * RG), "offset must be [ceil(rows/8), K/32 * 8] of scale's dtype");
     total += rows[i];
   }
   at::Tensor out = at::empty({M, total}, x.options());
@@ -413,8 +428,8 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, 
   int64_t col = 0;
   for (size_t i = 0; i < qs.size(); ++i) {
     const bool q4 = qs[i].scalar_type() == at::kByte;
-    const Weights w{static_cast<const uint8_t*>(qs[i].data_ptr()), scales[i].data_ptr<float>(),
-                    q4 ? offsets[i].data_ptr<float>() : nullptr, nb, rows[i], q4};
+    const Weights w{static_cast<const uint8_t*>(qs[i].data_ptr()), scales[i].data_ptr(),
+                    q4 ? offsets[i].data_ptr() : nullptr, nb, rows[i], q4, scales[i].scalar_type() == at::kHalf};
     run_groups(w, act, M, out.data_ptr<float>() + col, total, isa);
     col += rows[i];
   }

@@ -15,8 +15,10 @@ horizontal sums (the kernel's comment has the arithmetic).
     qs     q8: [G, nb * 256] int8    block (g, b) = 16 pairs p x 8 rows r x 2:  w(r, 2p), w(r, 2p+1)
            q4: [G, nb * 128] uint8   block (g, b) = 8 pairs c x 8 rows r x 2 bytes, byte e of (c, r) =
                                      w(r, 2c+e) | w(r, 2c+e+16) << 4  (low nibbles: pairs 0-7, high: 8-15)
-    scale  [G, nb * 8] float32       block (g, b) = the 8 rows' scales
-    offset [G, nb * 8] float32       q4 only, same order
+    scale  [G, nb * 8] float32       block (g, b) = the 8 rows' scales; fp16 where the GGUF block stored an
+                                     fp16 scale that is the packed scale exactly (Q8_0, Q5_0, Q4_0, Q4_1):
+                                     half the bytes, the same values (Q4_K's d·sc products need fp32)
+    offset [G, nb * 8] float32       q4 only, same order and dtype as scale
 
                  block b of group g (q8: 256 bytes)
           pair 0            pair 1                 pair 15
@@ -38,7 +40,7 @@ Rows are independent, so fused matrices (q/k/v, gate/up) are row concatenations 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -53,7 +55,7 @@ ROW_GROUP = 8  # output rows interleaved per group (the kernel's 8 int32 lanes)
 # 16-byte chunks per (group, block), each 8 rows x 2 bytes: q8 16 (a column pair of int8 per row),
 # q4 8 (two column pairs per row, in the bytes' low and high nibbles).
 _PAIRS: dict[str, int] = {"q8": 16, "q4": 8}
-QUANT_LAYOUT_VERSION = 2  # bump when packed bytes change meaning: it keys the on-disk cache (loading/repack_cache.py)
+QUANT_LAYOUT_VERSION = 3  # bump when packed bytes change meaning: it keys the on-disk cache (loading/repack_cache.py)
 _T = GGMLQuantizationType
 # GGUF type → (format, exact). Exact: the packed weights equal gguf's own dequantization bit for bit.
 GGUF_MAPPING: dict[GGMLQuantizationType, tuple[QuantFormat, bool]] = {
@@ -78,8 +80,8 @@ class QuantMatrix:
 
     fmt: QuantFormat
     qs: torch.Tensor  # q8: int8 [G, nb * 256]; q4: uint8 [G, nb * 128]   (G = ceil(rows / 8))
-    scale: torch.Tensor  # float32 [G, nb * 8]
-    offset: torch.Tensor  # float32 [G, nb * 8] for q4; empty for q8
+    scale: torch.Tensor  # float32 or float16 [G, nb * 8]
+    offset: torch.Tensor  # [G, nb * 8] for q4, scale's dtype; empty for q8
     rows: int  # true output rows (the last group's padding excluded)
 
     @property
@@ -95,9 +97,9 @@ class QuantMatrix:
         qs, scale, offset = row_major(self)
         nb = scale.shape[1]
         q = _unpack_q4(qs) if self.fmt == "q4" else qs
-        w = q.reshape(self.rows, nb, BLOCK).float() * scale.unsqueeze(-1)
+        w = q.reshape(self.rows, nb, BLOCK).float() * scale.float().unsqueeze(-1)
         if self.fmt == "q4":
-            w = w + offset.unsqueeze(-1)
+            w = w + offset.float().unsqueeze(-1)
         return w.reshape(self.rows, self.cols)
 
 
@@ -141,7 +143,8 @@ def row_major(mat: QuantMatrix) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def concat(mats: list[QuantMatrix]) -> list[QuantMatrix]:
-    """Row-concatenate neighbouring matrices of one format (a fused q/k/v of mixed types stays in segments)."""
+    """Row-concatenate neighbouring matrices of one format (a fused q/k/v of mixed types stays in
+    segments). Parts whose scales differ in dtype join as float32, which holds every fp16 value."""
     segments: list[list[QuantMatrix]] = []
     for mat in mats:
         if segments and segments[-1][-1].fmt == mat.fmt:
@@ -153,6 +156,8 @@ def concat(mats: list[QuantMatrix]) -> list[QuantMatrix]:
 
 def _cat(group: list[QuantMatrix]) -> QuantMatrix:
     fmt, rows = group[0].fmt, sum(m.rows for m in group)
+    if len({m.scale.dtype for m in group}) > 1:
+        group = [replace(m, scale=m.scale.float(), offset=m.offset.float()) for m in group]
     if all(m.rows % ROW_GROUP == 0 for m in group[:-1]):  # whole groups: the packed bytes simply follow
         return QuantMatrix(fmt, torch.cat([m.qs for m in group]), torch.cat([m.scale for m in group]),
                            torch.cat([m.offset for m in group]), rows)
@@ -208,7 +213,12 @@ _REQUANT_ROW_ELEMENTS = 1 << 22  # 16 MB of float32 per slice
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+    return _half(raw).astype(np.float32)
+
+
+def _half(raw: np.ndarray) -> np.ndarray:
+    """GGUF's fp16 fields as stored (packed as fp16 scales: exact, half the bytes of float32)."""
+    return np.ascontiguousarray(raw).view(np.float16)
 
 
 def _blocks(blocks: np.ndarray, block_bytes: int) -> np.ndarray:
@@ -218,7 +228,7 @@ def _blocks(blocks: np.ndarray, block_bytes: int) -> np.ndarray:
 def _q8_0(blocks: np.ndarray, cols: int) -> QuantMatrix:
     rows, b = blocks.shape[0], _blocks(blocks, 34)
     qs = np.ascontiguousarray(b[:, 2:]).view(np.int8).reshape(rows, cols)
-    return _matrix("q8", qs, _f16(b[:, :2]).reshape(rows, -1), None)
+    return _matrix("q8", qs, _half(b[:, :2]).reshape(rows, -1), None)
 
 
 def _q5_0(blocks: np.ndarray, cols: int) -> QuantMatrix:
@@ -227,19 +237,23 @@ def _q5_0(blocks: np.ndarray, cols: int) -> QuantMatrix:
     high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
     low = np.concatenate([b[:, 6:] & 0x0F, b[:, 6:] >> 4], axis=1)
     q = (low | (high << 4)).astype(np.int8) - np.int8(16)
-    return _matrix("q8", q.reshape(rows, cols), _f16(b[:, :2]).reshape(rows, -1), None)
+    return _matrix("q8", q.reshape(rows, cols), _half(b[:, :2]).reshape(rows, -1), None)
 
 
 def _q4_0(blocks: np.ndarray, cols: int) -> QuantMatrix:
     rows, b = blocks.shape[0], _blocks(blocks, 18)
-    d = _f16(b[:, :2]).reshape(rows, -1)
-    return _matrix("q4", b[:, 2:].reshape(rows, cols // 2), d, -8.0 * d)
+    d = _half(b[:, :2]).reshape(rows, -1)
+    with np.errstate(over="ignore"):
+        offset = d * np.float16(-8.0)  # exact (a power of two) unless |d| > 8188 overflows fp16
+    if not np.isfinite(offset).all():
+        d, offset = d.astype(np.float32), d.astype(np.float32) * -8.0
+    return _matrix("q4", b[:, 2:].reshape(rows, cols // 2), d, offset)
 
 
 def _q4_1(blocks: np.ndarray, cols: int) -> QuantMatrix:
     rows, b = blocks.shape[0], _blocks(blocks, 20)
-    return _matrix("q4", b[:, 4:].reshape(rows, cols // 2), _f16(b[:, :2]).reshape(rows, -1),
-                   _f16(b[:, 2:4]).reshape(rows, -1))
+    return _matrix("q4", b[:, 4:].reshape(rows, cols // 2), _half(b[:, :2]).reshape(rows, -1),
+                   _half(b[:, 2:4]).reshape(rows, -1))
 
 
 def _q4_k(blocks: np.ndarray, cols: int) -> QuantMatrix:
@@ -261,9 +275,11 @@ _EXACT = {_T.Q8_0: _q8_0, _T.Q5_0: _q5_0, _T.Q4_0: _q4_0, _T.Q4_1: _q4_1, _T.Q4_
 
 
 def _matrix(fmt: QuantFormat, qs: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> QuantMatrix:
+    """Pack row-major blocks; fp16 scale (and offset) arrays stay fp16, anything else becomes float32."""
+    lane_type = np.float16 if scale.dtype == np.float16 else np.float32
     return interleave(fmt, torch.from_numpy(np.ascontiguousarray(qs)),
-                      torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)),
-                      None if offset is None else torch.from_numpy(np.ascontiguousarray(offset, np.float32)))
+                      torch.from_numpy(np.ascontiguousarray(scale, dtype=lane_type)),
+                      None if offset is None else torch.from_numpy(np.ascontiguousarray(offset, lane_type)))
 
 
 def _pack_q4(q: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ CACHE_ENV = "TOKENMILL_REPACK_CACHE"
 CACHE_FORMAT_VERSION = 1
 _SUFFIX = ".safetensors"
 _DATA_ALIGN = 64
-_DTYPES: dict[str, torch.dtype] = {"I8": torch.int8, "U8": torch.uint8, "F32": torch.float32}
+_DTYPES: dict[str, torch.dtype] = {"I8": torch.int8, "U8": torch.uint8, "F16": torch.float16, "F32": torch.float32}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 # The code whose output is the packed bytes: a change to any of them is a new cache key.
 _PACKING_SOURCES = ("layers/quant_formats.py", "layers/linear.py", "models/loading/gguf_weights.py")
@@ -187,10 +187,13 @@ class RepackCache:
         quant: qf.QuantFormat = "q8" if fmt == "q8" else "q4"
         qs_shape, lane_shape = qf.packed_shapes(quant, rows, cols)
         qs = _checked(self._tensors, prefix + "qs", torch.int8 if quant == "q8" else torch.uint8, qs_shape)
-        scale = _checked(self._tensors, prefix + "scale", torch.float32, lane_shape)
+        lane_type = self._tensors[prefix + "scale"].dtype  # float32, or fp16 where GGUF's scales are exact
+        if lane_type not in (torch.float32, torch.float16):
+            raise ValueError(f"tensor {prefix + 'scale'!r} is {lane_type}, expected float32 or float16")
+        scale = _checked(self._tensors, prefix + "scale", lane_type, lane_shape)
         offset = torch.empty(0)
         if quant == "q4":
-            offset = _checked(self._tensors, prefix + "offset", torch.float32, lane_shape)
+            offset = _checked(self._tensors, prefix + "offset", lane_type, lane_shape)
         return qf.QuantMatrix(quant, qs, scale, offset, rows)
 
     # -- writing ---------------------------------------------------------------------------------
