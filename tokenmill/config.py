@@ -113,6 +113,10 @@ class ServiceClassConfig:
     # Steps are planned to this fraction of the TPOT target: the rest pays for what happens between
     # steps (output processing, detokenization, streaming), which the step-time model does not see.
     step_time_margin: float = 0.8
+    # Lower classes fill a step holding protected work only while it stays within this fraction over
+    # the protected work's own predicted time (None: the TPOT target alone bounds them). Chat then
+    # runs near its speed alone on any machine, not just within the target.
+    protected_slowdown: float | None = 0.15
     min_step_samples: int = 16  # measured steps before the step-time fit is trusted
     # Until then, a step holding protected decodes carries at most this many tokens in all.
     unfitted_step_tokens: int = 32
@@ -132,6 +136,8 @@ class ServiceClassConfig:
 
     def __post_init__(self) -> None:
         _require(0.0 < self.step_time_margin <= 1.0, "step_time_margin must be in (0, 1]")
+        _require(self.protected_slowdown is None or self.protected_slowdown >= 0,
+                 "protected_slowdown must be >= 0 or None")
         _require(self.calibration_steps >= 0, "calibration_steps must be >= 0")
         _require(0.0 <= self.arrival_step_share <= 1.0, "arrival_step_share must be in [0, 1]")
         _require(self.interactive_recent_s >= 0, "interactive_recent_s must be >= 0")

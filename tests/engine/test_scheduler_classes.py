@@ -33,7 +33,8 @@ _PROMPT_BASES = itertools.count(1)
 def _classes(**overrides: object) -> ServiceClassConfig:
     values: dict[str, object] = {"interactive": SLOTarget(ttft_s=1.0, tpot_s=LIMIT_S),
                                  "standard": SLOTarget(ttft_s=5.0, tpot_s=0.5), "step_time_margin": 1.0,
-                                 "min_prefill_chunk": 2, "unfitted_step_tokens": 5}
+                                 "min_prefill_chunk": 2, "unfitted_step_tokens": 5,
+                                 "protected_slowdown": None}  # the relative bound has its own tests
     values.update(overrides)
     return ServiceClassConfig(**values)  # type: ignore[arg-type]
 
@@ -103,6 +104,29 @@ def test_batch_fills_only_the_budget_the_interactive_tpot_leaves_and_rotates() -
     assert plan.num_deferred == 3 and plan.protected_class == "interactive"
     assert plan.step_time_limit_s == LIMIT_S and plan.predicted_step_time_s == pytest.approx(0.015)
     assert plan.step_time_fit == StepTimeFit(0.010, 0.001, 0.0, 0)
+
+
+def test_batch_fills_at_most_protected_slowdown_over_the_interactive_work_alone() -> None:
+    # 2 interactive decodes alone: 12 ms. Slowdown 0.1 allows 13.2 ms: one batch token (13 ms), not the
+    # three the 15 ms target alone would allow.
+    sched = _scheduler(protected_slowdown=0.1)
+    _batch_decoding(sched, 6)
+    _interactive_decoding(sched, 2)
+    plans = [_plan(_step(sched)) for _ in range(2)]
+    assert plans == [[("i0", 4, 1), ("i1", 4, 1), ("b0", 4, 1)], [("i0", 5, 1), ("i1", 5, 1), ("b1", 4, 1)]]
+    assert sched.last_plan.step_time_limit_s == pytest.approx(0.0132)
+    # A loose bound leaves the TPOT target as the limit.
+    loose = _scheduler(protected_slowdown=1.0)
+    _batch_decoding(loose, 6)
+    _interactive_decoding(loose, 2)
+    assert _ids(_step(loose)) == ["i0", "i1", "b0", "b1", "b2"]
+    assert loose.last_plan.step_time_limit_s == LIMIT_S
+
+
+def test_the_relative_bound_leaves_batch_alone_untouched() -> None:
+    sched = _scheduler(protected_slowdown=0.0)
+    _batch_decoding(sched, 6)
+    assert _ids(_step(sched)) == [f"b{i}" for i in range(6)]  # nothing protected: the whole budget
 
 
 def test_per_sequence_cost_limits_batch_sequences() -> None:

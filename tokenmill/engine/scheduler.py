@@ -116,7 +116,7 @@ class Scheduler(ClassScheduling):
                 self._schedule_waiting(out, budget)
         else:
             limit = self._step_limit(protected)
-            self._schedule_by_class(out, protected, limit)
+            limit = self._schedule_by_class(out, protected, limit)
         self._record_plan(out, protected, limit)
         now = time.monotonic()
         for s in out.scheduled:
