@@ -75,6 +75,9 @@ class GenerationRun:
         self._prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
         self._seen: set[int] = set()
         self._is_closed = False
+        # Set by a non-streamed response before updates() starts: each child's first and final outputs
+        # are all it reads (outputs are cumulative).
+        self.final_only = False
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Every child's outputs as they come, until all have finished; an engine error is raised."""
@@ -101,7 +104,7 @@ class GenerationRun:
         try:
             async for output in engine.generate(child.prompt.token_ids, child.params,
                                                 f"{self.engine_id}-{child.index}", self.priority,
-                                                self.service_class):
+                                                self.service_class, every_output=not self.final_only):
                 self._queue.put_nowait((child, output))
         except Exception as exc:  # handed to the consumer, which owns the HTTP answer
             self._queue.put_nowait(_Failure(child, exc))

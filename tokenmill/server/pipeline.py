@@ -106,6 +106,7 @@ def api_error_for(exc: BaseException) -> ApiError:
 async def collect(run: GenerationRun, request: Request) -> dict[int, ChoiceUpdate]:
     """Run to the end; the last update of each choice. Aborts the run if the client disconnects."""
     # Nobody cancels a plain handler when its client leaves, so poll for the disconnect.
+    run.final_only = True
     task = asyncio.create_task(_last_updates(run))
     try:
         while not task.done():
