@@ -245,9 +245,14 @@ class ServerConfig:
     # (API key, service class name) pairs: requests with that bearer token default to that class (each
     # key is also accepted as a credential). A body `service_tier` or the header still overrides it.
     api_key_classes: tuple[tuple[str, str], ...] = ()
+    # Streamed batch-class responses get a chunk at most this often (the text since the last one in
+    # it; first token and finish at once): a batch job wants throughput, and a hundred of its streams
+    # writing a chunk every step take the cores from the engine thread. 0: a chunk a step.
+    batch_stream_interval_s: float = 0.25
 
     def __post_init__(self) -> None:
         _require(0.0 <= self.interactive_queue_reserve < 1.0, "interactive_queue_reserve must be in [0, 1)")
+        _require(self.batch_stream_interval_s >= 0, "batch_stream_interval_s must be >= 0")
         _require(all(key for key, _ in self.api_key_classes), "api keys must not be empty")
         for _, name in self.api_key_classes:
             _require(name in SERVICE_TIERS, f"service class '{name}' is unknown: use one of {', '.join(SERVICE_TIERS)}")

@@ -130,6 +130,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, max_queue_requests=args.max_queue_requests,
         max_queue_tokens=args.max_queue_tokens, drain_timeout_s=args.drain_timeout, log_requests=args.log_requests,
         interactive_queue_reserve=args.interactive_queue_reserve, api_key_classes=api_key_classes(args),
+        batch_stream_interval_s=args.batch_stream_interval,
     )
     return run_server(engine_config, server_config)
 

@@ -30,6 +30,8 @@ def add_service_class_arguments(parser: Any) -> None:
     group.add_argument("--api-key-class", action="append", default=[], metavar="KEY=CLASS",
                        help="requests with this bearer key default to CLASS (the key is accepted like --api-key); "
                             "a body service_tier or the x-tokenmill-service-tier header still overrides it")
+    group.add_argument("--batch-stream-interval", type=float, default=0.25, metavar="SECONDS",
+                       help="streamed batch-class responses get a chunk at most this often (0: every step)")
     group.add_argument("--interactive-queue-reserve", type=float, default=0.25, metavar="FRACTION",
                        help="share of --max-queue-requests/--max-queue-tokens only interactive requests may fill")
     group.add_argument("--calibration-steps", type=int, default=24, metavar="N",

@@ -17,8 +17,9 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.calibration import IdleCalibration
@@ -65,18 +66,35 @@ Command = AddRequest | AbortRequest | Shutdown
 class _Stream:
     loop: asyncio.AbstractEventLoop
     every_output: bool = True  # False: only the first output and the finished one (a non-streamed response)
+    min_interval_s: float = 0.0  # streamed outputs at most this often; the held deltas join the next one
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
-    sent_first: bool = False  # engine thread only
+    # Engine thread only:
+    sent_first: bool = False
+    last_sent_s: float = 0.0
+    held_text: str = ""
+    held_tokens: int = 0
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-    def wants(self, output: RequestOutput) -> bool:
-        """Whether this step's output goes to the consumer (engine thread). Outputs are cumulative, so
-        a consumer of the final answer loses nothing when the ones between are skipped."""
-        wanted = self.every_output or output.finished or not self.sent_first
-        self.sent_first = True
-        return wanted
+    def take(self, output: RequestOutput, now: float) -> RequestOutput | None:
+        """What this step hands the consumer: the output (with any held text deltas in front), or None
+        to hold it. Outputs are cumulative in text, ids and logprobs, so only the deltas need carrying;
+        the first output (TTFT) and the finished one always go at once."""
+        due = self.every_output and now - self.last_sent_s >= self.min_interval_s
+        if not (due or output.finished or not self.sent_first):
+            completion = output.outputs[0]
+            self.held_text += completion.text_delta
+            self.held_tokens += completion.num_new_tokens
+            return None
+        self.sent_first, self.last_sent_s = True, now
+        if self.held_text or self.held_tokens:
+            completion = output.outputs[0]
+            merged = replace(completion, text_delta=self.held_text + completion.text_delta,
+                             num_new_tokens=self.held_tokens + completion.num_new_tokens)
+            output = replace(output, outputs=[merged, *output.outputs[1:]])
+            self.held_text, self.held_tokens = "", 0
+        return output
 
 
 def _put_all(items: list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]]) -> None:
@@ -142,19 +160,21 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None, priority: int = 0,
                        service_class: ServiceClass = ServiceClass.STANDARD,
-                       every_output: bool = True) -> AsyncIterator[RequestOutput]:
+                       every_output: bool = True, min_interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (each carries the cumulative text and the new delta).
 
         `every_output=False` yields only the first output and the finished one: what a non-streamed
         response needs. The outputs between would wake the event loop every step for nothing (with a
         hundred batch requests in flight, that contends with the engine thread for the cores).
+        `min_interval_s`: streamed outputs at most that often, each carrying the text held since the
+        last (the server's batch-class streams: fewer, larger chunks).
         Validation errors raise before the first item; the request is aborted if the consumer
         stops early.
         """
         encoded = self.engine.encode(prompt)
         self.limits.check_request(encoded.token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
-        stream = _Stream(asyncio.get_running_loop(), every_output)
+        stream = _Stream(asyncio.get_running_loop(), every_output, min_interval_s)
         self._streams[request_id] = stream
         self._send(AddRequest(request_id, encoded, params, priority, service_class))
         finished = False
@@ -241,10 +261,14 @@ class AsyncEngine:
         # One wake-up of each event loop per step, however many requests it serves.
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput | BaseException],
                                                             RequestOutput]]] = {}
+        now = time.monotonic()
         for output in step.outputs:
             stream = self._streams.get(output.request_id)
-            if stream is not None and stream.wants(output):  # gone: its consumer left (and aborted it)
-                batches.setdefault(stream.loop, []).append((stream.queue, output))
+            if stream is None:  # gone: its consumer left (and aborted it)
+                continue
+            taken = stream.take(output, now)
+            if taken is not None:
+                batches.setdefault(stream.loop, []).append((stream.queue, taken))
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_put_all, items)
         self._publish(step.stats, step.finished)

@@ -104,10 +104,14 @@ class GenerationRun:
         try:
             async for output in engine.generate(child.prompt.token_ids, child.params,
                                                 f"{self.engine_id}-{child.index}", self.priority,
-                                                self.service_class, every_output=not self.final_only):
+                                                self.service_class, every_output=not self.final_only,
+                                                min_interval_s=self._stream_interval_s()):
                 self._queue.put_nowait((child, output))
         except Exception as exc:  # handed to the consumer, which owns the HTTP answer
             self._queue.put_nowait(_Failure(child, exc))
+
+    def _stream_interval_s(self) -> float:
+        return self.state.config.batch_stream_interval_s if self.service_class is ServiceClass.BATCH else 0.0
 
     def _update(self, child: ChildRequest, output: RequestOutput) -> ChoiceUpdate:
         self.state.admission.mark_started(self.ticket)
