@@ -127,7 +127,7 @@ class ServiceClassConfig:
     # even steps without protected work end within arrival_step_share x the interactive TTFT target:
     # a chat that arrives while a batch prefill runs waits at most that long for its first step.
     # Steps are capped in time, not in share: the batch work still has the whole machine.
-    arrival_step_share: float = 0.25
+    arrival_step_share: float = 0.1
     interactive_recent_s: float = 60.0
     # Synthetic steps that fit the step-time model while a fresh server's engine idles, stopped by
     # the first real request (engine/calibration.py); 0: learn from live traffic only. `tokenmill
