@@ -83,9 +83,10 @@ class _Stream:
         the first output (TTFT) and the finished one always go at once."""
         due = self.every_output and now - self.last_sent_s >= self.min_interval_s
         if not (due or output.finished or not self.sent_first):
-            completion = output.outputs[0]
-            self.held_text += completion.text_delta
-            self.held_tokens += completion.num_new_tokens
+            if self.every_output:  # a final-only consumer reads cumulative fields: no delta to carry
+                completion = output.outputs[0]
+                self.held_text += completion.text_delta
+                self.held_tokens += completion.num_new_tokens
             return None
         self.sent_first, self.last_sent_s = True, now
         if self.held_text or self.held_tokens:

@@ -298,10 +298,11 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
       for (int64_t i = 0; i < nh * head_dim; ++i) qf[i] = static_cast<float>(qs[i]) * qscale;
       const int64_t item_bytes = heads_per_item * head_dim * static_cast<int64_t>(sizeof(TC));
       scores.resize(nh * n);
-      // The key pass prefetches keys *and values* kAhead rows ahead: the rows come cold from DRAM
-      // (the layer's weights streamed through the caches since the last step), and a few rows in
-      // flight left the kernel latency-bound (115 us cold vs 15 us warm for 93 keys of SmolLM2). The
-      // values then wait in L2 for their pass.
+      // The key pass prefetches keys *and values* kAhead rows ahead (the next row may sit in another
+      // block), so the values wait in L2 for their pass. The rows come cold from DRAM in a real step
+      // (the layer's weights streamed through the caches since the last step): 115 us cold against
+      // 15 us warm for 93 keys of SmolLM2, and this prefetching measured only ~108 us cold, so the
+      // cold case stays latency-bound (docs/performance.md).
       const auto prefetch_kv = [&](int64_t t) {
         const int64_t at = slots[t] * token_stride + g0 * head_dim;
         prefetch_rows(k_cache + at, item_bytes);

@@ -18,7 +18,7 @@ horizontal sums (the kernel's comment has the arithmetic).
     scale  [G, nb * 8] float32       block (g, b) = the 8 rows' scales; fp16 where the GGUF block stored an
                                      fp16 scale that is the packed scale exactly (Q8_0, Q5_0, Q4_0, Q4_1):
                                      half the bytes, the same values (Q4_K's d·sc products need fp32)
-    offset [G, nb * 8] float32       q4 only, same order and dtype as scale
+    offset [G, nb * 8] like scale    q4 only, same order and dtype as scale
 
                  block b of group g (q8: 256 bytes)
           pair 0            pair 1                 pair 15
