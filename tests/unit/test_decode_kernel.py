@@ -48,6 +48,35 @@ def test_half_precision_caches_accumulate_in_fp32(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (70, 0.0), (0, 30.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[700], [1, 33, 250], [64, 64], [5, 400, 31, 129]])
+def test_long_sequences_split_into_chunks_merge_exactly(threads: int, window: int, softcap: float, dtype: torch.dtype,
+                                                         lens: list[int]) -> None:
+    """Few sequences: the kernel splits each one's keys into chunks across threads (at least 32 keys
+    each) and merges their partial softmaxes; every chunk boundary, a window that starts inside a
+    chunk, and sequences too short to split must all give plain attention's answer."""
+    g = torch.Generator().manual_seed(len(lens) * 1000 + threads)
+    block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
+    width = -(-max(lens) // block_size)
+    num_blocks = width * len(lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    table = torch.randperm(num_blocks, generator=g)[:len(lens) * width].view(len(lens), width)
+    seq_lens = torch.tensor(lens)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert kernels is not None
+        out = kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 0.125, window, softcap)
+    finally:
+        torch.set_num_threads(before)
+    ref = paged_attention_reference(q, k_cache.float(), v_cache.float(), table, seq_lens, 0.125, window, softcap)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_arguments_raise_instead_of_reading_out_of_bounds() -> None:
     assert kernels is not None
     cache = torch.zeros(4, 4, 2, 8)

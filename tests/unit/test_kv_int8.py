@@ -89,6 +89,31 @@ def test_int8_kernel_matches_attention_on_dequantized_values(num_heads: int, num
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("lens", [[500], [3, 90, 257]])
+def test_int8_kernel_long_sequences_split_into_chunks(threads: int, lens: list[int]) -> None:
+    """Few long sequences: chunks of keys across threads, partial softmaxes merged (scales per chunk)."""
+    g = torch.Generator().manual_seed(7 + threads)
+    block_size = 16
+    width = -(-max(lens) // block_size)
+    num_blocks = width * len(lens) + 2
+    cache = _int8_cache(num_blocks, block_size, 3, 64, g)
+    table = torch.randperm(num_blocks, generator=g)[:len(lens) * width].view(len(lens), width)
+    seq_lens = torch.tensor(lens)
+    q = torch.randn(len(lens), 9, 64, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert kernels is not None
+        out = kernels.paged_decode_attention_int8(q, cache.k, cache.v, cache.k_scale, cache.v_scale, table,
+                                                  seq_lens, 0.125, 0, 0.0)
+    finally:
+        torch.set_num_threads(before)
+    ref = paged_attention_reference(q, *_dequantized(cache), table, seq_lens, 0.125, 0, 0.0, dtype=torch.float64)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+@needs_kernel
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
 def test_int8_kernel_under_half_precision_queries(q_dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)

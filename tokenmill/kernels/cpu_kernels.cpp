@@ -86,8 +86,9 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
-// Softmax numerators in place: s_t ← exp(s_t - max_t s_t); returns Σ_t of them.
-inline float softmax_numerators(float* s, int64_t n) {
+// Softmax numerators in place: s_t ← exp(s_t - max_t s_t); returns Σ_t of them (and the max in *max_out,
+// which a split sequence's merge needs).
+inline float softmax_numerators(float* s, int64_t n, float* max_out = nullptr) {
   float mx = -std::numeric_limits<float>::infinity();
   int64_t t = 0;
 #if defined(TM_AVX2)
@@ -98,6 +99,7 @@ inline float softmax_numerators(float* s, int64_t n) {
   for (float l : lanes) mx = std::max(mx, l);
 #endif
   for (; t < n; ++t) mx = std::max(mx, s[t]);
+  if (max_out != nullptr) *max_out = mx;
   float sum = 0.f;
   t = 0;
 #if defined(TM_AVX2)
@@ -131,6 +133,23 @@ constexpr bool kVector =
 #endif
     ;
 
+#if defined(TM_AVX2)
+// Scores of NR query heads against one key row. NR is a compile-time constant so the NR
+// accumulators live in registers: with a run-time count (an array indexed in a loop) they went
+// through the stack, a store-to-load chain per FMA, and this was most of a decode step's
+// attention time (0.26 us a key for SmolLM2's 9 heads, ~10x the FMA bound).
+template <typename T, int NR>
+inline void score_tile(const float* qf, const T* k, int64_t head_dim, float mul, float* out, int64_t stride) {
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    const __m256 kv = load8(k + d);
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * head_dim + d), kv, acc[r]);
+  }
+  for (int r = 0; r < NR; ++r) out[r * stride] = hsum(acc[r]) * mul;
+}
+#endif
+
 // Scores of `rep` query heads (rows of qf, pre-scaled) against one key row, times `mul` (the
 // row's int8 scale, 1 for dense caches). With head_dim % 8 == 0 each 8 lanes of the row are
 // loaded and widened once and shared by up to 8 heads.
@@ -140,16 +159,19 @@ inline void score_row(const float* qf, const T* k, int64_t rep, int64_t head_dim
 #if defined(TM_AVX2)
   if constexpr (kVector<T>) {
     if (head_dim % 8 == 0) {
-      for (int64_t r0 = 0; r0 < rep; r0 += 8) {
-        const int64_t nr = std::min<int64_t>(8, rep - r0);
-        __m256 acc[8];
-        for (int64_t r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < head_dim; d += 8) {
-          const __m256 kv = load8(k + d);
-          for (int64_t r = 0; r < nr; ++r)
-            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + (r0 + r) * head_dim + d), kv, acc[r]);
-        }
-        for (int64_t r = 0; r < nr; ++r) out[(r0 + r) * stride] = hsum(acc[r]) * mul;
+      int64_t r0 = 0;
+      for (; r0 + 8 <= rep; r0 += 8) score_tile<T, 8>(qf + r0 * head_dim, k, head_dim, mul, out + r0 * stride, stride);
+      const float* qr = qf + r0 * head_dim;
+      float* o = out + r0 * stride;
+      switch (rep - r0) {
+        case 7: score_tile<T, 7>(qr, k, head_dim, mul, o, stride); break;
+        case 6: score_tile<T, 6>(qr, k, head_dim, mul, o, stride); break;
+        case 5: score_tile<T, 5>(qr, k, head_dim, mul, o, stride); break;
+        case 4: score_tile<T, 4>(qr, k, head_dim, mul, o, stride); break;
+        case 3: score_tile<T, 3>(qr, k, head_dim, mul, o, stride); break;
+        case 2: score_tile<T, 2>(qr, k, head_dim, mul, o, stride); break;
+        case 1: score_tile<T, 1>(qr, k, head_dim, mul, o, stride); break;
+        default: break;
       }
       return;
     }
@@ -267,49 +289,77 @@ inline void prefetch_rows(const void* start, int64_t bytes) {
 
 // TQ: query and output type; TC: cache element type. k_scale/v_scale [slots, KVH] are read only
 // when TC is int8 (null otherwise).
+//
+// A work item is one sequence's key range [t0, t1) and a run of its kv heads. Walking all heads of a
+// slot together reads the cache rows [KVH, hd] front to back (sequential memory, which the hardware
+// prefetcher follows). With many sequences an item is a whole sequence; with few (batch-1 decode)
+// each sequence's keys are split into chunks (flash-decoding): every thread gets work and still
+// streams whole rows, and each chunk leaves, per query head, its max m_c, its sum l_c = Σ exp(s - m_c)
+// and its unnormalised values a_c = Σ exp(s - m_c) v; the merge is
+//     out = Σ_c e^(m_c - M) a_c / Σ_c e^(m_c - M) l_c,   M = max_c m_c.
+// (Splitting by kv head instead gave a thread 2 of SmolLM2's 3 heads, and each item read a third of
+// every row: 256-byte pieces 768 bytes apart.)
 template <typename TQ, typename TC>
 void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::Half* k_scale,
                    const at::Half* v_scale, const int64_t* block_table, const int64_t* seq_lens, TQ* out,
                    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                    int64_t table_width, double scale, int64_t window, double softcap) {
   constexpr bool kQuant = std::is_same_v<TC, int8_t>;
+  constexpr int64_t kMinChunk = 32;  // keys; below this a chunk's fixed cost outweighs the parallelism
   const int64_t rep = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // elements between consecutive slots
-  // A work item is one sequence and a run of its kv heads. Walking all heads of a slot together
-  // reads the cache rows [KVH, hd] front to back (sequential memory); few sequences (batch-1
-  // decode) split by head instead so every thread still has work.
   const int64_t threads = at::get_num_threads();
-  const int64_t heads_per_item = num_seqs >= 4 * threads ? num_kv_heads : 1;
-  const int64_t items_per_seq = num_kv_heads / heads_per_item;
   const float qscale = softcap > 0 ? 1.f : static_cast<float>(scale);  // with a softcap, scale goes inside tanh
-  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, acc, scores, inv_sum;
+  const auto first_key = [&](int64_t s) { return window > 0 ? std::max<int64_t>(0, seq_lens[s] - window) : 0; };
+  // Chunk length: whole sequences when there are enough of them, else about 4 items a thread.
+  int64_t chunk = std::numeric_limits<int64_t>::max();
+  if (num_seqs < 4 * threads) {
+    int64_t keys = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) keys += seq_lens[s] - first_key(s);
+    chunk = std::max(kMinChunk, (keys + 4 * threads - 1) / (4 * threads));
+  }
+  std::vector<int64_t> item_seq, item_t0;  // items in sequence order; a sequence's chunks are consecutive
+  std::vector<int64_t> first_item(num_seqs + 1);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    first_item[s] = static_cast<int64_t>(item_seq.size());
+    const int64_t lo = first_key(s), len = seq_lens[s];
+    for (int64_t t0 = lo; t0 < len; t0 = t0 + std::min(chunk, len - t0)) {
+      item_seq.push_back(s);
+      item_t0.push_back(t0);
+    }
+  }
+  first_item[num_seqs] = static_cast<int64_t>(item_seq.size());
+  const int64_t num_items = first_item[num_seqs];
+  const bool split = num_items > num_seqs;
+  // A split sequence's partials: per item and query head, the max, the sum and hd unnormalised values.
+  std::vector<float> part_m, part_l, part_a;
+  if (split) {
+    part_m.resize(num_items * num_heads);
+    part_l.resize(num_items * num_heads);
+    part_a.resize(num_items * num_heads * head_dim);
+  }
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim), scores, inv_sum(num_heads),
+        mx(num_heads);
     std::vector<int64_t> slots;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / items_per_seq, g0 = (item % items_per_seq) * heads_per_item;
-      const int64_t nh = heads_per_item * rep;  // query heads of this item, consecutive in q
-      const int64_t len = seq_lens[s];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - lo;
+      const int64_t s = item_seq[item], t0 = item_t0[item];
+      const int64_t n = std::min(chunk, seq_lens[s] - t0);
       slots.resize(n);
-      slots_of(block_table + s * table_width, lo, n, block_size, slots.data());
-      const TQ* qs = q + (s * num_heads + g0 * rep) * head_dim;
-      qf.resize(nh * head_dim);
-      for (int64_t i = 0; i < nh * head_dim; ++i) qf[i] = static_cast<float>(qs[i]) * qscale;
-      const int64_t item_bytes = heads_per_item * head_dim * static_cast<int64_t>(sizeof(TC));
-      scores.resize(nh * n);
+      slots_of(block_table + s * table_width, t0, n, block_size, slots.data());
+      const TQ* qs = q + s * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qs[i]) * qscale;
+      const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(TC));
+      scores.resize(num_heads * n);
       // The key pass prefetches keys *and values* kAhead rows ahead (the next row may sit in another
-      // block), so the values wait in L2 for their pass. The rows come cold from DRAM in a real step
-      // (the layer's weights streamed through the caches since the last step): 115 us cold against
-      // 15 us warm for 93 keys of SmolLM2, and this prefetching measured only ~108 us cold, so the
-      // cold case stays latency-bound (docs/performance.md).
+      // block), so the values wait in L2 for their pass.
       const auto prefetch_kv = [&](int64_t t) {
-        const int64_t at = slots[t] * token_stride + g0 * head_dim;
-        prefetch_rows(k_cache + at, item_bytes);
-        prefetch_rows(v_cache + at, item_bytes);
+        const int64_t at = slots[t] * token_stride;
+        prefetch_rows(k_cache + at, row_bytes);
+        prefetch_rows(v_cache + at, row_bytes);
         if constexpr (kQuant) {
-          __builtin_prefetch(k_scale + slots[t] * num_kv_heads + g0);
-          __builtin_prefetch(v_scale + slots[t] * num_kv_heads + g0);
+          __builtin_prefetch(k_scale + slots[t] * num_kv_heads);
+          __builtin_prefetch(v_scale + slots[t] * num_kv_heads);
         }
       };
       for (int64_t t = 0; t < std::min<int64_t>(n, kAhead); ++t) prefetch_kv(t);
@@ -317,40 +367,66 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
         const int64_t slot = slots[t];
         const TC* row = k_cache + slot * token_stride;
         if (t + kAhead < n) prefetch_kv(t + kAhead);
-        for (int64_t g = 0; g < heads_per_item; ++g) {
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
           float mul = 1.f;
-          if constexpr (kQuant) mul = static_cast<float>(k_scale[slot * num_kv_heads + g0 + g]);
-          score_row(qf.data() + g * rep * head_dim, row + (g0 + g) * head_dim, rep, head_dim, mul,
+          if constexpr (kQuant) mul = static_cast<float>(k_scale[slot * num_kv_heads + g]);
+          score_row(qf.data() + g * rep * head_dim, row + g * head_dim, rep, head_dim, mul,
                     scores.data() + g * rep * n + t, n);
         }
       }
-      inv_sum.resize(nh);
-      for (int64_t h = 0; h < nh; ++h) {
+      for (int64_t h = 0; h < num_heads; ++h) {
         float* sh = scores.data() + h * n;
         if (softcap > 0) {
           const float c = static_cast<float>(softcap), sc = static_cast<float>(scale);
           for (int64_t t = 0; t < n; ++t) sh[t] = c * std::tanh(sh[t] * sc / c);
         }
-        inv_sum[h] = 1.f / softmax_numerators(sh, n);
+        const float sum = softmax_numerators(sh, n, &mx[h]);
+        inv_sum[h] = 1.f / sum;
+        if (split) {
+          part_m[item * num_heads + h] = mx[h];
+          part_l[item * num_heads + h] = sum;
+        }
       }
-      acc.resize(nh * head_dim);
-      for (int64_t g = 0; g < heads_per_item; ++g) {
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
         float* p = scores.data() + g * rep * n;  // p_t of the kv head's query heads, rows of n
         if constexpr (kQuant) {  // the value scale folds into the weight: sum_t (p_t vs_t) vq_t
           for (int64_t t = 0; t < n; ++t) {
-            const float vs = static_cast<float>(v_scale[slots[t] * num_kv_heads + g0 + g]);
+            const float vs = static_cast<float>(v_scale[slots[t] * num_kv_heads + g]);
             for (int64_t r = 0; r < rep; ++r) p[r * n + t] *= vs;
           }
         }
-        weighted_values(p, n, slots.data(), v_cache + (g0 + g) * head_dim, token_stride, rep, head_dim,
+        weighted_values(p, n, slots.data(), v_cache + g * head_dim, token_stride, rep, head_dim,
                         acc.data() + g * rep * head_dim);
       }
-      TQ* os = out + (s * num_heads + g0 * rep) * head_dim;
-      for (int64_t h = 0; h < nh; ++h)
+      if (split) {
+        std::copy(acc.begin(), acc.end(), part_a.begin() + item * num_heads * head_dim);
+        continue;
+      }
+      TQ* os = out + s * num_heads * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h)
         for (int64_t d = 0; d < head_dim; ++d)
           os[h * head_dim + d] = static_cast<TQ>(acc[h * head_dim + d] * inv_sum[h]);
     }
   });
+  if (!split) return;
+  // The merge: a few chunks of hd values per head, microseconds; serial.
+  std::vector<float> merged(head_dim);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float big = -std::numeric_limits<float>::infinity();
+      for (int64_t i = first_item[s]; i < first_item[s + 1]; ++i) big = std::max(big, part_m[i * num_heads + h]);
+      float denom = 0.f;
+      std::fill(merged.begin(), merged.end(), 0.f);
+      for (int64_t i = first_item[s]; i < first_item[s + 1]; ++i) {
+        const float w = std::exp(part_m[i * num_heads + h] - big);
+        denom += w * part_l[i * num_heads + h];
+        const float* a = part_a.data() + (i * num_heads + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) merged[d] += w * a[d];
+      }
+      TQ* o = out + (s * num_heads + h) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<TQ>(merged[d] / denom);
+    }
+  }
 }
 
 // f(T{}) for the floating type t names; anything else is an error naming `what`.
