@@ -6,7 +6,11 @@
              and the kernel `auto` picks. Each weight is timed alone, so it stays in cache: the
              native kernel's win (threads streaming W from memory) shows in decode_roofline.py.
   attention  decode attention of S sequences over the paged cache: gather + SDPA (the portable
-             path) against the native kernel reading blocks in place (tokenmill/kernels).
+             path) against the native kernel reading blocks in place (tokenmill/kernels), warm
+             (the same call repeated: the rows stay in cache) and cold (a 64 MiB buffer streamed
+             between calls, as a real step's weights stream between one layer's attention and the
+             next step's). Cold, the native kernel's effective KV bandwidth (cache bytes it must read
+             / time) is printed next to the copy bandwidth of the same run.
 
 Each figure is the best of 3 rounds of N calls, the two sides interleaved round by round so a
 noisy neighbour hurts both; ratios > 1 favour the second kernel.
@@ -23,6 +27,7 @@ from functools import partial
 from typing import Any
 
 import common  # type: ignore[import-not-found]
+from decode_roofline import BandwidthProbe  # type: ignore[import-not-found]
 
 
 def parse_args() -> argparse.Namespace:
@@ -31,7 +36,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", default="1,16,64,2048", help="GEMM row counts")
     p.add_argument("--seqs", default="1,16,64", help="decode batch sizes for attention")
-    p.add_argument("--context", type=int, default=256, help="keys per sequence for attention")
+    p.add_argument("--contexts", default="100,400,1000", help="keys per sequence for attention")
     return p.parse_args()
 
 
@@ -83,7 +88,22 @@ def gemm_rows(arch: Any, rows: list[int]) -> list[dict[str, Any]]:
     return results
 
 
-def attention_rows(arch: Any, seqs: list[int], context: int) -> list[dict[str, Any]]:
+def cold_ms(fns: list[Callable[[], Any]], calls: int = 30) -> list[float]:
+    """Median ms of each call after a 64 MiB write evicts the caches (the sides interleaved)."""
+    import torch
+
+    flush = torch.zeros(64 << 20, dtype=torch.uint8)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(calls):
+        for i, fn in enumerate(fns):
+            flush.add_(1)
+            start = time.perf_counter()
+            fn()
+            times[i].append((time.perf_counter() - start) * 1e3)
+    return [common.Stats.of(t).median for t in times]
+
+
+def attention_rows(arch: Any, seqs: list[int], contexts: list[int]) -> list[dict[str, Any]]:
     import torch
 
     from tokenmill.layers.attention import AttentionMetadata, GroupMetadata, PagedAttention, decode_kernel
@@ -93,26 +113,31 @@ def attention_rows(arch: Any, seqs: list[int], context: int) -> list[dict[str, A
     h, kvh, hd, bs = arch.num_heads, arch.num_kv_heads, arch.head_dim, 16
     results = []
     for s in seqs:
-        nb = -(-context // bs)
-        cache_blocks = s * nb + 8
-        k_cache = torch.randn(cache_blocks, bs, kvh, hd)
-        v_cache = torch.randn(cache_blocks, bs, kvh, hd)
-        cache = DenseKVCache(k_cache, v_cache)
-        table = torch.randperm(cache_blocks)[:s * nb].view(s, nb)
-        lens = torch.full((s,), context, dtype=torch.int64)
-        mask = (torch.arange(nb * bs)[None, :] < lens[:, None]).view(s, 1, 1, nb * bs)
-        group = GroupMetadata(table, lens, mask, None, 0, s, 1, None)
-        q = torch.randn(s, h, hd)
-        scale = hd**-0.5
-        sdpa = PagedAttention(h, kvh, hd, scale, None)
-        native = PagedAttention(h, kvh, hd, scale, None, decode_kernel=kernel)
-        meta = AttentionMetadata(torch.empty(0, dtype=torch.int64), group, None)
-        ref = sdpa._group(q, cache, meta.decode, False)  # type: ignore[arg-type]
-        out = native._group(q, cache, meta.decode, False)  # type: ignore[arg-type]
-        a, n = best_ms([partial(sdpa._group, q, cache, group, False),
-                        partial(native._group, q, cache, group, False)], calls=20)
-        results.append({"seqs": s, "context": context, "sdpa_ms": a, "native_ms": n, "native_speedup": a / n,
-                        "max_abs_diff": float((ref - out).abs().max())})
+        for context in contexts:
+            nb = -(-context // bs)
+            cache_blocks = s * nb + 8
+            k_cache = torch.randn(cache_blocks, bs, kvh, hd)
+            v_cache = torch.randn(cache_blocks, bs, kvh, hd)
+            cache = DenseKVCache(k_cache, v_cache)
+            table = torch.randperm(cache_blocks)[:s * nb].view(s, nb)  # shuffled, as the pool hands them out
+            lens = torch.full((s,), context, dtype=torch.int64)
+            mask = (torch.arange(nb * bs)[None, :] < lens[:, None]).view(s, 1, 1, nb * bs)
+            group = GroupMetadata(table, lens, mask, None, 0, s, 1, None)
+            q = torch.randn(s, h, hd)
+            scale = hd**-0.5
+            sdpa = PagedAttention(h, kvh, hd, scale, None)
+            native = PagedAttention(h, kvh, hd, scale, None, decode_kernel=kernel)
+            meta = AttentionMetadata(torch.empty(0, dtype=torch.int64), group, None)
+            ref = sdpa._group(q, cache, meta.decode, False)  # type: ignore[arg-type]
+            out = native._group(q, cache, meta.decode, False)  # type: ignore[arg-type]
+            sides = [partial(sdpa._group, q, cache, group, False), partial(native._group, q, cache, group, False)]
+            a, n = best_ms(sides, calls=20)
+            ca, cn = cold_ms(sides)
+            kv_bytes = 2 * s * context * kvh * hd * 4
+            results.append({"seqs": s, "context": context, "sdpa_ms": a, "native_ms": n, "native_speedup": a / n,
+                            "cold_sdpa_ms": ca, "cold_native_ms": cn, "cold_native_speedup": ca / cn,
+                            "cold_native_kv_gbps": kv_bytes / cn / 1e6,
+                            "max_abs_diff": float((ref - out).abs().max())})
     return results
 
 
@@ -122,18 +147,28 @@ def main() -> None:
     arch = common.gguf_arch(args.model)
     noise = common.NoiseMeter()
     gemm = gemm_rows(arch, [int(r) for r in args.rows.split(",")])
-    attention = attention_rows(arch, [int(s) for s in args.seqs.split(",")], args.context)
+    attention = attention_rows(arch, [int(s) for s in args.seqs.split(",")],
+                               [int(c) for c in args.contexts.split(",")])
+    probe = BandwidthProbe(0.25)
+    probe.sample(5)
+    bandwidth = probe.result()
+    copy_gbps, read_gbps = bandwidth["copy_bytes_per_s"] / 1e9, bandwidth["read_bytes_per_s"] / 1e9
     others = noise.others_cores()
     common.print_table(["weight", "rows", "aten ms", "onednn ms", "onednn speedup", "native speedup", "auto"],
                        [[g["weight"], g["rows"], g["aten_ms"], g["onednn_ms"], g["onednn_speedup"],
                          "-" if g["native_speedup"] is None else g["native_speedup"], g["auto"]] for g in gemm])
     print()
-    common.print_table(["seqs", "context", "gather+sdpa ms", "native ms", "native speedup"],
-                       [[a["seqs"], a["context"], a["sdpa_ms"], a["native_ms"], a["native_speedup"]]
+    common.print_table(["seqs", "context", "gather+sdpa ms", "native ms", "native speedup", "cold sdpa ms",
+                        "cold native ms", "cold speedup", "cold native KV GB/s"],
+                       [[a["seqs"], a["context"], a["sdpa_ms"], a["native_ms"], a["native_speedup"],
+                         a["cold_sdpa_ms"], a["cold_native_ms"], a["cold_native_speedup"], a["cold_native_kv_gbps"]]
                         for a in attention])
-    print(f"others_cores during the run: {others:.2f}")
+    print(f"copy bandwidth (read + write) {copy_gbps:.1f} GB/s, read {read_gbps:.1f} GB/s; "
+          f"others_cores during the run: {others:.2f}")
     common.save_json("cpu_kernels", args.model, {"config": vars(args), "gemm": gemm, "attention": attention,
-                                                 "others_cores": others})
+                                                 "copy_gbps": copy_gbps, "read_gbps": read_gbps,
+                                                 "others_cores": others,
+                                                 "environment": common.environment()})
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ from tests.engine.tiny import (
     tiny_model,
 )
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.engine import block_hash
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.request import SamplingParams
+from tokenmill.engine.request import Request, SamplingParams
 from tokenmill.engine.spec.draft import DraftModelProposer
 
 # Repeating prompts give the n-gram proposer something to find; random ones mostly do not.
@@ -125,6 +126,82 @@ def test_greedy_identical_with_prefix_cache_hits(method: str) -> None:
     second, _, _ = _run_counting(core, second_prompts, [greedy(12)] * 3)
     assert core.kv.pool.stats.hits - hits_before >= 3 * 4 * 4  # several blocks of 4 per prompt
     assert second == run_to_completion(make_core(model, enable_prefix_caching=False), second_prompts, [greedy(12)] * 3)
+
+
+def test_the_draft_reuses_cached_prefixes_and_its_kv_stays_exact() -> None:
+    """The model as its own draft, requests sharing a prefix one after another: the draft's pool
+    hits the shared blocks (fewer draft tokens computed), and every proposal is still accepted, so
+    no cached block held KV of tokens other than its hash's (publishing blocks past the target's
+    tokens, which a rollback overwrites, breaks this)."""
+    model = tiny_model("llama")
+    core = spec_core(model, "draft", "llama", k=3)
+    proposer = core.speculator.proposer  # type: ignore[union-attr]
+    assert isinstance(proposer, DraftModelProposer)
+    computed: list[int] = []
+    execute = proposer.runner.sample_logits
+
+    def counting(out):  # type: ignore[no-untyped-def]
+        computed.append(sum(s.num_new_tokens for s in out.scheduled))
+        return execute(out)
+
+    proposer.runner.sample_logits = counting  # type: ignore[method-assign]
+    shared = random_prompts((41,), seed=5)[0]
+    prompts = [[*shared, 3, 1, 4], [*shared, 1, 5], [*shared, 9, 2, 6, 5]]
+    totals, outputs = [], []
+    for i, prompt in enumerate(prompts):
+        computed.clear()
+        core.add_request(f"r{i}", prompt, greedy(10), ())
+        tokens: list[int] = []
+        drafts = accepted = 0
+        while core.has_unfinished:
+            step = core.step()
+            drafts += step.stats.spec_num_draft_tokens
+            accepted += step.stats.spec_num_accepted_tokens
+            tokens += [t for out in step.outputs for t in out.new_token_ids]
+        assert drafts > 0 and accepted == drafts, f"request {i}: {accepted} of {drafts} proposals accepted"
+        totals.append(sum(computed))
+        outputs.append(tokens)
+    assert outputs == run_to_completion(make_core(model), prompts, [greedy(10)] * 3)
+    assert proposer.kv.pool.stats.hits >= 2 * 40  # the 41-token prefix's 10 full blocks, twice
+    assert totals[1] < totals[0] - 30 and totals[2] < totals[0] - 30
+    assert_all_free(core)
+
+
+def test_the_draft_publishes_only_blocks_of_the_targets_tokens() -> None:
+    """A mismatched draft (proposals rejected, its KV rolled back and overwritten in place): every
+    block the draft's pool publishes holds target tokens only. A block holding proposals would be
+    published under the hash of tokens a rollback then overwrites."""
+    core = spec_core(tiny_model("llama"), "draft", "qwen2", k=3)
+    proposer = core.speculator.proposer  # type: ignore[union-attr]
+    assert isinstance(proposer, DraftModelProposer)
+    outputs, drafts, accepted = _run_counting(core, PROMPTS, PARAMS)
+    assert drafts > 0 and accepted < drafts  # rollbacks happened
+    bs = core.kv.block_size
+    valid = set()
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        tokens, parent = prompt + out, block_hash._ROOT_HASH
+        for i in range(len(tokens) // bs):
+            parent = block_hash.hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]))
+            valid.add(parent)
+    published = set(proposer.kv.pool.cached)
+    assert published and published <= valid, f"{len(published - valid)} blocks of proposals published"
+
+
+def test_a_draft_rollback_rehashes_the_block_it_rewrites() -> None:
+    """A 7-token prompt in blocks of 4: the first proposal d_1 completes block 1, which is hashed
+    with d_1 in it. The target then rejects d_1; once its own token fills that block, the block is
+    published under the hash of the target's tokens, not the stale one."""
+    core = spec_core(tiny_model("llama"), "draft", "llama", k=1)
+    proposer = core.speculator.proposer  # type: ignore[union-attr]
+    assert isinstance(proposer, DraftModelProposer)
+    prompt = random_prompts((7,), seed=11)[0]
+    request = Request("r", list(prompt), greedy(4))
+    [[d1]] = proposer.propose([request], [1])
+    other = (d1 + 1) % core.runner.arch.vocab_size
+    request.token_ids.append(other)  # the target rejected d_1 and sampled `other`
+    proposer.propose([request], [1])
+    first = block_hash.hash_block(block_hash._ROOT_HASH, tuple(prompt[:4]))
+    assert set(proposer.kv.pool.cached) == {first, block_hash.hash_block(first, (*prompt[4:7], other))}
 
 
 def test_mixed_batch_of_speculating_sampled_and_prefilling_requests() -> None:

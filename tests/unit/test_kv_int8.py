@@ -43,6 +43,40 @@ def _dequantized(cache: Int8KVCache) -> tuple[torch.Tensor, torch.Tensor]:
             dequantize_int8(cache.v, cache.v_scale, torch.float32))
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_write_stores_the_same_bytes_as_the_torch_path(dtype: torch.dtype) -> None:
+    """The fused projection's strided k/v views, rows of zeros, ties (x/s = n + 0.5 exactly) and
+    values beyond fp16's range: the native write and quantize_int8 + index_copy_ agree bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    kvh, hd, T = 3, 64, 9
+    spec = kv_cache_spec("int8", torch.float32)
+    native = spec.allocate(8, 4, kvh, hd, torch.device("cpu"))
+    reference = spec.allocate(8, 4, kvh, hd, torch.device("cpu"))
+    assert isinstance(native, Int8KVCache) and isinstance(reference, Int8KVCache) and native.writer is not None
+    reference.writer = None
+    fused = torch.randn(T, 5 * kvh * hd, generator=g) * 10 ** torch.empty(T, 1).uniform_(-3, 3, generator=g)
+    fused[2, :] = 0.0
+    fused[4, : kvh * hd] = torch.tensor([127.0, 63.5, -0.5, 1.5] * (kvh * hd // 4))  # ties at scale 1
+    fused[5, kvh * hd: 2 * kvh * hd] *= 1e7  # amax / 127 beyond fp16: the scale saturates at 65504
+    fused = fused.to(dtype)
+    k = fused[:, : kvh * hd].view(T, kvh, hd)  # strided views, as qkv's split hands them over
+    v = fused[:, kvh * hd: 2 * kvh * hd].view(T, kvh, hd)
+    slots = torch.randperm(32, generator=g)[:T]
+    native.write(slots, k, v)
+    reference.write(slots, k, v)
+    for a, b in zip(native.tensors(), reference.tensors(), strict=True):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.int8 else a.view(torch.int16),
+                           b.view(torch.uint8) if b.dtype == torch.int8 else b.view(torch.int16))
+
+
+@needs_kernel
+def test_native_write_rejects_a_slot_out_of_range() -> None:
+    cache = kv_cache_spec("int8", torch.float32).allocate(2, 4, 1, 8, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cache.write(torch.tensor([8]), torch.ones(1, 1, 8), torch.ones(1, 1, 8))
+
+
 # -- quantization -------------------------------------------------------------------------------
 
 def test_quantize_is_symmetric_per_row_within_half_a_step() -> None:

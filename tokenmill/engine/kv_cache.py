@@ -151,12 +151,14 @@ class KVCacheManager:
         self.num_registered.setdefault(request.request_id, len(cached))
         return True
 
-    def commit_computed(self, request: Request) -> None:
-        """Publish blocks that became full and computed in this step to the prefix cache."""
+    def commit_computed(self, request: Request, limit: int | None = None) -> None:
+        """Publish blocks that became full and computed in this step to the prefix cache (only those
+        wholly within the first `limit` tokens, when given)."""
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        upto = request.num_tokens if limit is None else min(limit, request.num_tokens)
+        num_full = min(request.num_computed_tokens, upto) // self.block_size
         start = self.num_registered.get(rid, 0)
         if num_full <= start:
             return

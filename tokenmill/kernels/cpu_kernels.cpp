@@ -555,6 +555,57 @@ void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor&
   });
 }
 
+// The int8 cache's write: each token's k/v head rows quantized symmetrically, q = round(x / s) with
+// s = fp16(max|x| / 127) (the scale every reader sees, so q is computed against the rounded scale),
+// exactly as kv_cache.quantize_int8 does in torch: the same fp32 operations in the same order, ties
+// to even, so both paths store the same bytes. k_scale, v_scale [num_blocks, block_size, KVH] fp16.
+void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scale, torch::Tensor v_scale,
+                   const torch::Tensor& slots, const torch::Tensor& k, const torch::Tensor& v) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar,
+              "kv_write_int8: contiguous int8 caches [num_blocks, block_size, KVH, hd] expected");
+  TORCH_CHECK(k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf && k_scale.is_contiguous() &&
+                  v_scale.is_contiguous() && k_scale.sizes() == k_cache.sizes().slice(0, 3) &&
+                  v_scale.sizes() == k_scale.sizes(),
+              "kv_write_int8: contiguous fp16 scales [num_blocks, block_size, KVH] expected");
+  const int64_t T = slots.numel(), kvh = k_cache.size(2), hd = k_cache.size(3);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (const torch::Tensor* x : {&k, &v})
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == kvh && x->size(2) == hd && x->stride(2) == 1 &&
+                    x->stride(1) == hd && x->scalar_type() == k.scalar_type(),
+                "kv_write_int8: k and v must be [T, KVH, hd] of one dtype with contiguous heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              "kv_write_int8: slots must be contiguous int64 [T]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "kv_write_int8: slot out of range");
+  with_float_type(k.scalar_type(), "k", [&](auto tx) {
+    using TX = decltype(tx);
+    std::vector<float> xf(hd);
+    for (int pass = 0; pass < 2; ++pass) {
+      const torch::Tensor& x = pass == 0 ? k : v;
+      const TX* src = x.data_ptr<TX>();
+      int8_t* dst = (pass == 0 ? k_cache : v_cache).data_ptr<int8_t>();
+      at::Half* scales = (pass == 0 ? k_scale : v_scale).data_ptr<at::Half>();
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t h = 0; h < kvh; ++h) {
+          const TX* from = src + t * x.stride(0) + h * hd;
+          float amax = 0.f;
+          for (int64_t i = 0; i < hd; ++i) {
+            xf[i] = static_cast<float>(from[i]);
+            amax = std::max(amax, std::fabs(xf[i]));
+          }
+          const at::Half scale = static_cast<at::Half>(std::min(amax / 127.f, 65504.f));
+          const float inv = 1.f / std::max(static_cast<float>(scale), 0x1p-24f);
+          int8_t* to = dst + (sp[t] * kvh + h) * hd;
+          for (int64_t i = 0; i < hd; ++i)
+            to[i] = static_cast<int8_t>(std::clamp(std::nearbyint(xf[i] * inv), -127.f, 127.f));
+          scales[sp[t] * kvh + h] = scale;
+        }
+      }
+    }
+  });
+}
+
 // y [..., I] = silu(g) * u where gate_up [..., 2I] = [g | u], float32; silu(g) = g / (1 + exp(-g)).
 inline void silu_mul_row(const float* g, const float* u, float* y, int64_t n) {
   int64_t i = 0;
@@ -655,6 +706,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8,
         "paged decode attention over an int8 KV cache with fp16 scales per (slot, kv head) (CPU)");
   m.def("kv_write", &kv_write, "k, v [T, KVH, hd] into the paged caches at flat slots [T], dtype-converted (CPU)");
+  m.def("kv_write_int8", &kv_write_int8,
+        "k, v [T, KVH, hd] quantized to int8 with an fp16 scale per (token, head) into the int8 caches (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from [..., 2I] = [gate | up], float32 (CPU)");
   m.def("skinny_linear", &skinny_linear, "y = x W^T + b for 1-4 rows of x, fp32, threads over W's rows (CPU)");
 }

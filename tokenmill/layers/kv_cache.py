@@ -51,6 +51,9 @@ class NativeKVWriter(Protocol):
     def kv_write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> None: ...
 
+    def kv_write_int8(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
+                      v_scale: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
 
 class LayerKVCache(ABC):
     """Keys and values of one layer for every block of the pool."""
@@ -108,10 +111,18 @@ class DenseKVCache(LayerKVCache):
 
 
 class Int8KVCache(LayerKVCache):
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+    """`writer`: the native int8 write (CPU), quantizing each (token, head) row straight from the fused
+    projection's views into its slot, the same bytes as `quantize_int8`; else that plus `index_copy_`."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                 writer: NativeKVWriter | None = None) -> None:
         self.k, self.v, self.k_scale, self.v_scale = k, v, k_scale, v_scale
+        self.writer = writer
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.writer is not None:
+            self.writer.kv_write_int8(self.k, self.v, self.k_scale, self.v_scale, slots, k, v)
+            return
         kvh, hd = self.k.shape[2], self.k.shape[3]
         for x, cache, scales in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
             q, s = quantize_int8(x)
@@ -150,11 +161,12 @@ class KVCacheSpec:
                  device: torch.device) -> LayerKVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         k, v = zeros(shape, self.dtype, device), zeros(shape, self.dtype, device)
+        writer = cast(NativeKVWriter | None, cpu_kernels()) if device.type == "cpu" else None
         if self.scale_dtype is None:
-            return DenseKVCache(k, v, cast(NativeKVWriter | None, cpu_kernels()) if device.type == "cpu" else None)
+            return DenseKVCache(k, v, writer)
         scale_shape = shape[:3]
         return Int8KVCache(k, v, zeros(scale_shape, self.scale_dtype, device),
-                           zeros(scale_shape, self.scale_dtype, device))
+                           zeros(scale_shape, self.scale_dtype, device), writer)
 
     def describe(self) -> str:
         if self.scale_dtype is None:

@@ -92,9 +92,11 @@ DraftWeights = tuple[ArchConfig, Mapping[str, torch.Tensor]]
 
 def build_speculator(config: SpeculativeConfig, model_config: ModelConfig, target_arch: ArchConfig,
                      block_size: int, num_blocks: int | None, max_model_len: int,
-                     draft: DraftWeights | None = None) -> Speculator | None:
+                     draft: DraftWeights | None = None, *, enable_prefix_caching: bool = True,
+                     max_num_seqs: int | None = None) -> Speculator | None:
     """The speculator `config` asks for (None when speculation is off). A draft model is loaded from
-    config.draft_model unless its weights are given (tests pass tiny models in). `num_blocks` None:
+    config.draft_model unless its weights are given (tests pass tiny models in); the draft caches
+    prefixes when the target does, and keeps persistent block tables of `max_num_seqs` rows. `num_blocks` None:
     the draft's weights load now and its KV pool waits for `Speculator.allocate_kv`, so the engine
     can probe memory after both models' weights are in (the core's order)."""
     if config.method is None:
@@ -109,8 +111,10 @@ def build_speculator(config: SpeculativeConfig, model_config: ModelConfig, targe
                                  f"tokens but the target has {target_arch.vocab_size}: a draft must share the "
                                  "target's tokenizer")
         draft_config = replace(model_config, model=config.draft_model or "draft")
-        runner = ModelRunner(draft_config, arch, tensors, max_model_len, block_size, None)  # KV: the proposer's
-        proposer = PROPOSERS["draft"](runner, num_blocks, block_size, max_model_len)  # type: ignore[call-arg]
+        runner = ModelRunner(draft_config, arch, tensors, max_model_len, block_size, None,  # KV: the proposer's
+                             max_num_seqs=max_num_seqs)
+        proposer = PROPOSERS["draft"](runner, num_blocks, block_size, max_model_len,  # type: ignore[call-arg]
+                                      enable_prefix_caching=enable_prefix_caching)
     return Speculator(config, proposer, max_model_len)
 
 
