@@ -385,6 +385,13 @@ def test_no_slo_scheduling_flag(captured: dict[str, Any]) -> None:
     assert not captured["engine"].scheduler.service_classes.enabled
 
 
+@pytest.mark.parametrize(("value", "expected"), [(None, ServiceClassConfig().protected_slowdown), ("0.05", 0.05),
+                                                 ("none", None), ("0", 0.0)])
+def test_protected_slowdown_flag(captured: dict[str, Any], value: str | None, expected: float | None) -> None:
+    assert cli.main(["serve", "m", *([] if value is None else ["--protected-slowdown", value])]) == 0
+    assert captured["engine"].scheduler.service_classes.protected_slowdown == expected
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--slo", "interactive"], "--slo takes CLASS:ttft=SECONDS,tpot=SECONDS, got 'interactive'"),
     (["--slo", "gold:ttft=1"], "service_tier 'gold' is not supported"),
@@ -393,6 +400,8 @@ def test_no_slo_scheduling_flag(captured: dict[str, Any]) -> None:
     (["--slo", "batch:ttft=soon"], "'soon' is not a number of seconds"),
     (["--api-key-class", "nokey"], "--api-key-class takes KEY=CLASS, got 'nokey'"),
     (["--interactive-queue-reserve", "1"], "interactive_queue_reserve must be in [0, 1)"),
+    (["--protected-slowdown", "-0.1"], "--protected-slowdown must be >= 0, got '-0.1'"),
+    (["--protected-slowdown", "some"], "--protected-slowdown takes a fraction or 'none', got 'some'"),
 ])
 def test_bad_service_class_flags_are_one_line_errors(captured: dict[str, Any], capsys: pytest.CaptureFixture[str],
                                                      flags: list[str], message: str) -> None:

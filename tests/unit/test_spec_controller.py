@@ -3,6 +3,8 @@ goodput rule from measured step times."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from tokenmill.config import SpeculativeConfig
@@ -105,3 +107,48 @@ def test_without_a_fit_smaller_k_are_tried_now_and_then_so_step_sizes_spread() -
     ks = [controller.plan(_requests(1, acceptance=0.9))[0] for _ in range(64)]
     assert sorted(set(ks)) == [0, 1, 2, 3]
     assert ks.count(3) == 60
+
+
+def test_measured_step_times_override_the_linear_fit_where_costs_bend() -> None:
+    """Batch-1 history (1 row plain, 4 rows verifying) fits T = 36 ms + 8.7 ms a row, which says two
+    requests speculating (8 rows, 106 ms at k = 3) beat plain (2 rows, 53 ms) at acceptance 0.68
+    (2.42 tokens per verification). Measured, 8 rows cost 142 ms and 2 rows 47 (a 2-core CPU, integer weights):
+    plain is faster, and the measured counts decide."""
+    controller = _controller(max_batch_size=64)
+    for _ in range(100):
+        controller.observe(1, 0.045)
+        controller.observe(4, 0.071)
+    requests = _requests(2, acceptance=0.68)
+    assert min(controller.plan(requests)) > 0  # by the fit alone
+    for _ in range(2):
+        controller.observe(8, 0.142)
+        controller.observe(2, 0.047)
+    assert controller.predict(8, controller.cost_fit() or (0.0, 0.0)) == pytest.approx(0.142)
+    # k = 1 is 4 rows, measured at 71 ms: 3.36 tokens / 71 ms beats plain's 2 / 47 ms and k = 3's 4.84 / 142 ms.
+    assert controller.plan(requests) == [1, 1]
+    controller.observe(4, 0.095)
+    controller.observe(4, 0.095)  # the 4-row steps got slower (longer contexts): now plain wins
+    assert controller.plan(requests) == [0, 0] and not controller.is_on
+    # Between measured counts the estimate interpolates; beyond them it follows the fit's slope.
+    fit = controller.cost_fit()
+    assert fit is not None
+    t4 = controller.by_count[4][0]  # the moving average after the two slower steps
+    assert controller.predict(6, fit) == pytest.approx((t4 + 0.142) / 2)
+    assert controller.predict(10, fit) == pytest.approx(0.142 + 2 * fit[1])
+
+
+def test_the_option_not_chosen_is_measured_again_when_stale() -> None:
+    """Speculating, the plain step's token count is re-measured now and then (contexts grow, so an
+    old measurement flatters it); with fresh measurements of both, no exploration."""
+    controller = _controller(max_batch_size=64)
+    for n in (1, 4) * 40:
+        controller.observe(n, 0.01 + 0.001 * n)  # nearly free rows: speculation wins
+    requests = _requests(1, acceptance=0.9)
+    plans = []
+    for _ in range(200):
+        [k] = controller.plan(requests)
+        plans.append(k)
+        controller.observe(1 + k, 0.01 + 0.001 * (1 + k))
+    assert 0 < plans.count(0) <= 200 // 16 and plans.count(3) >= 180
+    stale = [i for i, k in enumerate(plans) if k == 0]
+    assert all(b - a >= 16 for a, b in itertools.pairwise(stale))

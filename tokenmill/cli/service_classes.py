@@ -2,6 +2,8 @@
 default class per API key, the interactive share of the queue, and the switch that turns the
 SLO-aware scheduling off.
 
+    --protected-slowdown 0.05              how much batch work may slow an interactive step, by the fit
+
     --slo interactive:ttft=0.5,tpot=0.08   seconds; `none` clears a target; classes not named keep theirs
     --api-key-class KEY=batch              requests with bearer KEY default to the batch class
 """
@@ -37,6 +39,10 @@ def add_service_class_arguments(parser: Any) -> None:
     group.add_argument("--calibration-steps", type=int, default=24, metavar="N",
                        help="synthetic steps that fit the step-time model while the new server idles, stopped by "
                             "the first request (0: learn from live traffic only)")
+    group.add_argument("--protected-slowdown", default=None, metavar="FRACTION",
+                       help="lower classes fill a step holding interactive work only while it stays within this "
+                            "fraction over that work's own predicted time ('none': the TPOT target alone bounds "
+                            "them; default: ServiceClassConfig's, docs/workload_classes.md)")
     group.add_argument("--no-slo-scheduling", action="store_true",
                        help="schedule without regard to classes (they still label metrics and logs)")
 
@@ -50,9 +56,24 @@ def service_class_config(args: argparse.Namespace) -> ServiceClassConfig:
         targets[service_class] = _parse_targets(item, spec, targets[service_class])
     if args.calibration_steps < 0:
         raise TokenmillError(f"--calibration-steps must be >= 0, got {args.calibration_steps}")
-    return ServiceClassConfig(enabled=not args.no_slo_scheduling, interactive=targets[ServiceClass.INTERACTIVE],
-                              standard=targets[ServiceClass.STANDARD], batch=targets[ServiceClass.BATCH],
-                              calibration_steps=args.calibration_steps)
+    config = ServiceClassConfig(enabled=not args.no_slo_scheduling, interactive=targets[ServiceClass.INTERACTIVE],
+                                standard=targets[ServiceClass.STANDARD], batch=targets[ServiceClass.BATCH],
+                                calibration_steps=args.calibration_steps)
+    if args.protected_slowdown is not None:
+        config = replace(config, protected_slowdown=_slowdown(args.protected_slowdown))
+    return config
+
+
+def _slowdown(value: str) -> float | None:
+    if value.lower() == "none":
+        return None
+    try:
+        fraction = float(value)
+    except ValueError:
+        raise TokenmillError(f"--protected-slowdown takes a fraction or 'none', got {value!r}") from None
+    if not fraction >= 0:
+        raise TokenmillError(f"--protected-slowdown must be >= 0, got {value!r}")
+    return fraction
 
 
 def _split_slo(item: str) -> tuple[ServiceClass, str]:
