@@ -116,7 +116,7 @@ class ServiceClassConfig:
     # Lower classes fill a step holding protected work only while it stays within this fraction over
     # the protected work's own predicted time (None: the TPOT target alone bounds them). Chat then
     # runs near its speed alone on any machine, not just within the target.
-    protected_slowdown: float | None = 0.15
+    protected_slowdown: float | None = 0.05
     min_step_samples: int = 16  # measured steps before the step-time fit is trusted
     # Until then, a step holding protected decodes carries at most this many tokens in all.
     unfitted_step_tokens: int = 32

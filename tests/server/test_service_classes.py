@@ -385,7 +385,7 @@ def test_no_slo_scheduling_flag(captured: dict[str, Any]) -> None:
     assert not captured["engine"].scheduler.service_classes.enabled
 
 
-@pytest.mark.parametrize(("value", "expected"), [(None, ServiceClassConfig().protected_slowdown), ("0.05", 0.05),
+@pytest.mark.parametrize(("value", "expected"), [(None, ServiceClassConfig().protected_slowdown), ("0.3", 0.3),
                                                  ("none", None), ("0", 0.0)])
 def test_protected_slowdown_flag(captured: dict[str, Any], value: str | None, expected: float | None) -> None:
     assert cli.main(["serve", "m", *([] if value is None else ["--protected-slowdown", value])]) == 0
