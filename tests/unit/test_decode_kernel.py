@@ -12,8 +12,9 @@ kernels = cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the native CPU kernel cannot be built here")
 
 
+# Head groups (num_heads / num_kv_heads) of 1, 2 and 3 take the four-key score tiles, larger ones one key at a time.
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 32), (6, 6, 20), (16, 2, 8),
-                                                                 (12, 2, 64), (14, 2, 16)])
+                                                                 (12, 2, 64), (14, 2, 16), (8, 4, 32), (4, 4, 64)])
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (5, 0.0), (0, 30.0)])
 @pytest.mark.parametrize("num_seqs", [1, 3, 12])
 def test_matches_reference_fp32(num_heads: int, num_kv_heads: int, head_dim: int, window: int, softcap: float,
@@ -51,12 +52,13 @@ def test_half_precision_caches_accumulate_in_fp32(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (70, 0.0), (0, 30.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lens", [[700], [1, 33, 250], [64, 64], [5, 400, 31, 129]])
+@pytest.mark.parametrize("lens", [[700], [1, 33, 250], [64, 64], [5, 400, 31, 129], [300] * 9, [1, 700, *[50] * 8]])
 def test_long_sequences_split_into_chunks_merge_exactly(threads: int, window: int, softcap: float, dtype: torch.dtype,
                                                          lens: list[int]) -> None:
-    """Few sequences: the kernel splits each one's keys into chunks across threads (at least 32 keys
-    each) and merges their partial softmaxes; every chunk boundary, a window that starts inside a
-    chunk, and sequences too short to split must all give plain attention's answer."""
+    """Few sequences (split across threads, chunks of at least 32 keys) or long ones (chunks that fit
+    L2, ~170 keys here): the kernel merges the chunks' partial softmaxes; every chunk boundary, a
+    window that starts inside a chunk, and sequences too short to split must all give plain
+    attention's answer."""
     g = torch.Generator().manual_seed(len(lens) * 1000 + threads)
     block_size, num_heads, num_kv_heads, head_dim = 16, 9, 3, 64
     width = -(-max(lens) // block_size)

@@ -102,7 +102,8 @@ def test_zero_rows_quantize_to_zero() -> None:
 # -- the native decode kernel over an int8 cache ------------------------------------------------
 
 @needs_kernel
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 32), (6, 6, 20), (16, 2, 8)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 32), (6, 6, 20), (16, 2, 8),
+                                                                 (8, 4, 32), (4, 4, 64)])
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (5, 0.0), (0, 30.0)])
 @pytest.mark.parametrize("num_seqs", [1, 3, 12])
 def test_int8_kernel_matches_attention_on_dequantized_values(num_heads: int, num_kv_heads: int, head_dim: int,

@@ -150,6 +150,53 @@ inline void score_tile(const float* qf, const T* k, int64_t head_dim, float mul,
 }
 #endif
 
+#if defined(TM_AVX2)
+// Scores of NR query heads against four key rows at once: 4 NR independent accumulator chains (a
+// single key's NR chains of head_dim / 8 dependent FMAs left the FMA units idle), and one
+// hadd tree turns each head's 4 accumulators into its 4 scores. out[r * stride + j] for key j.
+template <typename T, int NR>
+inline void score_tile4(const float* qf, const T* const* k, int64_t head_dim, const float* mul, float* out,
+                        int64_t stride) {
+  __m256 acc[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    const __m256 k0 = load8(k[0] + d), k1 = load8(k[1] + d), k2 = load8(k[2] + d), k3 = load8(k[3] + d);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 qv = _mm256_loadu_ps(qf + r * head_dim + d);
+      acc[r][0] = _mm256_fmadd_ps(qv, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(qv, k1, acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(qv, k2, acc[r][2]);
+      acc[r][3] = _mm256_fmadd_ps(qv, k3, acc[r][3]);
+    }
+  }
+  const __m128 scale = _mm_loadu_ps(mul);
+  for (int r = 0; r < NR; ++r) {
+    // hadd(hadd(a0, a1), hadd(a2, a3)) holds, per 128-bit half, the four keys' partial sums.
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(out + r * stride, _mm_mul_ps(sums, scale));
+  }
+}
+
+// Whether score_rows4 takes this shape: a head group small enough that its 4 x NR accumulators fit
+// the 16 vector registers with the four key vectors.
+template <typename T>
+inline bool scores4_fit(int64_t rep, int64_t head_dim) {
+  return kVector<T> && head_dim % 8 == 0 && rep <= 3;
+}
+
+template <typename T>
+inline void score_rows4(const float* qf, const T* const* k, int64_t rep, int64_t head_dim, const float* mul,
+                        float* out, int64_t stride) {
+  if constexpr (kVector<T>) {
+    if (rep == 3) return score_tile4<T, 3>(qf, k, head_dim, mul, out, stride);
+    if (rep == 2) return score_tile4<T, 2>(qf, k, head_dim, mul, out, stride);
+    return score_tile4<T, 1>(qf, k, head_dim, mul, out, stride);
+  }
+}
+#endif
+
 // Scores of `rep` query heads (rows of qf, pre-scaled) against one key row, times `mul` (the
 // row's int8 scale, 1 for dense caches). With head_dim % 8 == 0 each 8 lanes of the row are
 // loaded and widened once and shared by up to 8 heads.
@@ -290,12 +337,12 @@ inline void prefetch_rows(const void* start, int64_t bytes) {
 // TQ: query and output type; TC: cache element type. k_scale/v_scale [slots, KVH] are read only
 // when TC is int8 (null otherwise).
 //
-// A work item is one sequence's key range [t0, t1) and a run of its kv heads. Walking all heads of a
+// A work item is one sequence's key range [t0, t1), all its kv heads. Walking all heads of a
 // slot together reads the cache rows [KVH, hd] front to back (sequential memory, which the hardware
-// prefetcher follows). With many sequences an item is a whole sequence; with few (batch-1 decode)
-// each sequence's keys are split into chunks (flash-decoding): every thread gets work and still
-// streams whole rows, and each chunk leaves, per query head, its max m_c, its sum l_c = Σ exp(s - m_c)
-// and its unnormalised values a_c = Σ exp(s - m_c) v; the merge is
+// prefetcher follows). Each sequence's keys are split into chunks (flash-decoding) when sequences
+// are few (batch-1 decode: every thread gets work and still streams whole rows) or long (a chunk's
+// rows stay in L2 between the key and the value pass); each chunk leaves, per query head, its max
+// m_c, its sum l_c = Σ exp(s - m_c) and its unnormalised values a_c = Σ exp(s - m_c) v; the merge is
 //     out = Σ_c e^(m_c - M) a_c / Σ_c e^(m_c - M) l_c,   M = max_c m_c.
 // (Splitting by kv head instead gave a thread 2 of SmolLM2's 3 heads, and each item read a third of
 // every row: 256-byte pieces 768 bytes apart.)
@@ -311,12 +358,16 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
   const int64_t threads = at::get_num_threads();
   const float qscale = softcap > 0 ? 1.f : static_cast<float>(scale);  // with a softcap, scale goes inside tanh
   const auto first_key = [&](int64_t s) { return window > 0 ? std::max<int64_t>(0, seq_lens[s] - window) : 0; };
-  // Chunk length: whole sequences when there are enough of them, else about 4 items a thread.
-  int64_t chunk = std::numeric_limits<int64_t>::max();
+  // Chunk length: about 4 items a thread when sequences are few; and never more keys than keep a
+  // chunk's keys and values (read by the key pass, read again by the value pass) within ~256 KiB of
+  // L2: at 1,000 keys a whole SmolLM2 sequence (1.5 MB) made the value pass re-read its rows from
+  // L3 (batch 32: 7.7 ms a layer warm against 2.4 ms in chunks).
+  const int64_t key_bytes = 2 * token_stride * static_cast<int64_t>(sizeof(TC));
+  int64_t chunk = std::max(kMinChunk, (256 << 10) / key_bytes);
   if (num_seqs < 4 * threads) {
     int64_t keys = 0;
     for (int64_t s = 0; s < num_seqs; ++s) keys += seq_lens[s] - first_key(s);
-    chunk = std::max(kMinChunk, (keys + 4 * threads - 1) / (4 * threads));
+    chunk = std::min(chunk, std::max(kMinChunk, (keys + 4 * threads - 1) / (4 * threads)));
   }
   std::vector<int64_t> item_seq, item_t0;  // items in sequence order; a sequence's chunks are consecutive
   std::vector<int64_t> first_item(num_seqs + 1);
@@ -363,7 +414,25 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
         }
       };
       for (int64_t t = 0; t < std::min<int64_t>(n, kAhead); ++t) prefetch_kv(t);
-      for (int64_t t = 0; t < n; ++t) {
+      int64_t t = 0;
+#if defined(TM_AVX2)
+      if (scores4_fit<TC>(rep, head_dim)) {
+        for (; t + 4 <= n; t += 4) {
+          for (int64_t j = 0; j < 4; ++j)
+            if (t + j + kAhead < n) prefetch_kv(t + j + kAhead);
+          for (int64_t g = 0; g < num_kv_heads; ++g) {
+            const TC* rows[4];
+            float mul[4] = {1.f, 1.f, 1.f, 1.f};
+            for (int64_t j = 0; j < 4; ++j) {
+              rows[j] = k_cache + slots[t + j] * token_stride + g * head_dim;
+              if constexpr (kQuant) mul[j] = static_cast<float>(k_scale[slots[t + j] * num_kv_heads + g]);
+            }
+            score_rows4(qf.data() + g * rep * head_dim, rows, rep, head_dim, mul, scores.data() + g * rep * n + t, n);
+          }
+        }
+      }
+#endif
+      for (; t < n; ++t) {
         const int64_t slot = slots[t];
         const TC* row = k_cache + slot * token_stride;
         if (t + kAhead < n) prefetch_kv(t + kAhead);
@@ -409,24 +478,26 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
     }
   });
   if (!split) return;
-  // The merge: a few chunks of hd values per head, microseconds; serial.
-  std::vector<float> merged(head_dim);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    for (int64_t h = 0; h < num_heads; ++h) {
-      float big = -std::numeric_limits<float>::infinity();
-      for (int64_t i = first_item[s]; i < first_item[s + 1]; ++i) big = std::max(big, part_m[i * num_heads + h]);
-      float denom = 0.f;
-      std::fill(merged.begin(), merged.end(), 0.f);
-      for (int64_t i = first_item[s]; i < first_item[s + 1]; ++i) {
-        const float w = std::exp(part_m[i * num_heads + h] - big);
-        denom += w * part_l[i * num_heads + h];
-        const float* a = part_a.data() + (i * num_heads + h) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) merged[d] += w * a[d];
+  // The merge: per sequence and head, its chunks' hd values.
+  at::parallel_for(0, num_seqs, 1, [&](int64_t s0, int64_t s1) {
+    std::vector<float> merged(head_dim);
+    for (int64_t s = s0; s < s1; ++s) {
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float big = -std::numeric_limits<float>::infinity();
+        for (int64_t i = first_item[s]; i < first_item[s + 1]; ++i) big = std::max(big, part_m[i * num_heads + h]);
+        float denom = 0.f;
+        std::fill(merged.begin(), merged.end(), 0.f);
+        for (int64_t i = first_item[s]; i < first_item[s + 1]; ++i) {
+          const float w = std::exp(part_m[i * num_heads + h] - big);
+          denom += w * part_l[i * num_heads + h];
+          const float* a = part_a.data() + (i * num_heads + h) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) merged[d] += w * a[d];
+        }
+        TQ* o = out + (s * num_heads + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<TQ>(merged[d] / denom);
       }
-      TQ* o = out + (s * num_heads + h) * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<TQ>(merged[d] / denom);
     }
-  }
+  });
 }
 
 // f(T{}) for the floating type t names; anything else is an error naming `what`.
