@@ -11,6 +11,7 @@ SLO-aware scheduling off.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -65,15 +66,21 @@ def service_class_config(args: argparse.Namespace) -> ServiceClassConfig:
 
 
 def _slowdown(value: str) -> float | None:
+    return _number_or_none(value, lambda x: x >= 0, f"--protected-slowdown takes a fraction or 'none', got {value!r}",
+                           f"--protected-slowdown must be >= 0, got {value!r}")
+
+
+def _number_or_none(value: str, valid: Callable[[float], bool], not_a_number: str, out_of_range: str) -> float | None:
+    """A flag's number, or None for 'none'; the messages are its one-line errors."""
     if value.lower() == "none":
         return None
     try:
-        fraction = float(value)
+        number = float(value)
     except ValueError:
-        raise TokenmillError(f"--protected-slowdown takes a fraction or 'none', got {value!r}") from None
-    if not fraction >= 0:
-        raise TokenmillError(f"--protected-slowdown must be >= 0, got {value!r}")
-    return fraction
+        raise TokenmillError(not_a_number) from None
+    if not valid(number):
+        raise TokenmillError(out_of_range)
+    return number
 
 
 def _split_slo(item: str) -> tuple[ServiceClass, str]:
@@ -94,15 +101,8 @@ def _parse_targets(item: str, spec: str, target: SLOTarget) -> SLOTarget:
 
 
 def _seconds(value: str, item: str) -> float | None:
-    if value.lower() == "none":
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise TokenmillError(f"--slo {item!r}: {value!r} is not a number of seconds") from None
-    if not seconds > 0:
-        raise TokenmillError(f"--slo {item!r}: a target must be positive seconds (or none)")
-    return seconds
+    return _number_or_none(value, lambda x: x > 0, f"--slo {item!r}: {value!r} is not a number of seconds",
+                           f"--slo {item!r}: a target must be positive seconds (or none)")
 
 
 def api_key_classes(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:

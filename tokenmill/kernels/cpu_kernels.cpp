@@ -586,6 +586,23 @@ torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_cache
 }
 
 
+// The rows a KV write reads and the slots it writes, checked: k and v [T, KVH, hd] of one dtype
+// with contiguous heads, slots contiguous int64 [T], each inside the cache. Returns the slots.
+const int64_t* check_write_rows(const char* op, const torch::Tensor& k_cache, const torch::Tensor& slots,
+                                const torch::Tensor& k, const torch::Tensor& v) {
+  const int64_t T = slots.numel(), kvh = k_cache.size(2), hd = k_cache.size(3);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (const torch::Tensor* x : {&k, &v})
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == kvh && x->size(2) == hd && x->stride(2) == 1 &&
+                    x->stride(1) == hd && x->scalar_type() == k.scalar_type(),
+                op, ": k and v must be [T, KVH, hd] of one dtype with contiguous heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              op, ": slots must be contiguous int64 [T]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, op, ": slot out of range");
+  return sp;
+}
+
 // ---------------------------------------------------------------------------------------------
 // KV write: k, v [T, KVH, hd] (rows of heads back to back; any stride between tokens) into the
 // caches [num_blocks, block_size, KVH, hd] at flat slots [T]. Every slot is checked before any write.
@@ -594,16 +611,8 @@ void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor&
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
               "kv_write: contiguous caches [num_blocks, block_size, KVH, hd] of one dtype expected");
-  const int64_t T = slots.numel(), kvh = k_cache.size(2), hd = k_cache.size(3);
-  const int64_t row = kvh * hd, num_slots = k_cache.size(0) * k_cache.size(1);
-  for (const torch::Tensor* x : {&k, &v})
-    TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == kvh && x->size(2) == hd && x->stride(2) == 1 &&
-                    x->stride(1) == hd && x->scalar_type() == k.scalar_type(),
-                "kv_write: k and v must be [T, KVH, hd] of one dtype with contiguous heads");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
-              "kv_write: slots must be contiguous int64 [T]");
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "kv_write: slot out of range");
+  const int64_t T = slots.numel(), row = k_cache.size(2) * k_cache.size(3);
+  const int64_t* sp = check_write_rows("kv_write", k_cache, slots, k, v);
   with_float_type(k.scalar_type(), "k", [&](auto tx) {
     using TX = decltype(tx);
     with_float_type(k_cache.scalar_type(), "the caches", [&](auto tc) {
@@ -640,15 +649,7 @@ void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k
                   v_scale.sizes() == k_scale.sizes(),
               "kv_write_int8: contiguous fp16 scales [num_blocks, block_size, KVH] expected");
   const int64_t T = slots.numel(), kvh = k_cache.size(2), hd = k_cache.size(3);
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
-  for (const torch::Tensor* x : {&k, &v})
-    TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == kvh && x->size(2) == hd && x->stride(2) == 1 &&
-                    x->stride(1) == hd && x->scalar_type() == k.scalar_type(),
-                "kv_write_int8: k and v must be [T, KVH, hd] of one dtype with contiguous heads");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
-              "kv_write_int8: slots must be contiguous int64 [T]");
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "kv_write_int8: slot out of range");
+  const int64_t* sp = check_write_rows("kv_write_int8", k_cache, slots, k, v);
   with_float_type(k.scalar_type(), "k", [&](auto tx) {
     using TX = decltype(tx);
     std::vector<float> xf(hd);
