@@ -148,9 +148,7 @@ inline void score_tile(const float* qf, const T* k, int64_t head_dim, float mul,
   }
   for (int r = 0; r < NR; ++r) out[r * stride] = hsum(acc[r]) * mul;
 }
-#endif
 
-#if defined(TM_AVX2)
 // Scores of NR query heads against four key rows at once: 4 NR independent accumulator chains (a
 // single key's NR chains of head_dim / 8 dependent FMAs left the FMA units idle), and one
 // hadd tree turns each head's 4 accumulators into its 4 scores. out[r * stride + j] for key j.
@@ -390,9 +388,10 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
     part_a.resize(num_items * num_heads * head_dim);
   }
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim), scores, inv_sum(num_heads),
-        mx(num_heads);
+    std::vector<float> qf(num_heads * head_dim), own_acc(split ? 0 : num_heads * head_dim), scores,
+        inv_sum(num_heads);
     std::vector<int64_t> slots;
+    const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(TC));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item_seq[item], t0 = item_t0[item];
       const int64_t n = std::min(chunk, seq_lens[s] - t0);
@@ -400,7 +399,8 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
       slots_of(block_table + s * table_width, t0, n, block_size, slots.data());
       const TQ* qs = q + s * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qs[i]) * qscale;
-      const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(TC));
+      // The unnormalised values: a split sequence's go straight to its partials.
+      float* acc = split ? part_a.data() + item * num_heads * head_dim : own_acc.data();
       scores.resize(num_heads * n);
       // The key pass prefetches keys *and values* kAhead rows ahead (the next row may sit in another
       // block), so the values wait in L2 for their pass.
@@ -449,11 +449,10 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
           const float c = static_cast<float>(softcap), sc = static_cast<float>(scale);
           for (int64_t t = 0; t < n; ++t) sh[t] = c * std::tanh(sh[t] * sc / c);
         }
-        const float sum = softmax_numerators(sh, n, &mx[h]);
-        inv_sum[h] = 1.f / sum;
         if (split) {
-          part_m[item * num_heads + h] = mx[h];
-          part_l[item * num_heads + h] = sum;
+          part_l[item * num_heads + h] = softmax_numerators(sh, n, &part_m[item * num_heads + h]);
+        } else {
+          inv_sum[h] = 1.f / softmax_numerators(sh, n);
         }
       }
       for (int64_t g = 0; g < num_kv_heads; ++g) {
@@ -465,12 +464,9 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
           }
         }
         weighted_values(p, n, slots.data(), v_cache + g * head_dim, token_stride, rep, head_dim,
-                        acc.data() + g * rep * head_dim);
+                        acc + g * rep * head_dim);
       }
-      if (split) {
-        std::copy(acc.begin(), acc.end(), part_a.begin() + item * num_heads * head_dim);
-        continue;
-      }
+      if (split) continue;
       TQ* os = out + s * num_heads * head_dim;
       for (int64_t h = 0; h < num_heads; ++h)
         for (int64_t d = 0; d < head_dim; ++d)

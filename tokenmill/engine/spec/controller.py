@@ -59,11 +59,16 @@ class SpecController:
             self.by_count[num_tokens] = ((1 - _EWMA) * mean + _EWMA * step_time_s if seen else step_time_s,
                                          seen + 1, self._num_plans)
 
-    def predict(self, num_tokens: int, fit: tuple[float, float]) -> float:
+    def measured(self) -> dict[int, float]:
+        """Token counts measured often enough to trust → their moving-average step time."""
+        return {n: t for n, (t, seen, _) in self.by_count.items() if seen >= _MIN_COUNT_SAMPLES}
+
+    def predict(self, num_tokens: int, fit: tuple[float, float], measured: dict[int, float] | None = None) -> float:
         """Step time for `num_tokens`: measured there, else between the nearest measured counts,
-        else the fit's slope from the nearest measured count (the fit itself when none is)."""
+        else the fit's slope from the nearest measured count (the fit itself when none is).
+        `measured`: self.measured(), when the caller predicts several counts at once."""
         a, b = fit
-        measured = {n: t for n, (t, seen, _) in self.by_count.items() if seen >= _MIN_COUNT_SAMPLES}
+        measured = self.measured() if measured is None else measured
         if num_tokens in measured:
             return measured[num_tokens]
         below = max((n for n in measured if n < num_tokens), default=None)
@@ -109,10 +114,11 @@ class SpecController:
                 return (self._num_plans // _EXPLORE_EVERY) % self.config.num_speculative_tokens
             return self.config.num_speculative_tokens if n <= self.config.max_batch_size else 0
         proposing = [r.spec_stats.recent_acceptance for r, k in zip(requests, ks, strict=True) if k]
-        best_k, best_rate = 0, n / max(self.predict(n, fit), 1e-9)
+        measured = self.measured()
+        best_k, best_rate = 0, n / max(self.predict(n, fit, measured), 1e-9)
         for k in range(1, self.config.num_speculative_tokens + 1):
             emitted = n - len(proposing) + sum(expected_emitted(alpha, k) for alpha in proposing)
-            rate = emitted / max(self.predict(n + k * len(proposing), fit), 1e-9)
+            rate = emitted / max(self.predict(n + k * len(proposing), fit, measured), 1e-9)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         self._num_plans += 1
