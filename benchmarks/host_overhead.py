@@ -17,9 +17,16 @@ of both paths (8 prompts, 24 tokens, batched) are compared token for token.
 engine: RMSNorm with the fused residual add and RoPE (glue_kernels.cpp), the SwiGLU silu·mul and the
 KV write (cpu_kernels.cpp). Outputs then agree to float rounding, not bit for bit (the greedy check
 says whether a token moved); the step time is the figure, since the glue runs inside the forward.
+Both sides then run the Python layers (the native stack off).
+
+`--compare stack` puts the one-call native decoder stack (models/native_stack.py) against the
+Python layers driving the same kernels: bit-identical outputs, so the greedy check must hold; the
+step time is the figure (the prefill shape runs the Python layers on both sides).
 
     flock /tmp/tokenmill-bench.lock python benchmarks/host_overhead.py --model smollm2-135m --quantization none
     flock /tmp/tokenmill-bench.lock python benchmarks/host_overhead.py --compare glue --quantization auto \
+        --prefill-len 0
+    flock /tmp/tokenmill-bench.lock python benchmarks/host_overhead.py --compare stack --quantization auto \
         --prefill-len 0
 """
 
@@ -36,8 +43,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=common.MODELS, default="smollm2-135m")
     p.add_argument("--quantization", default="none", choices=["none", "auto"])
-    p.add_argument("--compare", default="host", choices=["host", "glue"],
-                   help="host: the old host path vs the new; glue: ATen glue ops vs the native glue kernels")
+    p.add_argument("--compare", default="host", choices=["host", "glue", "stack"],
+                   help="host: the old host path vs the new; glue: ATen glue ops vs the native glue kernels; "
+                        "stack: the Python layers vs the one-call native decoder stack")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     p.add_argument("--prefill-len", type=int, default=512, help="0: no prefill shape")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt of each decoding request")
@@ -49,6 +57,14 @@ def parse_args() -> argparse.Namespace:
 
 
 def set_path(llm: Any, new: bool) -> None:
+    stack = llm.core.runner.model.native_stack
+    if COMPARE[0] == "stack":
+        if stack is None:
+            raise SystemExit("this model has no native decoder stack (see models/native_stack.py)")
+        stack.enabled = new
+        return
+    if stack is not None:
+        stack.enabled = False  # the other comparisons are about the Python layers' paths
     if COMPARE[0] == "glue":
         set_glue(llm, new)
         return
@@ -200,8 +216,10 @@ def main() -> None:
     COMPARE[0] = args.compare
     identical, shapes = run_model(args)
     rows = []
-    print(f"old = {'ATen glue ops' if args.compare == 'glue' else 'old host path'}, new = "
-          f"{'native glue kernels' if args.compare == 'glue' else 'current host path'}")
+    old_name, new_name = {"glue": ("ATen glue ops", "native glue kernels"),
+                          "stack": ("Python layers", "native decoder stack")}.get(
+        args.compare, ("old host path", "current host path"))
+    print(f"old = {old_name}, new = {new_name}")
     print(f"greedy outputs identical on both paths: {identical}")
     for key, s in shapes.items():
         old, new = s["old"], s["new"]

@@ -4,7 +4,7 @@
    EngineCore.step(); the median of steps where every request decodes, prefill excluded):
    `--quantization none` (dequantized to fp32), `auto` with one int8 activation pass (`auto-1pass`,
    the kernel before two-pass rounding) and `auto` (two passes, the default). The two `auto` variants
-   share one loaded model (QuantLinear.passes is switched between them). Next to it: the effective
+   share one loaded model (QuantLinear.set_passes switches between them). Next to it: the effective
    weight bandwidth (weight bytes a step reads / step time), the measured copy bandwidth (a tensor
    copy, read + write) and the quant ISA that ran.
 2. The GEMM alone at M = 1, 16, 64 rows: layer 0's gate/up matrix as each mode stores it
@@ -73,7 +73,8 @@ def decode_runs(model_name: str, quantization: str, args: argparse.Namespace) ->
     out = {}
     for mode, passes in variants.items():
         for lin in quant:
-            lin.passes = passes or lin.passes
+            lin.set_passes(passes or lin.passes)
+        model.rebind_native_stack()  # the stack holds the plans the passes just replaced
         weights = common.weight_bytes(model)
         result: dict[str, Any] = {"mode": mode, "load_s": load_s, "weights": weights, "batch": {}}
         for batch in args.batch_sizes:
@@ -84,7 +85,7 @@ def decode_runs(model_name: str, quantization: str, args: argparse.Namespace) ->
         result["gemm"] = gemm_times(model.layers[0].gate_up_proj, args)
         out[mode] = result
     for lin in quant:
-        lin.passes = 2
+        lin.set_passes(2)
     del llm, model, quant
     gc.collect()
     return out

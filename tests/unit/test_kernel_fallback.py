@@ -74,6 +74,7 @@ def test_a_killed_builds_lock_is_removed_and_two_checkouts_share_one_build(
         source = tmp_path / checkout / "kernel.cpp"
         source.parent.mkdir()
         source.write_text("// the same kernel in two checkouts\n")
+        (source.parent / "c_api.h").write_text("// the shared header\n")
         sources.append(source)
     name = kernels._build_name("k", sources[0])
     stale = tmp_path / "extensions" / name / "lock"
@@ -87,3 +88,7 @@ def test_a_killed_builds_lock_is_removed_and_two_checkouts_share_one_build(
     # The same build arguments from both checkouts: torch keeps one build instead of alternating.
     assert recorded_load[0]["sources"] == recorded_load[1]["sources"] == [str(stale.parent / "kernel.cpp")]
     assert (stale.parent / "kernel.cpp").read_text() == sources[0].read_text()
+    assert (stale.parent / "c_api.h").read_text() == "// the shared header\n"  # beside it for #include
+    # A changed shared header (a C entry point's signature) names a new build of every module.
+    (sources[0].parent / "c_api.h").write_text("// a changed signature\n")
+    assert kernels._build_name("k", sources[0]) != name

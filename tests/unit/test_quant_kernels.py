@@ -94,6 +94,15 @@ def test_exact_types_pack_to_gguf_dequantization(ggml_type: GGMLQuantizationType
         assert err.max() > 0
 
 
+@pytest.mark.parametrize("ggml_type", GGUF_TYPES, ids=lambda t: t.name)
+def test_row_dequantization_equals_gguf_reference(ggml_type: GGMLQuantizationType) -> None:
+    # The embedding's per-step row lookup (Q8_0 has its own fast path) gives gguf's floats exactly.
+    raw = gguf_blocks(ggml_type, 3, 512, seed=2)
+    reference = torch.from_numpy(dequantize(raw, ggml_type)).reshape(3, 512)
+    assert torch.equal(qf.gguf_dequantize(raw, ggml_type, 512), reference)
+    assert torch.equal(qf.gguf_dequantize(raw[1:2], ggml_type, 512), reference[1:2])
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("passes", PASSES)
 def test_activation_rounding_is_round_to_nearest_per_block(isa: int, passes: int) -> None:

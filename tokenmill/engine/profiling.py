@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PHASES = ("propose", "schedule", "build_input", "forward", "logits", "sample", "update", "output")
-OP_CLASSES = ("linear", "attention", "norm", "embedding")  # the rest of the forward is "other"
+OP_CLASSES = ("native_stack", "linear", "attention", "norm", "embedding")  # the rest of the forward is "other"
 _NULL: AbstractContextManager[None] = nullcontext()
 
 
@@ -149,6 +149,9 @@ def op_class_timing(model: nn.Module, timer: PhaseTimer) -> Iterator[None]:
     try:
         swap(model, "attn", "attention")
         swap(model, "embedding", "embedding")
+        # A decode step the native stack serves runs every layer in one call (models/native_stack.py):
+        # it is one op class, the per-layer wrappers below never see it.
+        swap(model, "native_stack", "native_stack")
         for layer in getattr(model, "layers", []):
             for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
                 swap(layer, attr, "linear")

@@ -72,11 +72,18 @@ def isa_key(flags: frozenset[str] | None = None, machine: str | None = None) -> 
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+# The header every module includes (c_api.h: the C entry points the modules hand each other).
+_HEADERS = ("c_api.h",)
+
+
 def _build_name(stem: str, source: Path) -> str:
     # The source hash is in the name too: torch's own versioning keeps one build per name, so two
     # checkouts with different sources sharing a cache would otherwise rebuild each other forever.
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:8]
-    return f"{stem}_{isa_key()}_{digest}"
+    # The shared header is hashed in: a changed signature must rebuild every module that exports it.
+    hasher = hashlib.sha256(source.read_bytes())
+    for header in _HEADERS:
+        hasher.update((source.parent / header).read_bytes())
+    return f"{stem}_{isa_key()}_{hasher.hexdigest()[:8]}"
 
 
 def cpu_kernels() -> ModuleType | None:
@@ -100,6 +107,13 @@ def quant_kernels() -> ModuleType | None:
     # one path and not another, so every path (and the tests' torch model) rounds identically.
     return _module("quant", "tokenmill_quant_kernels", "quant_kernels.cpp", ["-O3", "-fopenmp", "-ffp-contract=off"],
                    "native quantized kernels", "dequantized weights")
+
+
+def stack_kernels() -> ModuleType | None:
+    """The one-call decoder stack for decode steps (stack_kernels.cpp), or None (logged once)."""
+    # Orchestration only: the math is in the other modules, reached through their C entry points.
+    return _module("stack", "tokenmill_stack_kernels", "stack_kernels.cpp", ["-O2"], "the native decoder stack",
+                   "the Python layers")
 
 
 def _module(key: str, stem: str, source_name: str, cflags: list[str], what: str, fallback: str) -> ModuleType | None:
@@ -132,13 +146,14 @@ def _stable_source(source: Path, build_dir: Path) -> Path:
     torch rebuilds whenever the source *path* in its build arguments changes, so two checkouts (a CI
     clone, a worktree) sharing one cache would rebuild each other's identical module every time they
     alternate. The build name carries the source hash, so the copy under it never changes."""
-    stable = build_dir / source.name
-    data = source.read_bytes()
-    if not stable.is_file() or stable.read_bytes() != data:
-        tmp = stable.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, stable)
-    return stable
+    build_dir.mkdir(parents=True, exist_ok=True)
+    for name in (*_HEADERS, source.name):  # the headers beside it: `#include "c_api.h"` finds them there
+        copy, data = build_dir / name, (source.parent / name).read_bytes()
+        if not copy.is_file() or copy.read_bytes() != data:
+            tmp = copy.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, copy)
+    return build_dir / source.name
 
 
 @contextlib.contextmanager

@@ -29,6 +29,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "c_api.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -778,4 +780,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "k, v [T, KVH, hd] quantized to int8 with an fp16 scale per (token, head) into the int8 caches (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from [..., 2I] = [gate | up], float32 (CPU)");
   m.def("skinny_linear", &skinny_linear, "y = x W^T + b for 1-4 rows of x, fp32, threads over W's rows (CPU)");
+  m.def("c_api", [] {
+    pybind11::dict api;
+    TM_CAPI_ENTRY(api, KvWrite, kv_write);
+    TM_CAPI_ENTRY(api, KvWriteInt8, kv_write_int8);
+    TM_CAPI_ENTRY(api, Decode, paged_decode_attention);
+    TM_CAPI_ENTRY(api, DecodeInt8, paged_decode_attention_int8);
+    TM_CAPI_ENTRY(api, SiluMul, silu_mul);
+    return api;
+  }, "the entry points as C function pointers (c_api.h), for stack_kernels.cpp");
 }

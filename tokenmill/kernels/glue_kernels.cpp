@@ -14,6 +14,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "c_api.h"
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -105,4 +107,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "y = x / sqrt(mean(x^2) + eps) * w over the last dim, float32 (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then rms_norm(residual) (CPU)");
   m.def("rope_", &rope_, "rotate-half RoPE in place over [T, heads, head_dim] (CPU)");
+  m.def("c_api", [] {
+    pybind11::dict api;
+    TM_CAPI_ENTRY(api, RmsNorm, rms_norm);
+    TM_CAPI_ENTRY(api, AddRmsNorm, add_rms_norm);
+    TM_CAPI_ENTRY(api, Rope, rope_);
+    return api;
+  }, "the entry points as C function pointers (c_api.h), for stack_kernels.cpp");
 }

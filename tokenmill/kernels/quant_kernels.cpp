@@ -34,6 +34,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "c_api.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -475,6 +477,8 @@ struct QuantPlan {
   }
 };
 
+at::Tensor plan_forward(const void* plan, const at::Tensor& x) { return static_cast<const QuantPlan*>(plan)->forward(x); }
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -488,7 +492,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return QuantPlan{std::move(qs), std::move(scales), std::move(offsets), std::move(rows), passes, isa,
                               std::move(bias)};
            }))
-      .def("__call__", &QuantPlan::forward, "y = x W^T (+ bias) over x's last dimension (float32 out)");
+      .def("__call__", &QuantPlan::forward, "y = x W^T (+ bias) over x's last dimension (float32 out)")
+      .def("handle", [](const QuantPlan& plan) {
+        return pybind11::capsule(static_cast<const void*>(&plan), tokenmill_capi::kPlanCapsule);
+      }, "this plan for c_api's plan_forward (valid while the plan lives)");
+  m.def("c_api", [] {
+    pybind11::dict api;
+    TM_CAPI_ENTRY(api, PlanForward, plan_forward);
+    return api;
+  }, "the entry points as C function pointers (c_api.h), for stack_kernels.cpp");
   m.def("quant_linear", &quant_linear, "y = x W^T for interleaved q8/q4 block-quantized W, int16 activations (CPU)");
   m.def("quantize_activations", &quantize_activations_op, "int8 blocks of 32 per row, 1 or 2 passes: (qa, scale, sum)");
   m.def("cpu_isas", &cpu_isas, "quant ISAs this CPU runs: 0 portable, 1 avx2, 2 avx512vnni");

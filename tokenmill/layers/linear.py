@@ -182,6 +182,13 @@ class QuantLinear(Linear):
         self.in_features = segments[0].cols
         self.out_features = sum(s.rows for s in segments)
 
+    def set_passes(self, passes: int) -> None:
+        """Switch the activation rounding (the plan is rebuilt; a model's native stack must rebind)."""
+        if passes not in (1, 2):
+            raise ValueError(f"activation passes must be 1 or 2, not {passes}")
+        self.passes = passes
+        self._set_segments(self.segments)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # The native plan does the whole call (reshape, float32 in, bias): Python here is one frame.
         y = self.plan(x)

@@ -25,6 +25,7 @@ from tokenmill.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
 from tokenmill.layers.weight_arena import WeightArena, relocate
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.loading.weights import LazyTensors
+from tokenmill.models.native_stack import NativeDecodeStack, build_native_stack
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -129,6 +130,7 @@ class LlamaForCausalLM(nn.Module):
         self.embedding: Embedding
         self.lm_head: Linear
         self.weight_arena: WeightArena | None = None  # the huge-page copy of the quantized weights
+        self.native_stack: NativeDecodeStack | None = None  # decode steps in one native call (set by load)
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, self.attention_scale(),
                                    arch.attn_logit_softcapping, arch.sliding_window,
                                    decode_kernel(attention_backend, device))
@@ -160,6 +162,12 @@ class LlamaForCausalLM(nn.Module):
         if self.device.type == "cpu":
             # After the repack cache is written: the arena's copies replace the loaded tensors.
             self.weight_arena = relocate(self.linears().values())
+        self.rebind_native_stack()
+
+    def rebind_native_stack(self) -> None:
+        """(Re)build the one-call native decode stack from the layers' current kernels (after any
+        change to them: it holds their plans); None where some piece is not native."""
+        self.native_stack = build_native_stack(self)
 
     def linears(self) -> dict[str, Linear]:
         """Every linear layer by name (lm_head included): for benchmarks and tests."""
@@ -183,6 +191,10 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[LayerKVCache], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final hidden states [T, hidden]."""
         x = self.embed(input_ids)
+        if self.native_stack is not None:
+            hidden = self.native_stack(x, positions, kv_caches, meta)
+            if hidden is not None:
+                return hidden
         rope_global = self.rope_global.tables(positions)  # gathered once per step, shared by layers
         rope_local = self.rope_local.tables(positions) if self.rope_local is not self.rope_global else rope_global
         for layer, kv in zip(self.layers, kv_caches, strict=True):

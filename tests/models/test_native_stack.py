@@ -1,0 +1,133 @@
+"""The one-call native decoder stack (models/native_stack.py, kernels/stack_kernels.cpp).
+
+It must be a pure speed-up: on every decode step it serves, its final hidden states equal the
+Python layers' bit for bit (same kernels, same order, same residual adds), for dense and int8 KV
+caches, several sequences of different lengths, and speculative verification rows; every other
+step (a prefill in it) and every model with a piece that is not native takes the Python layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tests.fixtures.tiny_models as tiny
+from tests.unit.test_quant_model import QUANT_LAYER_TYPES
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import quant_kernels, stack_kernels
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.native_stack import NATIVE_STACK_ENV, NativeDecodeStack
+
+pytestmark = pytest.mark.skipif(quant_kernels() is None or stack_kernels() is None,
+                                reason="native kernels cannot be built here")
+
+
+@pytest.fixture(scope="module")
+def quant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Path]]:
+    root = tmp_path_factory.mktemp("stack_gguf")
+    made: dict[str, Path] = {}
+    patch = pytest.MonkeyPatch()
+    patch.setattr(tiny, "_LAYER_TYPES", QUANT_LAYER_TYPES)
+
+    def make(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = tiny.make_tiny_gguf(arch, root / f"tiny-{arch}-q.gguf")  # type: ignore[arg-type]
+        return made[arch]
+
+    yield make
+    patch.undo()
+
+
+def _llm(path: Path, **kwargs: Any) -> LLM:
+    options: dict[str, Any] = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 96, "max_model_len": 256,
+                               "quantization": "auto"}
+    return LLM(str(path), **{**options, **kwargs})
+
+
+class _Checked:
+    """Runs every forward twice, native stack and Python layers, and checks they agree exactly."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self.stack = model.native_stack
+        assert isinstance(self.stack, NativeDecodeStack)
+        self.forward = model.forward
+        self.native_steps = 0
+        self.python_steps = 0
+        self.max_rows = 0
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Any], meta: Any) -> Any:
+        assert self.stack is not None
+        self.stack.enabled = True
+        x = self.model.embed(input_ids)
+        native = self.stack(x, positions, kv_caches, meta)
+        self.stack.enabled = False
+        reference = self.forward(input_ids, positions, kv_caches, meta)  # rewrites the same KV slots
+        self.stack.enabled = True
+        if native is None:
+            self.python_steps += 1
+            return reference
+        self.native_steps += 1
+        self.max_rows = max(self.max_rows, native.shape[0])
+        assert torch.equal(native, reference), (native - reference).abs().max()
+        return native
+
+
+def _check(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> _Checked:
+    model = llm.core.runner.model
+    checked = _Checked(model)
+    model.forward = checked  # type: ignore[method-assign]
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        del model.forward
+    assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in outputs)
+    return checked
+
+
+def _prompts(lengths: list[int]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 263, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "bf16"])
+def test_decode_steps_equal_the_python_layers_exactly(arch: str, kv_cache_dtype: str,
+                                                      quant_gguf: Callable[[str], Path]) -> None:
+    llm = _llm(quant_gguf(arch), kv_cache_dtype=kv_cache_dtype)
+    # Three sequences of different lengths crossing block boundaries (block size 16), sampled so the
+    # rows differ; the first steps mix prefill chunks with decodes (the Python layers' steps).
+    checked = _check(llm, _prompts([5, 23, 40]),
+                     SamplingParams(max_tokens=24, temperature=0.8, seed=1, ignore_eos=True))
+    assert checked.native_steps >= 20 and checked.python_steps >= 1
+    assert checked.max_rows == 3
+
+
+def test_speculative_verification_rows_equal_the_python_layers(quant_gguf: Callable[[str], Path]) -> None:
+    # A repeating prompt gives the n-gram proposer matches: decode steps with 1 + k rows per request.
+    llm = _llm(quant_gguf("llama"), speculative="ngram", num_speculative_tokens=3)
+    checked = _check(llm, [[5, 6, 7, 8] * 8], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    assert checked.native_steps >= 1 and checked.max_rows > 1
+
+
+def test_models_with_a_python_piece_keep_the_python_layers(quant_gguf: Callable[[str], Path],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _llm(quant_gguf("llama")).core.runner.model.native_stack is not None
+    assert _llm(quant_gguf("gemma3")).core.runner.model.native_stack is None  # q/k norms, sandwich norms
+    assert _llm(quant_gguf("llama"), quantization="none").core.runner.model.native_stack is None  # dense
+    monkeypatch.setenv(NATIVE_STACK_ENV, "0")
+    assert _llm(quant_gguf("llama")).core.runner.model.native_stack is None
+
+
+def test_a_changed_kernel_needs_a_rebind(quant_gguf: Callable[[str], Path]) -> None:
+    # The stack holds the layers' plans: after one is replaced, rebind_native_stack() picks it up.
+    llm = _llm(quant_gguf("llama"))
+    model = llm.core.runner.model
+    before = model.native_stack
+    model.rebind_native_stack()
+    assert model.native_stack is not None and model.native_stack is not before
+    assert model.native_stack.stack.num_layers == len(model.layers)

@@ -1,0 +1,61 @@
+// The C entry points the native modules hand each other (built by tokenmill/kernels/__init__.py).
+//
+// Each module is its own shared object with its own compile flags (-march=native for the glue and
+// attention, the baseline ISA for the quantized kernels), so one cannot link against another. A module
+// exports its hot entry points as PyCapsules of plain function pointers (`c_api()`, a dict name →
+// capsule); stack_kernels.cpp imports them once and then calls them with no Python, pybind or
+// dispatcher in between. All modules link the same libtorch, so at::Tensor crosses between them as is.
+//
+// The capsule name carries the signature's version: a signature changed here must get a new name, so
+// a stale object (its build name carries this header's hash, so it is rebuilt anyway) is an import
+// error, never a call through the wrong type.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <string>
+
+namespace tokenmill_capi {
+
+// glue_kernels.cpp
+using RmsNorm = at::Tensor (*)(const at::Tensor& x, const at::Tensor& w, double eps);
+using AddRmsNorm = at::Tensor (*)(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps);
+using Rope = void (*)(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// cpu_kernels.cpp
+using KvWrite = void (*)(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& k,
+                         const at::Tensor& v);
+using KvWriteInt8 = void (*)(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_scale, at::Tensor v_scale,
+                             const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v);
+using Decode = at::Tensor (*)(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
+                              at::Tensor seq_lens, double scale, int64_t window, double softcap);
+using DecodeInt8 = at::Tensor (*)(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_scale,
+                                  at::Tensor v_scale, at::Tensor block_table, at::Tensor seq_lens, double scale,
+                                  int64_t window, double softcap);
+using SiluMul = at::Tensor (*)(const at::Tensor& gate_up);
+// quant_kernels.cpp: a QuantPlan (its `handle()` capsule) applied to x.
+using PlanForward = at::Tensor (*)(const void* plan, const at::Tensor& x);
+
+constexpr const char* kPlanCapsule = "tokenmill.QuantPlan";
+
+inline std::string capsule_name(const char* fn) { return std::string("tokenmill.c_api.") + fn + ".v1"; }
+
+// The capsule's name must outlive it: the names are string literals passed in by the callers.
+template <typename F>
+pybind11::capsule export_fn(F fn, const char* full_name) {
+  return pybind11::capsule(reinterpret_cast<void*>(fn), full_name);
+}
+
+template <typename F>
+F import_fn(const pybind11::dict& api, const char* fn) {
+  const std::string name = capsule_name(fn);
+  TORCH_CHECK(api.contains(name), "native C API has no ", name, " (a stale kernel build?)");
+  pybind11::capsule cap = api[name.c_str()].cast<pybind11::capsule>();
+  TORCH_CHECK(cap.name() != nullptr && name == cap.name(), "native C API capsule ", name, " has the wrong name");
+  return reinterpret_cast<F>(cap.get_pointer());
+}
+
+}  // namespace tokenmill_capi
+
+// One entry of a module's c_api() dict: the function `fn` under its versioned name.
+#define TM_CAPI_ENTRY(dict, type, fn) \
+  (dict)["tokenmill.c_api." #fn ".v1"] = tokenmill_capi::export_fn<tokenmill_capi::type>(&fn, "tokenmill.c_api." #fn ".v1")

@@ -1,0 +1,167 @@
+// A decode step's whole decoder stack in one native call (built by tokenmill/kernels/__init__.py).
+//
+// At batch 1 a Llama-family layer is ten native calls (two norms, four quantized GEMMs, RoPE, the
+// KV write, decode attention, SwiGLU), each a few to a few tens of microseconds. Driven from Python,
+// every call also paid its frame, its pybind conversion and the views between calls: perf put ~40%
+// of a SmolLM2 batch-1 step's main thread in the interpreter and libtorch's dispatch, while the
+// second thread spun in libgomp waiting for the next parallel region. This module runs the same
+// calls, in the same order on the same tensors, from C++: the entry points come from the other
+// modules as C function pointers (c_api.h), so the results are bit-identical to the Python path.
+//
+// Per layer, for the step's T decode rows (one query each; a request verifying k proposals brings
+// 1 + k rows) and the residual stream r [T, D] (updated in place):
+//   h  = i == 0 ? rms_norm(r) : add_rms_norm(down_{i-1}, r)     (r += previous MLP output, fused)
+//   qkv = W_qkv h (+ bias);  RoPE on q and k in place;  k, v → cache slots
+//   a  = paged_decode(q, cache, block table, lengths)
+//   h2 = add_rms_norm(W_o a, r);  down_i = W_down silu_mul(W_gate_up h2)
+// and the stack returns rms_norm_final(r + down_last). The residual adds land where the Python path
+// makes them (x + mlp(x) is the same float add as r += mlp), so the sums are the same floats.
+//
+// Only decode steps with every piece native take this path (models/native_stack.py decides): a
+// prefill, another architecture, a dense or non-float32 weight all run the Python layers.
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "c_api.h"
+
+namespace {
+
+namespace capi = tokenmill_capi;
+
+struct Api {
+  capi::RmsNorm rms_norm;
+  capi::AddRmsNorm add_rms_norm;
+  capi::Rope rope;
+  capi::KvWrite kv_write;
+  capi::KvWriteInt8 kv_write_int8;
+  capi::Decode decode;
+  capi::DecodeInt8 decode_int8;
+  capi::SiluMul silu_mul;
+  capi::PlanForward plan_forward;
+};
+
+struct Layer {
+  const void* qkv;  // QuantPlan handles
+  const void* o;
+  const void* gate_up;
+  const void* down;
+  at::Tensor in_norm, post_norm;  // float32 [D]
+  int64_t window;                 // 0: all keys
+};
+
+struct Cache {  // one layer's KV storage (layers/kv_cache.py); scales undefined unless int8
+  at::Tensor k, v, k_scale, v_scale;
+};
+
+const void* plan_handle(const pybind11::object& plan) {
+  pybind11::capsule cap = plan.attr("handle")().cast<pybind11::capsule>();
+  TORCH_CHECK(cap.name() != nullptr && std::string(cap.name()) == capi::kPlanCapsule, "not a QuantPlan handle");
+  return cap.get_pointer();
+}
+
+class DecodeStack {
+ public:
+  // layers: per layer (qkv, o, gate_up, down QuantPlans, input norm weight, post-attention norm
+  // weight, window); glue / attention / quant: the modules' c_api() dicts.
+  DecodeStack(const std::vector<pybind11::tuple>& layers, at::Tensor final_norm, double eps, int64_t num_heads,
+              int64_t num_kv_heads, int64_t head_dim, double scale, double softcap, const pybind11::dict& glue,
+              const pybind11::dict& attention, const pybind11::dict& quant)
+      : final_norm_(std::move(final_norm)), eps_(eps), H_(num_heads), KVH_(num_kv_heads), hd_(head_dim),
+        scale_(scale), softcap_(softcap) {
+    api_ = Api{capi::import_fn<capi::RmsNorm>(glue, "rms_norm"),
+               capi::import_fn<capi::AddRmsNorm>(glue, "add_rms_norm"),
+               capi::import_fn<capi::Rope>(glue, "rope_"),
+               capi::import_fn<capi::KvWrite>(attention, "kv_write"),
+               capi::import_fn<capi::KvWriteInt8>(attention, "kv_write_int8"),
+               capi::import_fn<capi::Decode>(attention, "paged_decode_attention"),
+               capi::import_fn<capi::DecodeInt8>(attention, "paged_decode_attention_int8"),
+               capi::import_fn<capi::SiluMul>(attention, "silu_mul"),
+               capi::import_fn<capi::PlanForward>(quant, "plan_forward")};
+    TORCH_CHECK(!layers.empty(), "a stack needs layers");
+    TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0, "bad head layout");
+    check_norm(final_norm_);
+    for (const pybind11::tuple& t : layers) {
+      TORCH_CHECK(t.size() == 7, "a layer is (qkv, o, gate_up, down, input norm, post norm, window)");
+      for (int i = 0; i < 4; ++i) plans_.push_back(t[i]);  // kept alive with the stack
+      Layer layer{plan_handle(t[0]), plan_handle(t[1]), plan_handle(t[2]), plan_handle(t[3]),
+                  t[4].cast<at::Tensor>(), t[5].cast<at::Tensor>(), t[6].cast<int64_t>()};
+      check_norm(layer.in_norm);
+      check_norm(layer.post_norm);
+      layers_.push_back(std::move(layer));
+    }
+  }
+
+  // The KV caches, one (k, v, k_scale, v_scale) per layer (scales None for dense caches): bound once
+  // per cache allocation, not passed every step.
+  void bind_caches(const std::vector<std::vector<c10::optional<at::Tensor>>>& caches) {
+    TORCH_CHECK(caches.size() == layers_.size(), "one cache per layer");
+    std::vector<Cache> bound;
+    for (const auto& c : caches) {
+      TORCH_CHECK(c.size() == 4 && c[0].has_value() && c[1].has_value() && c[2].has_value() == c[3].has_value(),
+                  "a cache is (k, v, k_scale, v_scale) with both scales or neither");
+      bound.push_back(Cache{*c[0], *c[1], c[2].value_or(at::Tensor()), c[3].value_or(at::Tensor())});
+    }
+    caches_ = std::move(bound);
+  }
+
+  // x [T, D] float32: the embedding rows (used as the residual stream, so overwritten); cos / sin
+  // [T, 1, hd] RoPE tables; slots [T]; block_table [T, W]; seq_lens [T]. Returns the final norm's
+  // output [T, D].
+  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                     const at::Tensor& block_table, const at::Tensor& seq_lens) const {
+    TORCH_CHECK(caches_.size() == layers_.size(), "bind_caches before forward");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [T, D]");
+    const int64_t T = x.size(0), heads = H_ + 2 * KVH_;
+    at::Tensor pending;  // the previous layer's MLP output, added into x by the next norm
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& L = layers_[i];
+      const Cache& C = caches_[i];
+      at::Tensor h = i == 0 ? api_.rms_norm(x, L.in_norm, eps_) : api_.add_rms_norm(pending, x, L.in_norm, eps_);
+      at::Tensor qkv = api_.plan_forward(L.qkv, h).view({T, heads, hd_});
+      at::Tensor qk = qkv.narrow(1, 0, H_ + KVH_);
+      api_.rope(qk, cos, sin);
+      const at::Tensor q = qkv.narrow(1, 0, H_), k = qkv.narrow(1, H_, KVH_), v = qkv.narrow(1, H_ + KVH_, KVH_);
+      at::Tensor attn;
+      if (C.k_scale.defined()) {
+        api_.kv_write_int8(C.k, C.v, C.k_scale, C.v_scale, slots, k, v);
+        attn = api_.decode_int8(q, C.k, C.v, C.k_scale, C.v_scale, block_table, seq_lens, scale_, L.window, softcap_);
+      } else {
+        api_.kv_write(C.k, C.v, slots, k, v);
+        attn = api_.decode(q, C.k, C.v, block_table, seq_lens, scale_, L.window, softcap_);
+      }
+      at::Tensor o = api_.plan_forward(L.o, attn.view({T, H_ * hd_}));
+      at::Tensor h2 = api_.add_rms_norm(o, x, L.post_norm, eps_);
+      pending = api_.plan_forward(L.down, api_.silu_mul(api_.plan_forward(L.gate_up, h2)));
+    }
+    return api_.add_rms_norm(pending, x, final_norm_, eps_);
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  static void check_norm(const at::Tensor& w) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 1, "norm weights must be float32 [D]");
+  }
+
+  Api api_;
+  std::vector<Layer> layers_;
+  std::vector<pybind11::object> plans_;
+  std::vector<Cache> caches_;
+  at::Tensor final_norm_;
+  double eps_;
+  int64_t H_, KVH_, hd_;
+  double scale_, softcap_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<const std::vector<pybind11::tuple>&, at::Tensor, double, int64_t, int64_t, int64_t, double,
+                          double, const pybind11::dict&, const pybind11::dict&, const pybind11::dict&>())
+      .def("bind_caches", &DecodeStack::bind_caches, "one (k, v, k_scale, v_scale) per layer")
+      .def("__call__", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "the decoder stack over a decode step: x [T, D] (overwritten) → final-norm hidden [T, D]")
+      .def_property_readonly("num_layers", &DecodeStack::num_layers);
+}

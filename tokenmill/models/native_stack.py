@@ -1,0 +1,130 @@
+"""A decode step's decoder stack in one native call (kernels/stack_kernels.cpp), where every piece is native.
+
+The Python layers of `models/llama.py` drive ten native calls per layer at batch 1; each call's
+frame, pybind conversion and the views between them cost more than the small kernels themselves
+(docs/performance.md). `NativeDecodeStack` binds the same kernels once (quantized-linear plans,
+norm weights, KV caches) and runs all layers from C++, with the GIL released, giving bit-identical
+results. It serves only steps whose every token is a decode row of the paged kernel; anything
+else (a prefill chunk in the step, a cache layout without a native writer) returns None and the
+caller runs the Python layers.
+
+`build_native_stack(model)` says whether a model qualifies and why not (logged at debug level):
+a Llama-family `DecoderLayer` (no q/k norms, SiLU), float32 activations on CPU, every layer linear a
+quantized `QuantLinear` (dense weights keep the Python path), native norms, RoPE and attention.
+`TOKENMILL_NATIVE_STACK=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tokenmill.kernels import cpu_kernels, glue_kernels, quant_kernels, stack_kernels
+from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.kv_cache import DenseKVCache, Int8KVCache, LayerKVCache
+from tokenmill.layers.linear import QuantLinear
+from tokenmill.layers.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from tokenmill.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+NATIVE_STACK_ENV = "TOKENMILL_NATIVE_STACK"
+
+
+class NativeDecodeStack:
+    """The bound native stack of one model; `__call__` runs a decode step or returns None."""
+
+    def __init__(self, stack: Any, model: LlamaForCausalLM) -> None:
+        self.stack = stack
+        self.model = model
+        self.enabled = True  # benchmarks switch it off to A/B against the Python layers
+        self._bound: list[LayerKVCache] | None = None
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
+                 meta: AttentionMetadata) -> torch.Tensor | None:
+        group = meta.decode
+        if (not self.enabled or meta.prefill is not None or group is None or group.max_query_len != 1
+                or x.dim() != 2 or x.dtype != torch.float32 or group.num_tokens != x.shape[0]):
+            return None
+        if self._bound is not kv_caches and not self._bind(kv_caches):
+            return None
+        cos, sin = self.model.rope_global.tables(positions)
+        return self.stack(x.contiguous(), cos, sin, meta.slot_mapping, group.block_table, group.seq_lens)
+
+    def _bind(self, kv_caches: list[LayerKVCache]) -> bool:
+        caches: list[list[torch.Tensor | None]] = []
+        for cache in kv_caches:
+            if isinstance(cache, Int8KVCache) and cache.writer is not None:
+                caches.append([cache.k, cache.v, cache.k_scale, cache.v_scale])
+            elif (isinstance(cache, DenseKVCache) and cache.writer is not None
+                  and cache.k.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+                caches.append([cache.k, cache.v, None, None])
+            else:
+                log.debug("native stack off: a KV cache without a native write (%s)", type(cache).__name__)
+                self.enabled = False
+                return False
+        self.stack.bind_caches(caches)
+        self._bound = kv_caches
+        return True
+
+
+def build_native_stack(model: LlamaForCausalLM) -> NativeDecodeStack | None:
+    """The native stack for `model`, or None where some piece is not native (the reason logged)."""
+    why = _ineligible(model)
+    if why is None:
+        module = stack_kernels()
+        modules = (glue_kernels(), cpu_kernels(), quant_kernels())
+        if module is None or any(m is None or not hasattr(m, "c_api") for m in modules):
+            why = "a native module did not build"
+    if why is not None:
+        log.debug("native decoder stack off: %s", why)
+        return None
+    from tokenmill.models.llama import DecoderLayer
+
+    assert module is not None
+    glue, attention, quant = (m.c_api() for m in modules if m is not None)
+    arch = model.arch
+    layers = []
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        window = arch.sliding_window if layer.is_sliding and arch.sliding_window is not None else 0
+        layers.append((*(lin.plan for lin in linears if isinstance(lin, QuantLinear)),
+                       layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data, window))
+    stack = module.DecodeStack(layers, model.norm.weight.data, model.norm.eps, arch.num_heads, arch.num_kv_heads,
+                               arch.head_dim, model.attn.scale, float(arch.attn_logit_softcapping or 0.0),
+                               glue, attention, quant)
+    return NativeDecodeStack(stack, model)
+
+
+def _ineligible(model: LlamaForCausalLM) -> str | None:
+    """Why `model` cannot run the native stack, or None when it can."""
+    from tokenmill.models.llama import DecoderLayer
+
+    if os.environ.get(NATIVE_STACK_ENV, "").strip() == "0":
+        return f"{NATIVE_STACK_ENV}=0"
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return "not float32 on CPU"
+    if model.attn.decode_kernel is None:
+        return "no native decode attention"
+    if model.rope_local is not model.rope_global:
+        return "two RoPE tables (local and global layers)"
+    norms: list[RMSNorm] = [model.norm]
+    for layer in model.layers:
+        if type(layer) is not DecoderLayer or layer.has_qk_norm:
+            return f"layer type {type(layer).__name__}"
+        if layer.rope_kernel is None or layer.silu_mul_kernel is None or model.arch.hidden_act != "silu":
+            return "no native RoPE or SwiGLU"
+        for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            if not isinstance(linear, QuantLinear) or linear.dtype is not torch.float32:
+                return f"a {linear.method} linear layer (only quantized ones are bound)"
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+    for norm in norms:
+        if norm.native is None or norm.weight.dtype != torch.float32 or norm.offset:
+            return "a norm without the native kernel"
+    return None
