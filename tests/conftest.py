@@ -55,7 +55,9 @@ def tiny_gguf_path(tiny_models: TinyModels) -> Callable[[TinyArch], Path]:
 def native_cpu_kernels() -> None:
     """Build the native CPU kernels once, up front: on a fresh machine the first build takes about a
     minute, which must not land inside a test that waits seconds for a server to come up."""
-    from tokenmill.kernels import cpu_kernels, quant_kernels
+    from tokenmill.kernels import cpu_kernels, glue_kernels, quant_kernels, stack_kernels
 
     cpu_kernels()
+    glue_kernels()
     quant_kernels()
+    stack_kernels()
