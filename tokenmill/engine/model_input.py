@@ -61,6 +61,9 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int, slidin
     """`tables`: the runner's persistent block tables (None: rebuilt from the block lists, the old
     path). `decode_mask` False: the decode group is served by the paged decode kernel, which needs
     no dense mask (it walks each row's keys up to seq_lens)."""
+    if tables is not None and not decode_mask and scheduled and \
+            all(s.num_new_tokens == 1 and not s.spec_token_ids for s in scheduled):
+        return _plain_decodes(scheduled, block_size, device, tables)
     decodes = [s for s in scheduled if s.num_new_tokens <= MAX_DECODE_QUERY]
     prefills = [s for s in scheduled if s.num_new_tokens > MAX_DECODE_QUERY]
     ordered = decodes + prefills
@@ -95,6 +98,34 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int, slidin
         sample_indices=torch.from_numpy(sample_rows).to(device),
         sampled=[ordered[i] for i in sampled_idx],
         prompt_logprob_offsets=[(s, int(ends[i] - lens[i])) for i, s in enumerate(ordered)
+                                if s.request.params.prompt_logprobs is not None],
+    )
+
+
+def _plain_decodes(scheduled: list[ScheduledRequest], block_size: int, device: torch.device,
+                   tables: PersistentBlockTables) -> ModelInput:
+    """The steady state: one new token per request, all on the paged decode kernel (no masks). The
+    same tensors as the general path (tests/engine/test_runner_buffers.py checks it against a
+    rebuild), in a handful of numpy calls: at batch 1 the general path's ~40 small calls were 0.5 ms
+    of a 10 ms step."""
+    n = len(scheduled)
+    rows = tables.rows_for(scheduled)
+    starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, n)
+    input_ids = np.fromiter((s.request.token_ids[s.num_computed_tokens] for s in scheduled), np.int64, n)
+    seq_lens = starts + 1
+    table = tables.table[rows, :-(-int(seq_lens.max()) // block_size)]  # fancy indexing: a contiguous copy
+    slots = table[np.arange(n), starts // block_size] * block_size + starts % block_size
+    sampled_idx = [i for i, s in enumerate(scheduled) if s.needs_sample]
+    decode = GroupMetadata(block_table=torch.from_numpy(table).to(device),
+                           seq_lens=torch.from_numpy(seq_lens).to(device), mask=None, sliding_mask=None,
+                           token_start=0, num_tokens=n, max_query_len=1, pad_index=None)
+    return ModelInput(
+        input_ids=torch.from_numpy(input_ids).to(device),
+        positions=torch.from_numpy(starts).to(device),
+        meta=AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(device), decode=decode, prefill=None),
+        sample_indices=torch.from_numpy(np.array(sampled_idx, dtype=np.int64)).to(device),
+        sampled=[scheduled[i] for i in sampled_idx],
+        prompt_logprob_offsets=[(s, i) for i, s in enumerate(scheduled)
                                 if s.request.params.prompt_logprobs is not None],
     )
 
