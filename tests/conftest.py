@@ -51,6 +51,22 @@ def tiny_gguf_path(tiny_models: TinyModels) -> Callable[[TinyArch], Path]:
     return tiny_models.gguf_path
 
 
+@pytest.fixture(scope="session")
+def quant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[[TinyArch], Path]:
+    """`quant_gguf(arch)`: the tiny model of `arch` written with 4/8-bit GGUF matrices."""
+    from tests.fixtures.tiny_models import QUANT_LAYER_TYPES, make_tiny_gguf
+
+    root = tmp_path_factory.mktemp("quant_gguf")
+    made: dict[str, Path] = {}
+
+    def make(arch: TinyArch) -> Path:
+        if arch not in made:
+            made[arch] = make_tiny_gguf(arch, root / f"tiny-{arch}-q.gguf", layer_types=QUANT_LAYER_TYPES)
+        return made[arch]
+
+    return make
+
+
 @pytest.fixture(scope="session", autouse=True)
 def native_cpu_kernels() -> None:
     """Build the native CPU kernels once, up front: on a fresh machine the first build takes about a

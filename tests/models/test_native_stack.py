@@ -8,15 +8,13 @@ step (a prefill in it) and every model with a piece that is not native takes the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-import tests.fixtures.tiny_models as tiny
-from tests.unit.test_quant_model import QUANT_LAYER_TYPES
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import quant_kernels, stack_kernels
 from tokenmill.models.llama import LlamaForCausalLM
@@ -24,22 +22,6 @@ from tokenmill.models.native_stack import NATIVE_STACK_ENV, NativeDecodeStack
 
 pytestmark = pytest.mark.skipif(quant_kernels() is None or stack_kernels() is None,
                                 reason="native kernels cannot be built here")
-
-
-@pytest.fixture(scope="module")
-def quant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Path]]:
-    root = tmp_path_factory.mktemp("stack_gguf")
-    made: dict[str, Path] = {}
-    patch = pytest.MonkeyPatch()
-    patch.setattr(tiny, "_LAYER_TYPES", QUANT_LAYER_TYPES)
-
-    def make(arch: str) -> Path:
-        if arch not in made:
-            made[arch] = tiny.make_tiny_gguf(arch, root / f"tiny-{arch}-q.gguf")  # type: ignore[arg-type]
-        return made[arch]
-
-    yield make
-    patch.undo()
 
 
 def _llm(path: Path, **kwargs: Any) -> LLM:

@@ -9,14 +9,13 @@ wrong RoPE row permutation, scale or offset of packed rows would move the logits
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-import tests.fixtures.tiny_models as tiny
 from tests.fixtures.engine_logits import engine_prompt_logits
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import TokenmillError
@@ -28,30 +27,7 @@ from tokenmill.layers.linear import GgufRowsEmbedding, QuantLinear
 T = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="native quantized kernels cannot be built here")
 
-# Per layer (even, odd): q/k 4-bit with v 8-bit, so every fused q/k/v holds two formats.
-QUANT_LAYER_TYPES = {
-    "attn_q": (T.Q4_0, T.Q4_1), "attn_k": (T.Q4_0, T.Q4_1), "attn_v": (T.Q8_0, T.Q5_0),
-    "attn_output": (T.Q5_0, T.Q4_0), "ffn_gate": (T.Q4_1, T.Q8_0), "ffn_up": (T.Q4_1, T.Q8_0),
-    "ffn_down": (T.Q8_0, T.Q4_1),
-}  # fmt: skip
 EXPECTED_QKV = ["q4+q8", "q4+q8"]
-
-
-@pytest.fixture(scope="module")
-def quant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Path]]:
-    """`quant_gguf(arch)`: the tiny model of `arch` written with 4/8-bit GGUF matrices."""
-    root = tmp_path_factory.mktemp("quant_gguf")
-    made: dict[str, Path] = {}
-    patch = pytest.MonkeyPatch()
-    patch.setattr(tiny, "_LAYER_TYPES", QUANT_LAYER_TYPES)
-
-    def make(arch: str) -> Path:
-        if arch not in made:
-            made[arch] = tiny.make_tiny_gguf(arch, root / f"tiny-{arch}-q.gguf")  # type: ignore[arg-type]
-        return made[arch]
-
-    yield make
-    patch.undo()
 
 
 def _llm(path: Path, quantization: str) -> LLM:
