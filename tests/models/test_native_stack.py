@@ -89,6 +89,20 @@ def test_decode_steps_equal_the_python_layers_exactly(arch: str, kv_cache_dtype:
     assert checked.max_rows == 3
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_dense_weights_on_the_skinny_kernel_equal_the_python_layers(arch: str,
+                                                                    quant_gguf: Callable[[str], Path]) -> None:
+    # quantization "none": dense float32 weights; steps of up to 4 rows run the skinny kernel natively,
+    # wider ones (here 6 sequences) the Python layers (oneDNN/ATen there).
+    llm = _llm(quant_gguf(arch), quantization="none")
+    stack = llm.core.runner.model.native_stack
+    assert stack is not None and stack.max_rows == 4
+    checked = _check(llm, _prompts([5, 23, 40]), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert checked.native_steps >= 10 and checked.max_rows == 3
+    checked = _check(llm, _prompts([3, 4, 5, 6, 7, 8]), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert checked.native_steps == 0 and checked.python_steps >= 6
+
+
 def test_speculative_verification_rows_equal_the_python_layers(quant_gguf: Callable[[str], Path]) -> None:
     # A repeating prompt gives the n-gram proposer matches: decode steps with 1 + k rows per request.
     llm = _llm(quant_gguf("llama"), speculative="ngram", num_speculative_tokens=3)
@@ -100,7 +114,9 @@ def test_models_with_a_python_piece_keep_the_python_layers(quant_gguf: Callable[
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     assert _llm(quant_gguf("llama")).core.runner.model.native_stack is not None
     assert _llm(quant_gguf("gemma3")).core.runner.model.native_stack is None  # q/k norms, sandwich norms
-    assert _llm(quant_gguf("llama"), quantization="none").core.runner.model.native_stack is None  # dense
+    assert _llm(quant_gguf("llama"), gemm_backend="onednn").core.runner.model.native_stack is not None  # quantized
+    assert _llm(quant_gguf("llama"), quantization="none", gemm_backend="aten").core.runner.model.native_stack \
+        is None  # dense without the skinny kernel
     monkeypatch.setenv(NATIVE_STACK_ENV, "0")
     assert _llm(quant_gguf("llama")).core.runner.model.native_stack is None
 

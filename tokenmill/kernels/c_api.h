@@ -32,6 +32,7 @@ using DecodeInt8 = at::Tensor (*)(at::Tensor q, at::Tensor k_cache, at::Tensor v
                                   at::Tensor v_scale, at::Tensor block_table, at::Tensor seq_lens, double scale,
                                   int64_t window, double softcap);
 using SiluMul = at::Tensor (*)(const at::Tensor& gate_up);
+using Skinny = at::Tensor (*)(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);  // 1-4 rows, fp32
 // quant_kernels.cpp: a QuantPlan (its `handle()` capsule) applied to x.
 using PlanForward = at::Tensor (*)(const void* plan, const at::Tensor& x);
 

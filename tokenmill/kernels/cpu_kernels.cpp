@@ -787,6 +787,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TM_CAPI_ENTRY(api, Decode, paged_decode_attention);
     TM_CAPI_ENTRY(api, DecodeInt8, paged_decode_attention_int8);
     TM_CAPI_ENTRY(api, SiluMul, silu_mul);
+    TM_CAPI_ENTRY(api, Skinny, skinny_linear);
     return api;
   }, "the entry points as C function pointers (c_api.h), for stack_kernels.cpp");
 }

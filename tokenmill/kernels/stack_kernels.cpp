@@ -17,8 +17,11 @@
 // and the stack returns rms_norm_final(r + down_last). The residual adds land where the Python path
 // makes them (x + mlp(x) is the same float add as r += mlp), so the sums are the same floats.
 //
-// Only decode steps with every piece native take this path (models/native_stack.py decides): a
-// prefill, another architecture, a dense or non-float32 weight all run the Python layers.
+// A weight is a quantized plan, or a dense float32 matrix multiplied by the skinny kernel (1-4 rows,
+// the kernel the Python path picks for those rows too; wider steps of such a model run the Python
+// layers, whose oneDNN/ATen pick this module does not reproduce). Only decode steps with every piece
+// native take this path (models/native_stack.py decides): a prefill, another architecture or a
+// non-float32 weight all run the Python layers.
 #include <torch/extension.h>
 
 #include <vector>
@@ -39,13 +42,21 @@ struct Api {
   capi::DecodeInt8 decode_int8;
   capi::SiluMul silu_mul;
   capi::PlanForward plan_forward;
+  capi::Skinny skinny;
+};
+
+struct Weight {  // a QuantPlan handle, or a dense float32 [N, K] (and bias) for the skinny kernel
+  const void* plan = nullptr;
+  at::Tensor dense;
+  c10::optional<at::Tensor> bias;
+
+  at::Tensor operator()(const Api& api, const at::Tensor& x) const {
+    return plan != nullptr ? api.plan_forward(plan, x) : api.skinny(x, dense, bias);
+  }
 };
 
 struct Layer {
-  const void* qkv;  // QuantPlan handles
-  const void* o;
-  const void* gate_up;
-  const void* down;
+  Weight qkv, o, gate_up, down;
   at::Tensor in_norm, post_norm;  // float32 [D]
   int64_t window;                 // 0: all keys
 };
@@ -54,16 +65,28 @@ struct Cache {  // one layer's KV storage (layers/kv_cache.py); scales undefined
   at::Tensor k, v, k_scale, v_scale;
 };
 
-const void* plan_handle(const pybind11::object& plan) {
-  pybind11::capsule cap = plan.attr("handle")().cast<pybind11::capsule>();
+// A QuantPlan object, or a tuple (weight, bias or None) of a dense float32 matrix.
+Weight weight_of(const pybind11::object& obj) {
+  Weight w;
+  if (pybind11::isinstance<pybind11::tuple>(obj)) {
+    pybind11::tuple t = obj.cast<pybind11::tuple>();
+    TORCH_CHECK(t.size() == 2, "a dense weight is (weight, bias or None)");
+    w.dense = t[0].cast<at::Tensor>();
+    TORCH_CHECK(w.dense.scalar_type() == at::kFloat && w.dense.dim() == 2 && w.dense.is_contiguous(),
+                "dense weights must be contiguous float32 [N, K]");
+    if (!t[1].is_none()) w.bias = t[1].cast<at::Tensor>();
+    return w;
+  }
+  pybind11::capsule cap = obj.attr("handle")().cast<pybind11::capsule>();
   TORCH_CHECK(cap.name() != nullptr && std::string(cap.name()) == capi::kPlanCapsule, "not a QuantPlan handle");
-  return cap.get_pointer();
+  w.plan = cap.get_pointer();
+  return w;
 }
 
 class DecodeStack {
  public:
-  // layers: per layer (qkv, o, gate_up, down QuantPlans, input norm weight, post-attention norm
-  // weight, window); glue / attention / quant: the modules' c_api() dicts.
+  // layers: per layer (qkv, o, gate_up, down: each a QuantPlan or (dense weight, bias), input norm
+  // weight, post-attention norm weight, window); glue / attention / quant: the modules' c_api() dicts.
   DecodeStack(const std::vector<pybind11::tuple>& layers, at::Tensor final_norm, double eps, int64_t num_heads,
               int64_t num_kv_heads, int64_t head_dim, double scale, double softcap, const pybind11::dict& glue,
               const pybind11::dict& attention, const pybind11::dict& quant)
@@ -77,15 +100,18 @@ class DecodeStack {
                capi::import_fn<capi::Decode>(attention, "paged_decode_attention"),
                capi::import_fn<capi::DecodeInt8>(attention, "paged_decode_attention_int8"),
                capi::import_fn<capi::SiluMul>(attention, "silu_mul"),
-               capi::import_fn<capi::PlanForward>(quant, "plan_forward")};
+               capi::import_fn<capi::PlanForward>(quant, "plan_forward"),
+               capi::import_fn<capi::Skinny>(attention, "skinny_linear")};
     TORCH_CHECK(!layers.empty(), "a stack needs layers");
     TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0, "bad head layout");
     check_norm(final_norm_);
     for (const pybind11::tuple& t : layers) {
       TORCH_CHECK(t.size() == 7, "a layer is (qkv, o, gate_up, down, input norm, post norm, window)");
       for (int i = 0; i < 4; ++i) plans_.push_back(t[i]);  // kept alive with the stack
-      Layer layer{plan_handle(t[0]), plan_handle(t[1]), plan_handle(t[2]), plan_handle(t[3]),
+      Layer layer{weight_of(t[0]), weight_of(t[1]), weight_of(t[2]), weight_of(t[3]),
                   t[4].cast<at::Tensor>(), t[5].cast<at::Tensor>(), t[6].cast<int64_t>()};
+      for (const Weight* w : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+        if (w->plan == nullptr) max_rows_ = kSkinnyRows;
       check_norm(layer.in_norm);
       check_norm(layer.post_norm);
       layers_.push_back(std::move(layer));
@@ -113,12 +139,13 @@ class DecodeStack {
     TORCH_CHECK(caches_.size() == layers_.size(), "bind_caches before forward");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [T, D]");
     const int64_t T = x.size(0), heads = H_ + 2 * KVH_;
+    TORCH_CHECK(max_rows_ == 0 || T <= max_rows_, "this stack has dense weights: at most ", max_rows_, " rows");
     at::Tensor pending;  // the previous layer's MLP output, added into x by the next norm
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
       const Cache& C = caches_[i];
       at::Tensor h = i == 0 ? api_.rms_norm(x, L.in_norm, eps_) : api_.add_rms_norm(pending, x, L.in_norm, eps_);
-      at::Tensor qkv = api_.plan_forward(L.qkv, h).view({T, heads, hd_});
+      at::Tensor qkv = L.qkv(api_, h).view({T, heads, hd_});
       at::Tensor qk = qkv.narrow(1, 0, H_ + KVH_);
       api_.rope(qk, cos, sin);
       const at::Tensor q = qkv.narrow(1, 0, H_), k = qkv.narrow(1, H_, KVH_), v = qkv.narrow(1, H_ + KVH_, KVH_);
@@ -130,14 +157,16 @@ class DecodeStack {
         api_.kv_write(C.k, C.v, slots, k, v);
         attn = api_.decode(q, C.k, C.v, block_table, seq_lens, scale_, L.window, softcap_);
       }
-      at::Tensor o = api_.plan_forward(L.o, attn.view({T, H_ * hd_}));
+      at::Tensor o = L.o(api_, attn.view({T, H_ * hd_}));
       at::Tensor h2 = api_.add_rms_norm(o, x, L.post_norm, eps_);
-      pending = api_.plan_forward(L.down, api_.silu_mul(api_.plan_forward(L.gate_up, h2)));
+      pending = L.down(api_, api_.silu_mul(L.gate_up(api_, h2)));
     }
     return api_.add_rms_norm(pending, x, final_norm_, eps_);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  // The most rows a step may have (0: any): the skinny kernel's limit once a weight is dense.
+  int64_t max_rows() const { return max_rows_; }
 
  private:
   static void check_norm(const at::Tensor& w) {
@@ -152,6 +181,8 @@ class DecodeStack {
   double eps_;
   int64_t H_, KVH_, hd_;
   double scale_, softcap_;
+  int64_t max_rows_ = 0;
+  static constexpr int64_t kSkinnyRows = 4;  // layers/linear.py SKINNY_MAX_ROWS
 };
 
 }  // namespace
@@ -163,5 +194,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("bind_caches", &DecodeStack::bind_caches, "one (k, v, k_scale, v_scale) per layer")
       .def("__call__", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "the decoder stack over a decode step: x [T, D] (overwritten) → final-norm hidden [T, D]")
-      .def_property_readonly("num_layers", &DecodeStack::num_layers);
+      .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def_property_readonly("max_rows", &DecodeStack::max_rows);
 }

@@ -485,6 +485,11 @@ class _SkinnyOr:
         return self.wide(x, weight, bias)
 
 
+def skinny_path(fn: LinearFn) -> bool:
+    """Whether `fn` sends 1-SKINNY_MAX_ROWS rows to the native skinny kernel."""
+    return isinstance(fn, _SkinnyOr)
+
+
 def _skinny_kernel() -> LinearFn | None:
     module = cpu_kernels()
     return None if module is None else module.skinny_linear

@@ -10,7 +10,9 @@ caller runs the Python layers.
 
 `build_native_stack(model)` says whether a model qualifies and why not (logged at debug level):
 a Llama-family `DecoderLayer` (no q/k norms, SiLU), float32 activations on CPU, every layer linear a
-quantized `QuantLinear` (dense weights keep the Python path), native norms, RoPE and attention.
+quantized `QuantLinear` or a dense float32 one on the skinny kernel (then only steps of up to
+SKINNY_MAX_ROWS rows: wider ones go to oneDNN/ATen in the Python layers), native norms, RoPE and
+attention.
 `TOKENMILL_NATIVE_STACK=0` turns it off.
 """
 
@@ -25,7 +27,7 @@ import torch
 from tokenmill.kernels import cpu_kernels, glue_kernels, quant_kernels, stack_kernels
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.kv_cache import DenseKVCache, Int8KVCache, LayerKVCache
-from tokenmill.layers.linear import QuantLinear
+from tokenmill.layers.linear import SKINNY_MAX_ROWS, DenseLinear, Linear, QuantLinear, skinny_path
 from tokenmill.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
@@ -43,13 +45,15 @@ class NativeDecodeStack:
         self.stack = stack
         self.model = model
         self.enabled = True  # benchmarks switch it off to A/B against the Python layers
+        self.max_rows = int(stack.max_rows) or None  # dense weights: the skinny kernel's row limit
         self._bound: list[LayerKVCache] | None = None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
                  meta: AttentionMetadata) -> torch.Tensor | None:
         group = meta.decode
         if (not self.enabled or meta.prefill is not None or group is None or group.max_query_len != 1
-                or x.dim() != 2 or x.dtype != torch.float32 or group.num_tokens != x.shape[0]):
+                or x.dim() != 2 or x.dtype != torch.float32 or group.num_tokens != x.shape[0]
+                or (self.max_rows is not None and x.shape[0] > self.max_rows)):
             return None
         if self._bound is not kv_caches and not self._bind(kv_caches):
             return None
@@ -94,12 +98,30 @@ def build_native_stack(model: LlamaForCausalLM) -> NativeDecodeStack | None:
         assert isinstance(layer, DecoderLayer)
         linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         window = arch.sliding_window if layer.is_sliding and arch.sliding_window is not None else 0
-        layers.append((*(lin.plan for lin in linears if isinstance(lin, QuantLinear)),
-                       layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data, window))
+        layers.append((*(_bound(lin) for lin in linears), layer.input_layernorm.weight.data,
+                       layer.post_attention_layernorm.weight.data, window))
     stack = module.DecodeStack(layers, model.norm.weight.data, model.norm.eps, arch.num_heads, arch.num_kv_heads,
                                arch.head_dim, model.attn.scale, float(arch.attn_logit_softcapping or 0.0),
                                glue, attention, quant)
     return NativeDecodeStack(stack, model)
+
+
+def _bound(linear: Linear) -> Any:
+    """What the C++ stack takes for one linear layer: its QuantPlan, or (dense weight, bias)."""
+    if isinstance(linear, QuantLinear):
+        return linear.plan
+    assert isinstance(linear, DenseLinear)
+    return (linear.weight, linear.bias)
+
+
+def _native_linear(linear: Linear) -> bool:
+    if isinstance(linear, QuantLinear):
+        return linear.dtype is torch.float32
+    return (isinstance(linear, DenseLinear) and skinny_path(linear.fn) and linear.weight.dtype == torch.float32
+            and linear.weight.is_contiguous() and (linear.bias is None or linear.bias.dtype == torch.float32))
+
+
+assert SKINNY_MAX_ROWS == 4, "stack_kernels.cpp's kSkinnyRows mirrors it"
 
 
 def _ineligible(model: LlamaForCausalLM) -> str | None:
@@ -121,8 +143,8 @@ def _ineligible(model: LlamaForCausalLM) -> str | None:
         if layer.rope_kernel is None or layer.silu_mul_kernel is None or model.arch.hidden_act != "silu":
             return "no native RoPE or SwiGLU"
         for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            if not isinstance(linear, QuantLinear) or linear.dtype is not torch.float32:
-                return f"a {linear.method} linear layer (only quantized ones are bound)"
+            if not _native_linear(linear):
+                return f"a {linear.method} linear layer (neither quantized nor on the skinny kernel)"
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
     for norm in norms:
         if norm.native is None or norm.weight.dtype != torch.float32 or norm.offset:
