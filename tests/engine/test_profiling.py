@@ -11,8 +11,9 @@ from tests.engine.tiny import tiny_model
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ProfileConfig, SchedulerConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.llm_engine import EngineStep
-from tokenmill.engine.profiling import PHASES, PhaseTimer, StepProfiler, StepRecord, StepShape, summarize
+from tokenmill.engine.profiling import OP_CLASSES, PHASES, PhaseTimer, StepProfiler, StepRecord, StepShape, summarize
 from tokenmill.engine.request import SamplingParams
+from tokenmill.models.native_stack import NATIVE_STACK_ENV
 
 
 def _core(profile: ProfileConfig) -> EngineCore:
@@ -49,7 +50,12 @@ def _tokens(core: EngineCore, profiler: StepProfiler | None) -> dict[str, list[i
     return {rid: r.output_token_ids for rid, r in requests.items()}
 
 
-def test_a_profile_times_every_phase_writes_its_files_and_leaves_outputs_unchanged(tmp_path: Path) -> None:
+@pytest.mark.parametrize("native_stack", [True, False])
+def test_a_profile_times_every_phase_writes_its_files_and_leaves_outputs_unchanged(
+        tmp_path: Path, native_stack: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With the native stack a decode step's layers are one op class; without it, the layers' own.
+    if not native_stack:
+        monkeypatch.setenv(NATIVE_STACK_ENV, "0")
     config = ProfileConfig(num_steps=3, output_dir=str(tmp_path), warmup_steps=1)
     plain = _tokens(_core(ProfileConfig()), None)
     core = _core(config)
@@ -61,8 +67,12 @@ def test_a_profile_times_every_phase_writes_its_files_and_leaves_outputs_unchang
     timed = [r for r in profiler.result.records if not r.traced]
     for r in timed:
         assert {"schedule", "build_input", "forward", "logits", "sample", "update", "output"} <= set(r.phases)
-        assert set(r.phases) <= set(PHASES) | {f"forward.{n}" for n in ("linear", "attention", "norm", "embedding")}
-        assert r.phases["forward.linear"] > 0 and r.phases["forward.attention"] > 0
+        assert set(r.phases) <= set(PHASES) | {f"forward.{n}" for n in OP_CLASSES}
+        if native_stack:
+            assert r.phases["forward.native_stack"] > 0 and "forward.linear" not in r.phases
+        else:
+            assert r.phases["forward.linear"] > 0 and r.phases["forward.attention"] > 0
+            assert "forward.native_stack" not in r.phases
         assert sum(r.phases[p] for p in PHASES if p in r.phases) <= r.step_s
     assert all(r.shape is not None and r.shape.kind == "decode" for r in timed)  # after a 1-step warmup
     data = json.loads((tmp_path / "profile.json").read_text())
@@ -71,6 +81,8 @@ def test_a_profile_times_every_phase_writes_its_files_and_leaves_outputs_unchang
     assert "decode batch=3" in (tmp_path / "profile.txt").read_text()
     # The wrappers came off: the model's layers are its own objects again.
     assert type(core.runner.model.attn).__name__ == "PagedAttention"
+    assert (core.runner.model.native_stack is not None) == native_stack
+    assert native_stack is False or type(core.runner.model.native_stack).__name__ == "NativeDecodeStack"
 
 
 def test_the_timer_is_a_no_op_when_disabled() -> None:
