@@ -194,14 +194,28 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantMatrix:
 def gguf_dequantize(blocks: np.ndarray, ggml_type: GGMLQuantizationType, cols: int) -> torch.Tensor:
     """float32 [rows, cols] from raw GGUF rows (uint8 [rows, row_bytes]), gguf's own reference code.
 
-    Q8_0 (the embedding table of several catalog models, read a few rows per decode step) is
-    spelled out: gguf's generic path costs ~0.25 ms a call in fixed overhead for one row, a few
+    Q8_0 and Q5_0 (the embedding tables of the catalog models, read a few rows per decode step) are
+    spelled out: gguf's generic path costs 0.25-0.5 ms a call in fixed overhead for one row, a few
     percent of a batch-1 step; the float32 products are the same (q * fp32(d))."""
+    exact = _exact_q8(blocks, ggml_type)
+    if exact is not None:
+        q, d = exact
+        return torch.from_numpy((q.astype(np.float32) * d.astype(np.float32)).reshape(-1, cols))
+    return torch.from_numpy(np.ascontiguousarray(_gguf_dequantize(blocks, ggml_type)).reshape(-1, cols))
+
+
+def _exact_q8(blocks: np.ndarray, ggml_type: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray] | None:
+    """(q int8 [blocks, 32], d fp16 [blocks, 1]) with w = d * q, for the types q8 holds exactly; else None."""
     if ggml_type == GGMLQuantizationType.Q8_0:
         b = _blocks(blocks, 34)
-        q = np.ascontiguousarray(b[:, 2:]).view(np.int8).astype(np.float32)
-        return torch.from_numpy((q * _f16(b[:, :2])).reshape(-1, cols))
-    return torch.from_numpy(np.ascontiguousarray(_gguf_dequantize(blocks, ggml_type)).reshape(-1, cols))
+        return np.ascontiguousarray(b[:, 2:]).view(np.int8), _half(b[:, :2])
+    if ggml_type == GGMLQuantizationType.Q5_0:
+        b = _blocks(blocks, 22)
+        qh = np.ascontiguousarray(b[:, 2:6]).view(np.uint32)  # bit j: the 5th bit of weight j
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        low = np.concatenate([b[:, 6:] & 0x0F, b[:, 6:] >> 4], axis=1)
+        return (low | (high << 4)).astype(np.int8) - np.int8(16), _half(b[:, :2])
+    return None
 
 
 def from_gguf(blocks: np.ndarray, ggml_type: GGMLQuantizationType, cols: int, fmt: QuantFormat) -> QuantMatrix:
@@ -234,18 +248,19 @@ def _blocks(blocks: np.ndarray, block_bytes: int) -> np.ndarray:
 
 
 def _q8_0(blocks: np.ndarray, cols: int) -> QuantMatrix:
-    rows, b = blocks.shape[0], _blocks(blocks, 34)
-    qs = np.ascontiguousarray(b[:, 2:]).view(np.int8).reshape(rows, cols)
-    return _matrix("q8", qs, _half(b[:, :2]).reshape(rows, -1), None)
+    return _exact_q8_matrix(blocks, GGMLQuantizationType.Q8_0, cols)
 
 
 def _q5_0(blocks: np.ndarray, cols: int) -> QuantMatrix:
-    rows, b = blocks.shape[0], _blocks(blocks, 22)
-    qh = np.ascontiguousarray(b[:, 2:6]).view(np.uint32)  # bit j: the 5th bit of weight j
-    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-    low = np.concatenate([b[:, 6:] & 0x0F, b[:, 6:] >> 4], axis=1)
-    q = (low | (high << 4)).astype(np.int8) - np.int8(16)
-    return _matrix("q8", q.reshape(rows, cols), _half(b[:, :2]).reshape(rows, -1), None)
+    return _exact_q8_matrix(blocks, GGMLQuantizationType.Q5_0, cols)
+
+
+def _exact_q8_matrix(blocks: np.ndarray, ggml_type: GGMLQuantizationType, cols: int) -> QuantMatrix:
+    exact = _exact_q8(blocks, ggml_type)
+    assert exact is not None
+    q, d = exact
+    rows = blocks.shape[0]
+    return _matrix("q8", q.reshape(rows, cols), d.reshape(rows, -1), None)
 
 
 def _q4_0(blocks: np.ndarray, cols: int) -> QuantMatrix:
