@@ -64,3 +64,25 @@ def test_silu_mul_rejects_odd_widths_and_other_dtypes() -> None:
         kernels.silu_mul(torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="silu_mul"):
         kernels.silu_mul(torch.randn(2, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("shape", [(1, 151936), (3, 49152), (2, 7), (5, 40), (1, 1)])
+def test_argmax_rows_equals_torch_argmax(shape: tuple[int, int]) -> None:
+    assert kernels is not None
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1]))
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_argmax_rows_breaks_ties_and_meets_nan_and_inf_as_torch_does() -> None:
+    assert kernels is not None
+    x = torch.zeros(6, 70)
+    x[0, [9, 40, 65]] = 3.0  # ties: the first maximum, in the vector part and in the tail
+    x[1, [66, 69]] = 2.0  # only in the scalar tail (70 = 2 * 32 + 6)
+    x[2] = float("-inf")  # every value -inf: index 0
+    x[3, 50] = float("nan")
+    x[3, 10] = 5.0  # a NaN anywhere wins over any number
+    x[4, [67, 68]] = float("nan")  # NaN in the tail only
+    x[5, 33] = float("inf")
+    assert kernels.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist() == [9, 66, 0, 50, 67, 33]
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        kernels.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))

@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 from tokenmill.engine.request import Request, TokenLogprob
+from tokenmill.kernels import cpu_kernels
 
 _NEG_INF = float("-inf")
 
@@ -106,13 +107,13 @@ class Sampler:
 
     def _pick_plain(self, logits: torch.Tensor, requests: list[Request], special: set[int]) -> torch.Tensor:
         """Tokens of the plain rows (the others' entries are discarded): logits are read, never written."""
-        picked = logits.argmax(dim=-1)
+        picked = argmax_rows(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy and i not in special]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             probs = _filtered_probs(logits[rows], [requests[i] for i in random_rows])
             noise = torch.empty_like(probs).exponential_(generator=self.generator)
-            picked[rows] = (probs / noise).argmax(dim=-1)
+            picked[rows] = argmax_rows(probs / noise)
         return picked
 
     def _sample_each(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
@@ -162,7 +163,7 @@ class Sampler:
     @staticmethod
     def _verify_greedy(processed: torch.Tensor, requests: list[Request], drafts: list[list[int]],
                        starts: list[int]) -> list[list[int]]:
-        targets = processed.argmax(dim=-1).tolist()
+        targets = argmax_rows(processed).tolist()
         emitted = []
         for request, draft, start in zip(requests, drafts, starts, strict=True):
             tokens = []
@@ -189,8 +190,8 @@ class Sampler:
             tokens, final = self._accept_run(p, draft, q, self.generator_for(request))
             emitted.append(tokens)
             finals.append(final)
-        last = (torch.stack(finals) / self._noise(torch.empty(len(requests), probs.shape[1], device=probs.device),
-                                                 requests)).argmax(dim=-1).tolist()
+        last = argmax_rows(torch.stack(finals) / self._noise(torch.empty(len(requests), probs.shape[1],
+                                                                         device=probs.device), requests)).tolist()
         return [[*tokens, t] for tokens, t in zip(emitted, last, strict=True)]
 
     def _accept_run(self, p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
@@ -237,7 +238,7 @@ class Sampler:
         return logits
 
     def _pick(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax_rows(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
         if not random_rows:
             return greedy
@@ -245,7 +246,7 @@ class Sampler:
         sub = [requests[i] for i in random_rows]
         probs = _filtered_probs(logits[rows], sub)
         noise = self._noise(probs, sub)
-        greedy[rows] = (probs / noise).argmax(dim=-1)
+        greedy[rows] = argmax_rows(probs / noise)
         return greedy
 
     def _noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -255,6 +256,16 @@ class Sampler:
             if gen is not None:
                 noise[row].exponential_(generator=gen)
         return noise
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of logits [N, V], the same indices (first maximum, first NaN); on CPU
+    float32 through the native vectorised kernel (ATen's took ~0.35 ms for one 151936-wide row)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:
+        native = cpu_kernels()
+        if native is not None:
+            return native.argmax_rows(x.contiguous())
+    return x.argmax(dim=-1)
 
 
 def needs_python(request: Request) -> bool:

@@ -23,12 +23,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import torch
-
 from tokenmill.engine.interfaces import ScheduledRequest, SchedulerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenmill.engine.request import Request, SamplingParams
+from tokenmill.engine.sampler import argmax_rows
 from tokenmill.engine.spec.base import Proposer, register_proposer
 
 
@@ -123,7 +122,7 @@ class DraftModelProposer(Proposer):
                                       s.shadow.num_tokens - s.shadow.num_computed_tokens,
                                       self.kv.block_tables[s.shadow.request_id]) for s in seqs]
         order, logits = self.runner.sample_logits(SchedulerOutput(scheduled))
-        for s, token in zip(order, torch.argmax(logits, dim=-1).tolist(), strict=True):
+        for s, token in zip(order, argmax_rows(logits).tolist(), strict=True):
             shadow = s.request
             shadow.num_computed_tokens = shadow.num_tokens
             shadow.token_ids.append(token)
