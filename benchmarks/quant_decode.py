@@ -10,7 +10,10 @@
 2. The GEMM alone at M = 1, 16, 64 rows: layer 0's gate/up matrix as each mode stores it
    (quantized kernel, 1 and 2 passes, vs the dense fp32 kernel the engine picks: native skinny / oneDNN).
 3. `--llama-bench PATH`: llama.cpp's `llama-bench -m FILE -p 0 -n 128 -t THREADS` on the same file,
-   run in the same script; its tg tokens/s next to tokenmill's batch-1 `auto`.
+   run in the same script; its tg tokens/s next to tokenmill's batch-1 `auto`. Then a head-to-head of
+   `--peer-rounds` rounds, tokenmill's batch-1 `auto` decode and llama-bench back to back (their order
+   alternating), one ratio per round: this VM's speed drifts by 1.5x within minutes, so the median
+   of these paired ratios is the figure, the single pair above only a first look.
 4. `--memory MODEL`: resident memory (VmRSS, VmHWM) of a process that loads MODEL with
    `--memory-quantization` and serves a few requests (a fresh subprocess per mode).
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -44,6 +48,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     p.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench binary (optional)")
+    p.add_argument("--peer-rounds", type=int, default=3, help="paired tokenmill / llama-bench rounds (0: none)")
     p.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--gemm-repeats", type=int, default=15)
     p.add_argument("--copy-gib", type=float, default=0.5)
@@ -119,6 +124,29 @@ def llama_bench(binary: str, model_name: str, threads: int) -> dict[str, Any]:
     tg = next(r for r in rows if r.get("n_gen", 0) > 0)
     return {"command": command, "tg_tok_s": tg["avg_ts"], "tg_stddev_tok_s": tg.get("stddev_ts"),
             "build": {k: tg.get(k) for k in ("build_commit", "cpu_info", "backends", "n_threads", "type")}}
+
+
+def head_to_head(model_name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Batch-1 `auto` decode and llama-bench's tg back to back, `--peer-rounds` times (order alternating)."""
+    from tokenmill.llm import LLM
+
+    blocks = -(-(args.prompt_len + args.output_len + 16) // 16) + 8
+    llm = LLM(model_name, dtype="float32", num_threads=args.threads, max_num_seqs=1, num_kv_blocks=blocks)
+    prompt = common.build_prompts(llm.tokenizer.encode, 1, args.prompt_len, common.prompt_bos(llm.tokenizer))[0]
+    timed_request(llm, prompt, 8, "h2h-warmup")
+    rounds = []
+    for r in range(args.peer_rounds):
+        pair: dict[str, float] = {}
+        for who in (("tokenmill", "llama") if r % 2 == 0 else ("llama", "tokenmill")):
+            if who == "llama":
+                pair["llama_tg_tok_s"] = llama_bench(args.llama_bench, model_name, args.threads)["tg_tok_s"]
+            else:
+                pair["tokenmill_tok_s"] = 1.0 / batch_decode(llm, [prompt], args.output_len, f"h2h-{r}").median
+        pair["ratio"] = pair["tokenmill_tok_s"] / pair["llama_tg_tok_s"]
+        rounds.append(pair)
+    del llm
+    gc.collect()
+    return {"rounds": rounds, "median_ratio": statistics.median(p["ratio"] for p in rounds)}
 
 
 def gemm_times(linear: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -200,6 +228,8 @@ def main() -> None:
             peer["tokenmill_auto_over_llama_tg"] = runs["auto"]["batch"]["1"]["tok_s"] / peer["tg_tok_s"] \
                 if "1" in runs["auto"]["batch"] else None
             runs["llama_bench"] = peer
+            if args.peer_rounds:
+                runs["head_to_head"] = head_to_head(model_name, args)
         result["models"][model_name] = runs
     probe.sample(3)
     result["bandwidth"] = probe.result()
@@ -228,6 +258,11 @@ def report(result: dict[str, Any]) -> None:
             if peer:
                 print(f"{name}: llama-bench tg {peer['tg_tok_s']:.1f} tok/s; tokenmill auto batch 1 / llama.cpp "
                       f"{peer['tokenmill_auto_over_llama_tg']:.2f}x")
+            h2h = runs.get("head_to_head")
+            if h2h:
+                pairs = ", ".join(f"{p['tokenmill_tok_s']:.1f}/{p['llama_tg_tok_s']:.1f}" for p in h2h["rounds"])
+                print(f"{name}: head-to-head tokenmill/llama-bench tok/s per round {pairs}; "
+                      f"median ratio {h2h['median_ratio']:.2f}x")
         gemm_rows = []
         for name, runs in result["models"].items():
             for rows_m in result["config"]["gemm_rows"]:
