@@ -114,6 +114,8 @@ def _assert_group_equal(fast: GroupMetadata | None, slow: GroupMetadata | None) 
 def _assert_inputs_equal(fast: ModelInput, slow: ModelInput) -> None:
     for name in ("input_ids", "positions", "sample_indices"):
         torch.testing.assert_close(getattr(fast, name), getattr(slow, name), rtol=0, atol=0)
+    if fast.every_row_sampled:  # the runner then takes the hidden rows as they are, ungathered
+        assert fast.sample_indices.tolist() == list(range(fast.input_ids.shape[0]))
     torch.testing.assert_close(fast.meta.slot_mapping, slow.meta.slot_mapping, rtol=0, atol=0)
     _assert_group_equal(fast.meta.decode, slow.meta.decode)
     _assert_group_equal(fast.meta.prefill, slow.meta.prefill)
@@ -186,3 +188,16 @@ def test_rows_are_reused_after_forget_and_the_table_grows_past_max_num_seqs(fast
     else:
         tables.reset()
         assert not tables.rows and not tables.table.any()
+
+
+def test_a_one_token_chunk_short_of_its_prompt_is_not_sampled_on_the_plain_decode_path() -> None:
+    # A prompt chunk of one token that does not reach the prompt's end rides in the decode group but
+    # yields no token: the runner must gather the sampled rows, not take every hidden row.
+    tables = PersistentBlockTables(4, 4)
+    decode = ScheduledRequest(Request("d", [1] * 9, SamplingParams()), 8, 1, [3, 5, 6])
+    chunk = ScheduledRequest(Request("c", [2] * 12, SamplingParams()), 4, 1, [1, 2, 4])  # token 5 of 12
+    inp = build_model_input([chunk, decode], BS, None, CPU, tables, decode_mask=False)
+    assert not inp.every_row_sampled and inp.sample_indices.tolist() == [1]
+    assert [s.request.request_id for s in inp.sampled] == ["d"]
+    both = build_model_input([decode], BS, None, CPU, tables, decode_mask=False)
+    assert both.every_row_sampled and both.sample_indices.tolist() == [0]

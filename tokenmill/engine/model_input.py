@@ -34,6 +34,7 @@ class ModelInput:
     # or its last 1 + k tokens when it verifies k proposals
     sampled: list[ScheduledRequest]  # the requests sampled, in the same order (request i owns num_sample_rows rows)
     prompt_logprob_offsets: list[tuple[ScheduledRequest, int]]  # requests wanting prompt logprobs, flat start
+    every_row_sampled: bool = False  # sample_indices is arange(T): the hidden rows need no gather
 
 
 @dataclass(slots=True)
@@ -127,6 +128,7 @@ def _plain_decodes(scheduled: list[ScheduledRequest], block_size: int, device: t
         sampled=[scheduled[i] for i in sampled_idx],
         prompt_logprob_offsets=[(s, i) for i, s in enumerate(scheduled)
                                 if s.request.params.prompt_logprobs is not None],
+        every_row_sampled=len(sampled_idx) == n,
     )
 
 

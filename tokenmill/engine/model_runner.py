@@ -118,7 +118,8 @@ class ModelRunner:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         with timer.phase("logits"):
             result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, inp))
-            logits = self.model.compute_logits(hidden[inp.sample_indices]) if inp.sampled else None
+            rows = hidden if inp.every_row_sampled else hidden[inp.sample_indices]
+            logits = self.model.compute_logits(rows) if inp.sampled else None
         if logits is not None:
             with timer.phase("sample"):
                 if any(s.spec_token_ids for s in inp.sampled):
