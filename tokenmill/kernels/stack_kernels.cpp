@@ -18,8 +18,8 @@
 // makes them (x + mlp(x) is the same float add as r += mlp), so the sums are the same floats.
 //
 // A weight is a quantized plan, or a dense float32 matrix multiplied by the skinny kernel (1-4 rows,
-// the kernel the Python path picks for those rows too; wider steps of such a model run the Python
-// layers, whose oneDNN/ATen pick this module does not reproduce). Only decode steps with every piece
+// the kernel the Python path picks for those rows too, and which rejects more; wider steps of such
+// a model run the Python layers, whose oneDNN/ATen pick this module does not reproduce). Only decode steps with every piece
 // native take this path (models/native_stack.py decides): a prefill, another architecture or a
 // non-float32 weight all run the Python layers.
 #include <torch/extension.h>
@@ -110,8 +110,6 @@ class DecodeStack {
       for (int i = 0; i < 4; ++i) plans_.push_back(t[i]);  // kept alive with the stack
       Layer layer{weight_of(t[0]), weight_of(t[1]), weight_of(t[2]), weight_of(t[3]),
                   t[4].cast<at::Tensor>(), t[5].cast<at::Tensor>(), t[6].cast<int64_t>()};
-      for (const Weight* w : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
-        if (w->plan == nullptr) max_rows_ = kSkinnyRows;
       check_norm(layer.in_norm);
       check_norm(layer.post_norm);
       layers_.push_back(std::move(layer));
@@ -139,7 +137,6 @@ class DecodeStack {
     TORCH_CHECK(caches_.size() == layers_.size(), "bind_caches before forward");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [T, D]");
     const int64_t T = x.size(0), heads = H_ + 2 * KVH_;
-    TORCH_CHECK(max_rows_ == 0 || T <= max_rows_, "this stack has dense weights: at most ", max_rows_, " rows");
     at::Tensor pending;  // the previous layer's MLP output, added into x by the next norm
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
@@ -165,8 +162,6 @@ class DecodeStack {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-  // The most rows a step may have (0: any): the skinny kernel's limit once a weight is dense.
-  int64_t max_rows() const { return max_rows_; }
 
  private:
   static void check_norm(const at::Tensor& w) {
@@ -181,8 +176,6 @@ class DecodeStack {
   double eps_;
   int64_t H_, KVH_, hd_;
   double scale_, softcap_;
-  int64_t max_rows_ = 0;
-  static constexpr int64_t kSkinnyRows = 4;  // layers/linear.py SKINNY_MAX_ROWS
 };
 
 }  // namespace
@@ -194,6 +187,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("bind_caches", &DecodeStack::bind_caches, "one (k, v, k_scale, v_scale) per layer")
       .def("__call__", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "the decoder stack over a decode step: x [T, D] (overwritten) → final-norm hidden [T, D]")
-      .def_property_readonly("num_layers", &DecodeStack::num_layers)
-      .def_property_readonly("max_rows", &DecodeStack::max_rows);
+      .def_property_readonly("num_layers", &DecodeStack::num_layers);
 }

@@ -171,8 +171,7 @@ class QuantLinear(Linear):
 
     def __init__(self, segments: list[qf.QuantMatrix], bias: torch.Tensor | None, dtype: torch.dtype,
                  module: Any, isa: str, passes: int = 2) -> None:
-        if passes not in (1, 2):
-            raise ValueError(f"activation passes must be 1 or 2, not {passes}")
+        _check_passes(passes)
         self.bias = None if bias is None else bias.float().contiguous()
         self.dtype = dtype
         self.module = module
@@ -184,8 +183,7 @@ class QuantLinear(Linear):
 
     def set_passes(self, passes: int) -> None:
         """Switch the activation rounding (the plan is rebuilt; a model's native stack must rebind)."""
-        if passes not in (1, 2):
-            raise ValueError(f"activation passes must be 1 or 2, not {passes}")
+        _check_passes(passes)
         self.passes = passes
         self._set_segments(self.segments)
 
@@ -223,6 +221,11 @@ class QuantLinear(Linear):
         self.rows = [s.rows for s in segments]
         self.plan = self.module.QuantPlan(self.qs, self.scales, self.offsets, self.rows, self.passes, self.isa,
                                           self.bias)
+
+
+def _check_passes(passes: int) -> None:
+    if passes not in (1, 2):
+        raise ValueError(f"activation passes must be 1 or 2, not {passes}")
 
 
 # ---- methods and their registry ------------------------------------------------------------------

@@ -41,11 +41,11 @@ NATIVE_STACK_ENV = "TOKENMILL_NATIVE_STACK"
 class NativeDecodeStack:
     """The bound native stack of one model; `__call__` runs a decode step or returns None."""
 
-    def __init__(self, stack: Any, model: LlamaForCausalLM) -> None:
+    def __init__(self, stack: Any, model: LlamaForCausalLM, max_rows: int | None) -> None:
         self.stack = stack
         self.model = model
         self.enabled = True  # benchmarks switch it off to A/B against the Python layers
-        self.max_rows = int(stack.max_rows) or None  # dense weights: the skinny kernel's row limit
+        self.max_rows = max_rows  # dense weights: the skinny kernel's row limit (None: any)
         self._bound: list[LayerKVCache] | None = None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
@@ -91,19 +91,21 @@ def build_native_stack(model: LlamaForCausalLM) -> NativeDecodeStack | None:
     from tokenmill.models.llama import DecoderLayer
 
     assert module is not None
-    glue, attention, quant = (m.c_api() for m in modules if m is not None)
+    glue, attention, quant = (m.c_api() for m in modules)  # type: ignore[union-attr]
     arch = model.arch
     layers = []
+    dense = False
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
-        linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        linears = list(layer.linears().values())  # qkv, o, gate_up, down: the order the C++ stack takes
+        dense = dense or any(isinstance(lin, DenseLinear) for lin in linears)
         window = arch.sliding_window if layer.is_sliding and arch.sliding_window is not None else 0
         layers.append((*(_bound(lin) for lin in linears), layer.input_layernorm.weight.data,
                        layer.post_attention_layernorm.weight.data, window))
     stack = module.DecodeStack(layers, model.norm.weight.data, model.norm.eps, arch.num_heads, arch.num_kv_heads,
                                arch.head_dim, model.attn.scale, float(arch.attn_logit_softcapping or 0.0),
                                glue, attention, quant)
-    return NativeDecodeStack(stack, model)
+    return NativeDecodeStack(stack, model, SKINNY_MAX_ROWS if dense else None)
 
 
 def _bound(linear: Linear) -> Any:
@@ -119,9 +121,6 @@ def _native_linear(linear: Linear) -> bool:
         return linear.dtype is torch.float32
     return (isinstance(linear, DenseLinear) and skinny_path(linear.fn) and linear.weight.dtype == torch.float32
             and linear.weight.is_contiguous() and (linear.bias is None or linear.bias.dtype == torch.float32))
-
-
-assert SKINNY_MAX_ROWS == 4, "stack_kernels.cpp's kSkinnyRows mirrors it"
 
 
 def _ineligible(model: LlamaForCausalLM) -> str | None:
@@ -142,7 +141,7 @@ def _ineligible(model: LlamaForCausalLM) -> str | None:
             return f"layer type {type(layer).__name__}"
         if layer.rope_kernel is None or layer.silu_mul_kernel is None or model.arch.hidden_act != "silu":
             return "no native RoPE or SwiGLU"
-        for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+        for linear in layer.linears().values():
             if not _native_linear(linear):
                 return f"a {linear.method} linear layer (neither quantized nor on the skinny kernel)"
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
