@@ -22,7 +22,8 @@ from tokenmill.errors import TokenmillError
 from tokenmill.kernels import QUANT_ISA_ENV, available_quant_isas, cpu_flags, isa_key, quant_kernels
 from tokenmill.layers import linear as linear_module
 from tokenmill.layers import quant_formats
-from tokenmill.layers.linear import GgufRowsEmbedding, QuantLinear
+from tokenmill.layers.embedding import GgufRowsEmbedding
+from tokenmill.layers.linear import QuantLinear
 
 T = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="native quantized kernels cannot be built here")

@@ -18,8 +18,9 @@ from torch import nn
 from tokenmill.errors import ModelFormatError
 from tokenmill.kernels import cpu_kernels, glue_kernels
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention, decode_kernel
+from tokenmill.layers.embedding import Embedding, build_embedding
 from tokenmill.layers.kv_cache import LayerKVCache
-from tokenmill.layers.linear import Embedding, Linear, LinearConfig, build_embedding, build_linear
+from tokenmill.layers.linear import Linear, LinearConfig, build_linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
 from tokenmill.layers.weight_arena import WeightArena, relocate
