@@ -129,11 +129,6 @@ class ServiceClassConfig:
     # Steps are capped in time, not in share: the batch work still has the whole machine.
     arrival_step_share: float = 0.1
     interactive_recent_s: float = 60.0
-    # ... or, when the running sequences' own step already takes longer than that, within
-    # (1 + arrival_step_growth) x it: an arriving chat waits for that step anyway, and without the
-    # growth no prompt was admitted at all while the decodes alone exceeded the share (a batch burst
-    # right after chat ran at 0.83 of its speed alone, docs/workload_classes.md).
-    arrival_step_growth: float = 0.25
     # Synthetic steps that fit the step-time model while a fresh server's engine idles, stopped by
     # the first real request (engine/calibration.py); 0: learn from live traffic only. `tokenmill
     # serve` sets 24.
@@ -146,7 +141,6 @@ class ServiceClassConfig:
         _require(self.calibration_steps >= 0, "calibration_steps must be >= 0")
         _require(0.0 <= self.arrival_step_share <= 1.0, "arrival_step_share must be in [0, 1]")
         _require(self.interactive_recent_s >= 0, "interactive_recent_s must be >= 0")
-        _require(self.arrival_step_growth >= 0, "arrival_step_growth must be >= 0")
         _require(self.min_step_samples >= 1, "min_step_samples must be positive")
         _require(self.unfitted_step_tokens >= 1, "unfitted_step_tokens must be positive")
         _require(self.min_prefill_chunk >= 1, "min_prefill_chunk must be positive")

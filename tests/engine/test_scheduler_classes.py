@@ -248,29 +248,6 @@ def test_after_interactive_traffic_batch_steps_end_within_a_share_of_the_ttft_ta
     assert _plan(_step(sched)) == [("b0", 602, 1), ("b1", 239, 361)]  # the chat is no longer recent
 
 
-def _after_a_chat_with_20_batch_decodes(growth: float) -> list[tuple[str, int, int]]:
-    """20 batch decodes run (30 ms by FIT, over arrival_step_share 0.02 x 1 s = 20 ms), a chat has
-    just come and gone, and a new batch prompt waits: the plan of the next step."""
-    sched = _scheduler(num_blocks=512, budget=1024, arrival_step_share=0.02, arrival_step_growth=growth)
-    _batch_decoding(sched, 20)
-    sched.add(_request("i0", 4, arrival=50, cls=INT, max_tokens=1))
-    _step(sched)  # the chat runs and finishes: interactive traffic is now recent
-    assert "i0" not in sched.requests
-    sched.add(_request("w", 100, arrival=60, cls=BAT))
-    return _plan(_step(sched))
-
-
-def test_after_interactive_traffic_a_batch_step_may_grow_past_its_running_decodes() -> None:
-    """When the running decodes alone already take longer than the arrival share, a chat waits for
-    their step anyway: the step may still grow by arrival_step_growth over their own time (1.25 x
-    30 ms = 37.5 ms -> 27 tokens: the 20 decodes and 7 of the waiting prompt). Without the growth
-    no prompt is admitted at all while the decodes run."""
-    plan = _after_a_chat_with_20_batch_decodes(0.25)
-    assert plan[-1] == ("w", 0, 7) and sum(n for _, _, n in plan) == 27
-    assert [n for rid, _, n in plan if rid != "w"] == [1] * 20
-    assert "w" not in [rid for rid, _, _ in _after_a_chat_with_20_batch_decodes(0.0)]
-
-
 def test_batch_alone_is_scheduled_exactly_as_without_classes() -> None:
     def requests(cls: ServiceClass) -> list[Request]:
         return [_request(f"r{i}", 4 + i, arrival=i, cls=cls, max_tokens=5 + i) for i in range(12)]

@@ -72,20 +72,16 @@ class ClassScheduling:
     def _unprotected_budget(self) -> int:
         """A step's tokens with no protected work: all of max_num_batched_tokens, unless interactive
         requests were here within interactive_recent_s: then what the fit says ends within
-        arrival_step_share x their TTFT target, or within (1 + arrival_step_growth) x the running
-        sequences' own step when that is longer (their tokens always fit)."""
+        arrival_step_share x their TTFT target (the running sequences' tokens always fit)."""
         full = self.config.max_num_batched_tokens
         now = time.monotonic()
         ttft_s, fit = self.classes.interactive.ttft_s, self.step_time.fit()
         if (not self.classes.enabled or ttft_s is None or fit is None or self._interactive_seen_s is None
                 or now - self._interactive_seen_s > self.classes.interactive_recent_s):
             return full
-        running = len(self.running)
-        limit_s = self.classes.arrival_step_share * ttft_s
-        if running:  # the running sequences as one decode token each: the step a chat waits for anyway
-            limit_s = max(limit_s, (1.0 + self.classes.arrival_step_growth) * fit.predict(running, running))
         # The tokens one more sequence may add to a step of the other running ones, under the cap.
-        tokens = StepTimeLimit(limit_s, fit, full).max_new_tokens(0, running - 1)
+        limit = StepTimeLimit(self.classes.arrival_step_share * ttft_s, fit, full)
+        tokens = limit.max_new_tokens(0, len(self.running) - 1)
         return min(full, max(tokens, len(self.running), self.classes.min_prefill_chunk))
 
     def _step_limit(self, protected: ServiceClass) -> StepTimeLimit:
