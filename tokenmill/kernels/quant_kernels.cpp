@@ -188,7 +188,7 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
     /* Software prefetch a few KiB ahead in both streams: one call streams only 0.2-2 MB per thread, */                \
     /* too short for the hardware prefetcher to ramp up from DRAM before the stream ends. Only on the */               \
     /* first activation tile's pass over a chunk: the later passes find it in L2, where the prefetches */              \
-    /* only took load slots (q8 at M >= 4: 1.1-1.4x without them). */                                                  \
+    /* only took load slots (measured in docs/quantization.md). */                                                     \
     if (first_pass) {                                                                                                  \
       _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch, _MM_HINT_T0);                                       \
       _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + 64, _MM_HINT_T0);                                  \
@@ -215,7 +215,7 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
         const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * p)));     \
         for (int r = 0; r < RM; ++r) isum[r] = madd_acc(isum[r], wv, bcast_pair(arow[r] + b * QK + 2 * p));            \
       };                                                                                                               \
-      /* Unrolled twice for 3-4 rows (1.1-1.4x with the prefetch change); at 1-2 rows it lost. */               \
+      /* Unrolled twice for 3-4-row tiles; at 1-2 rows the unroll lost (docs/quantization.md). */                      \
       if (RM > 2) { _Pragma("GCC unroll 2") for (int p = 0; p < 16; ++p) pair(p); }                                 \
       else { for (int p = 0; p < 16; ++p) pair(p); }                                                                   \
     }                                                                                                                  \
