@@ -199,6 +199,23 @@ def test_paths_agree_with_each_other(passes: int) -> None:
         torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-5 * outs[0].abs().max().item())
 
 
+@pytest.mark.skipif(not {1, 2} <= RUNNABLE, reason="needs the avx2 and avx512vnni paths on this CPU")
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("out_features", [8, 37, 64, 72])
+def test_512_bit_tiles_equal_the_256_bit_path_bit_for_bit(ggml_type: GGMLQuantizationType, out_features: int) -> None:
+    """avx512vnni puts two row groups in one zmm (16 rows a vpdpwssd) and up to 8 activation rows in a
+    tile; every lane still takes the 256-bit tile's integer and float steps in order, so the outputs
+    are equal bit for bit: an odd group left over (37 and 72 rows: 5 and 9 groups), a partial last
+    group, every remainder of rows under the tile height, fp16 (Q4_0, Q8_0) and float32 scales."""
+    assert kernels is not None
+    raw = gguf_blocks(ggml_type, out_features, 512, seed=out_features)
+    mat = qf.from_gguf(raw, ggml_type, 512, gguf_format(ggml_type))
+    for rows in [*range(1, 18), 64]:
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        for passes in PASSES:
+            assert torch.equal(run(mat, x, 2, passes), run(mat, x, 1, passes)), (rows, passes)
+
+
 def test_bad_inputs_are_errors_not_crashes() -> None:
     assert kernels is not None
     mat = qf.quantize(torch.randn(4, 64), "q8")

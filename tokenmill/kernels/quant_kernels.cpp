@@ -25,7 +25,8 @@
 // one load), with no horizontal sums; each widened weight vector serves RM activation rows (register
 // tile RM x 8, RM <= 4), which is what makes M > 1 (batched decode, verification, prefill) cheap:
 // the weights stream once per RM rows and the per-row work is one broadcast, one madd, one add.
-// AVX-512 VNNI fuses the madd and the add (`vpdpwssd`); the portable path is plain int loops.
+// AVX-512 VNNI fuses the madd and the add (`vpdpwssd`) and runs 512-bit tiles: two groups (16 rows)
+// per zmm and up to 8 activation rows per tile (vnni::tile2); the portable path is plain int loops.
 //
 // One object runs on every x86-64 CPU: it is compiled for the baseline ISA and each fast path
 // carries its own target attribute; the caller picks the path (cpu_isas() says what this CPU has).
@@ -242,7 +243,7 @@ template <int RM>                                                               
 void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld) {                             \
   if (w.q4) tile<RM, true>(w, g, a, m0, out, ld, m0 == 0); else tile<RM, false>(w, g, a, m0, out, ld, m0 == 0);     \
 }                                                                                                                      \
-void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld) {               \
+void groups256(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld) {            \
   /* Groups in chunks of ~128 KiB of weights, so a chunk stays in L2 while every m-tile passes over it. */             \
   const int64_t group_bytes = w.nb * w.block_bytes();                                                                  \
   const int64_t chunk = std::max<int64_t>(1, (128 << 10) / std::max<int64_t>(1, group_bytes));                         \
@@ -264,6 +265,9 @@ void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, f
 namespace avx2 {
 inline __m256i madd_acc(__m256i acc, __m256i w, __m256i a) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a)); }
 TM_SIMD_TILES
+void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld) {
+  groups256(w, a, M, g0, g1, out, ld);
+}
 
 // Activation rows: amax, exact integer sums and nearest-even rounding (the portable path's steps).
 inline __m256i pack8(const __m256i* q) {
@@ -331,6 +335,123 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t P, int8_t* qa, 
 namespace vnni {
 inline __m256i madd_acc(__m256i acc, __m256i w, __m256i a) { return _mm256_dpwssd_epi32(acc, w, a); }
 TM_SIMD_TILES
+
+// 512-bit tiles: two neighbouring groups (16 output rows) side by side in one zmm, lane r = row r
+// of group g, lane 8 + r = row r of group g + 1. The layout is unchanged: a 16-byte pair of each
+// group fills one half, so an activation pair is still one broadcast (from memory, no shuffle) and
+// one vpdpwssd does 32 multiply-adds where the 256-bit tile did 16. Each lane does exactly the
+// 256-bit tile's integer and float steps in the same order, so the result is bit-identical.
+inline __m512 lanes16(const Weights& w, const void* p, int64_t i0, int64_t i1) {
+  if (w.half)
+    return _mm512_cvtph_ps(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(w.lane_ptr(p, i1)),
+                                               reinterpret_cast<const __m128i*>(w.lane_ptr(p, i0))));
+  const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(reinterpret_cast<const float*>(w.lane_ptr(p, i0)))));
+  return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(reinterpret_cast<const float*>(w.lane_ptr(p, i1)))), 1));
+}
+inline __m512i load_two(const uint8_t* p0, const uint8_t* p1) {
+  return _mm512_castsi256_si512(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p1), reinterpret_cast<const __m128i*>(p0)));
+}
+inline __m512i bcast_pair512(const int16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+template <int RM, bool Q4>
+void tile2(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld, bool first_pass) {
+  __m512 acc[RM];
+  const int16_t* arow[RM];
+  for (int r = 0; r < RM; ++r) { acc[r] = _mm512_setzero_ps(); arow[r] = a.a + (m0 + r) * a.K; }
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* b0 = w.block(g, b);
+    const uint8_t* b1 = w.block(g + 1, b);
+    if (first_pass) {  // as the 256-bit tile: both groups' streams, on the first pass over a chunk only
+      for (const uint8_t* blk : {b0, b1}) {
+        _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + 64, _MM_HINT_T0);
+        if (!Q4) {
+          _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + 128, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + 192, _MM_HINT_T0);
+        }
+      }
+      if ((b & 1) == 0) {
+        _mm_prefetch(w.lane_ptr(w.scale, w.lanes(g, b)) + kPrefetch / 4, _MM_HINT_T0);
+        _mm_prefetch(w.lane_ptr(w.scale, w.lanes(g + 1, b)) + kPrefetch / 4, _MM_HINT_T0);
+      }
+    }
+    __m512i isum[RM];
+    for (int r = 0; r < RM; ++r) isum[r] = _mm512_setzero_si512();
+    if (Q4) {
+      const __m512i low = _mm512_set1_epi16(0x0F);
+      for (int c = 0; c < 8; ++c) {
+        const __m512i raw = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(load_two(b0 + 16 * c, b1 + 16 * c)));
+        const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_srli_epi16(raw, 4);
+        for (int r = 0; r < RM; ++r) {
+          const int16_t* ab = arow[r] + b * QK + 2 * c;
+          isum[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[r], lo, bcast_pair512(ab)), hi, bcast_pair512(ab + 16));
+        }
+      }
+    } else {
+      for (int p = 0; p < 16; ++p) {
+        const __m512i wv = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(load_two(b0 + 16 * p, b1 + 16 * p)));
+        for (int r = 0; r < RM; ++r) isum[r] = _mm512_dpwssd_epi32(isum[r], wv, bcast_pair512(arow[r] + b * QK + 2 * p));
+      }
+    }
+    const __m512 sw = lanes16(w, w.scale, w.lanes(g, b), w.lanes(g + 1, b));
+    for (int r = 0; r < RM; ++r) {
+      const __m512 scale = _mm512_mul_ps(sw, _mm512_set1_ps(a.d[(m0 + r) * a.nb + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
+    }
+    if (Q4) {
+      const __m512 off = lanes16(w, w.offset, w.lanes(g, b), w.lanes(g + 1, b));
+      for (int r = 0; r < RM; ++r) acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(a.s[(m0 + r) * a.nb + b]), acc[r]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(2 * RG, w.rows - g * RG);
+  const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+  for (int r = 0; r < RM; ++r) _mm512_mask_storeu_ps(out + (m0 + r) * ld + g * RG, mask, acc[r]);
+}
+
+template <int RM>
+void tile2(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld) {
+  if (w.q4) tile2<RM, true>(w, g, a, m0, out, ld, m0 == 0); else tile2<RM, false>(w, g, a, m0, out, ld, m0 == 0);
+}
+
+constexpr int kRM512 = 8;  // activation rows per 512-bit tile
+
+template <int RM>
+void span2(const Weights& w, int64_t c0, int64_t c1, const Act& a, int64_t m0, float* out, int64_t ld) {
+  int64_t g = c0;
+  for (; g + 2 <= c1; g += 2) tile2<RM>(w, g, a, m0, out, ld);
+  if (g == c1) return;
+  int64_t m = m0;  // an odd group left over: the 256-bit tiles, 4 rows at a time
+  for (; m + 4 <= m0 + RM; m += 4) tile<4>(w, g, a, m, out, ld);
+  const int64_t rest = m0 + RM - m;
+  if (rest == 3) tile<3>(w, g, a, m, out, ld);
+  else if (rest == 2) tile<2>(w, g, a, m, out, ld);
+  else if (rest == 1) tile<1>(w, g, a, m, out, ld);
+}
+
+template <int R>
+void rest2(int64_t rest, const Weights& w, int64_t c0, int64_t c1, const Act& a, int64_t m0, float* out, int64_t ld) {
+  if constexpr (R > 0) {
+    if (rest == R) return span2<R>(w, c0, c1, a, m0, out, ld);
+    rest2<R - 1>(rest, w, c0, c1, a, m0, out, ld);
+  }
+}
+
+void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld) {
+  // As groups256: ~128 KiB chunks of weights (an even number of groups) that every m-tile passes over.
+  const int64_t group_bytes = w.nb * w.block_bytes();
+  int64_t chunk = std::max<int64_t>(2, (128 << 10) / std::max<int64_t>(1, group_bytes));
+  chunk += chunk & 1;
+  for (int64_t c0 = g0; c0 < g1; c0 += chunk) {
+    const int64_t c1 = std::min(g1, c0 + chunk);
+    int64_t m0 = 0;
+    for (; m0 + kRM512 <= M; m0 += kRM512) span2<kRM512>(w, c0, c1, a, m0, out, ld);
+    rest2<kRM512 - 1>(M - m0, w, c0, c1, a, m0, out, ld);
+  }
+}
 }  // namespace vnni
 #pragma GCC pop_options
 
