@@ -222,6 +222,10 @@ class EngineConfig:
     num_threads: int | None = None  # None: torch's default (all cores)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    # After loading, glibc keeps freed memory for reuse (platform.retain_freed_memory): a step's
+    # large activations (a prefill's gate/up output is 68 MB) otherwise come as fresh mmap pages
+    # and are faulted in on every step. False: glibc's defaults.
+    retain_freed_memory: bool = True
 
 
 _LOG_REQUEST_MODES = ("off", "meta", "ids", "ids+text")

@@ -13,6 +13,7 @@ from tokenmill.layers.weight_arena import release_free_memory
 from tokenmill.models.loading.tokenizer import Tokenizer
 from tokenmill.models.loading.weights import load_checkpoint
 from tokenmill.models.resolve import ModelSource, resolve_model
+from tokenmill.platform import retain_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ def load_engine(config: EngineConfig) -> LoadedEngine:
     del checkpoint  # the loader's tensors (and a repack cache's packed copies) are garbage now
     gc.collect()
     release_free_memory()
+    if config.retain_freed_memory:  # before the engine thread starts: it then shares the main arena
+        retain_freed_memory()
     elapsed = time.monotonic() - started
     log.info("loaded %s from %s in %.1f s", source.name, source.path, elapsed)
     return LoadedEngine(core, tokenizer, source, elapsed)

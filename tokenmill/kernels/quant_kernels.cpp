@@ -55,6 +55,7 @@ constexpr int64_t RG = 8;   // output rows per interleaved group
 enum Isa : int64_t { PORTABLE = 0, AVX2 = 1, AVX512VNNI = 2 };
 constexpr float kFine = 254.f;  // pass 2's step is 1/254 of pass 1's
 constexpr int64_t kPrefetch = 2048;  // bytes ahead in the weight stream (the scales: a quarter of it)
+constexpr int64_t kPanelBytes = 512 << 10;  // int16 activation rows a pass over the weights takes (run_groups)
 constexpr int64_t kSplitBytes = 64 << 10;  // least weight bytes per thread task (scaled by M / 4 for wider tiles)
 
 struct Act {  // quantized activations: a [M, K] int16 (the combined integer), d/s [M, nb] float
@@ -492,7 +493,7 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int64_t P, int8_
   });
 }
 
-void run_groups(const Weights& w, const Act& a, int64_t M, float* out, int64_t ld, int64_t isa) {
+void run_groups_panel(const Weights& w, const Act& a, int64_t M, float* out, int64_t ld, int64_t isa) {
   // Grain: enough groups per task that each thread streams a long run of the weight matrix.
   const int64_t groups = (w.rows + RG - 1) / RG;
   const int64_t group_bytes = w.nb * w.block_bytes() * std::max<int64_t>(1, M / 4);
@@ -504,6 +505,18 @@ void run_groups(const Weights& w, const Act& a, int64_t M, float* out, int64_t l
 #endif
     groups_portable(w, a, M, g0, g1, out, ld);
   });
+}
+
+void run_groups(const Weights& w, const Act& a, int64_t M, float* out, int64_t ld, int64_t isa) {
+  // Activation rows in panels of ~kPanelBytes: every m-tile passes over each L2-resident weight chunk,
+  // so all of a panel's rows are read once per chunk; past L2 (a 1,760-token prefill at K = 896 is
+  // 3 MB of int16 rows) they came from L3 on every chunk and the GEMM fell from ~265 to ~180 G
+  // multiply-adds a second. Each panel re-reads the weights instead, from L3 when they fit.
+  const int64_t panel = std::max<int64_t>(64, kPanelBytes / (2 * a.K) / RG * RG);
+  for (int64_t p0 = 0; p0 < M; p0 += panel) {
+    const Act part{a.a + p0 * a.K, a.d + p0 * a.nb, a.s + p0 * a.nb, a.K, a.nb};
+    run_groups_panel(w, part, std::min(panel, M - p0), out + p0 * ld, ld, isa);
+  }
 }
 
 void check_isa(int64_t isa, int64_t passes) {

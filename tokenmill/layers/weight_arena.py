@@ -17,7 +17,6 @@ the load's peak is the arena plus one layer, not twice the weights. Loading pays
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.layers.linear import Linear
+from tokenmill.platform import libc
 
 log = logging.getLogger(__name__)
 
@@ -143,12 +143,4 @@ def _release_file_pages(tensor: torch.Tensor, file_ranges: list[tuple[int, int]]
         _LIBC.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), ctypes.c_int(mmap.MADV_DONTNEED))
 
 
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name, use_errno=True) if name else None
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
+_LIBC = libc()
