@@ -129,6 +129,11 @@ class ServiceClassConfig:
     # Steps are capped in time, not in share: the batch work still has the whole machine.
     arrival_step_share: float = 0.1
     interactive_recent_s: float = 60.0
+    # With no recent interactive traffic, such steps still end within quiet_step_share x that target
+    # (None: the whole token budget): the first chat after a quiet spell otherwise waited for a batch
+    # burst's full-budget prefill step, 6-8 s on SmolLM2 at 2 cores (docs/workload_classes.md, run 13).
+    # Prefill is compute-bound, so shorter chunks cost batch throughput little.
+    quiet_step_share: float | None = 1.0
     # Synthetic steps that fit the step-time model while a fresh server's engine idles, stopped by
     # the first real request (engine/calibration.py); 0: learn from live traffic only. `tokenmill
     # serve` sets 24.
@@ -141,6 +146,7 @@ class ServiceClassConfig:
         _require(self.calibration_steps >= 0, "calibration_steps must be >= 0")
         _require(0.0 <= self.arrival_step_share <= 1.0, "arrival_step_share must be in [0, 1]")
         _require(self.interactive_recent_s >= 0, "interactive_recent_s must be >= 0")
+        _require(self.quiet_step_share is None or self.quiet_step_share > 0, "quiet_step_share must be > 0 or None")
         _require(self.min_step_samples >= 1, "min_step_samples must be positive")
         _require(self.unfitted_step_tokens >= 1, "unfitted_step_tokens must be positive")
         _require(self.min_prefill_chunk >= 1, "min_prefill_chunk must be positive")

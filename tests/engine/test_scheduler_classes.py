@@ -248,6 +248,18 @@ def test_after_interactive_traffic_batch_steps_end_within_a_share_of_the_ttft_ta
     assert _plan(_step(sched)) == [("b0", 602, 1), ("b1", 239, 361)]  # the chat is no longer recent
 
 
+def test_with_no_recent_chat_batch_steps_still_end_within_a_share_of_the_ttft_target() -> None:
+    """The first chat after a quiet spell waits for the batch step in flight: even with no
+    interactive traffic seen, steps stay within quiet_step_share x the TTFT target (FIT: 10 ms +
+    1 ms a token; 1.0 x 1 s -> 990 tokens); None gives the whole budget."""
+    sched = _scheduler(num_blocks=1024, budget=2048)
+    sched.add(_request("b0", 1500, arrival=0, cls=BAT))
+    assert _plan(_step(sched)) == [("b0", 0, 990)]
+    sched = _scheduler(num_blocks=1024, budget=2048, quiet_step_share=None)
+    sched.add(_request("b0", 1500, arrival=0, cls=BAT))
+    assert _plan(_step(sched)) == [("b0", 0, 1500)]
+
+
 def test_batch_alone_is_scheduled_exactly_as_without_classes() -> None:
     def requests(cls: ServiceClass) -> list[Request]:
         return [_request(f"r{i}", 4 + i, arrival=i, cls=cls, max_tokens=5 + i) for i in range(12)]

@@ -70,17 +70,22 @@ class ClassScheduling:
         return None
 
     def _unprotected_budget(self) -> int:
-        """A step's tokens with no protected work: all of max_num_batched_tokens, unless interactive
-        requests were here within interactive_recent_s: then what the fit says ends within
-        arrival_step_share x their TTFT target (the running sequences' tokens always fit)."""
+        """A step's tokens with no protected work: what the fit says ends within arrival_step_share x
+        the interactive TTFT target while interactive requests were here within interactive_recent_s,
+        else within quiet_step_share x it (None: all of max_num_batched_tokens); the running
+        sequences' tokens always fit."""
         full = self.config.max_num_batched_tokens
         now = time.monotonic()
         ttft_s, fit = self.classes.interactive.ttft_s, self.step_time.fit()
-        if (not self.classes.enabled or ttft_s is None or fit is None or self._interactive_seen_s is None
-                or now - self._interactive_seen_s > self.classes.interactive_recent_s):
+        if not self.classes.enabled or ttft_s is None or fit is None:
+            return full
+        recent = (self._interactive_seen_s is not None
+                  and now - self._interactive_seen_s <= self.classes.interactive_recent_s)
+        share = self.classes.arrival_step_share if recent else self.classes.quiet_step_share
+        if share is None:
             return full
         # The tokens one more sequence may add to a step of the other running ones, under the cap.
-        limit = StepTimeLimit(self.classes.arrival_step_share * ttft_s, fit, full)
+        limit = StepTimeLimit(share * ttft_s, fit, full)
         tokens = limit.max_new_tokens(0, len(self.running) - 1)
         return min(full, max(tokens, len(self.running), self.classes.min_prefill_chunk))
 
