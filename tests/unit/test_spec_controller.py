@@ -152,3 +152,18 @@ def test_the_option_not_chosen_is_measured_again_when_stale() -> None:
     assert 0 < plans.count(0) <= 200 // 16 and plans.count(3) >= 180
     stale = [i for i, k in enumerate(plans) if k == 0]
     assert all(b - a >= 16 for a, b in itertools.pairwise(stale))
+
+
+def test_not_speculating_the_probe_proposes_one_token() -> None:
+    """Compute-bound batch-32 steps (each row costs): the plain step wins, and the occasional probe
+    of the other side measures the nearest count above it, one proposal a request, not K."""
+    controller = _controller(max_batch_size=64)
+    for n in (32, 40) * 20:
+        controller.observe(n, 0.005 + 0.003 * n)
+    requests = _requests(32, acceptance=0.6)
+    plans = []
+    for _ in range(64):
+        ks = controller.plan(requests)
+        plans.append(max(ks))
+        controller.observe(32 + sum(ks), 0.005 + 0.003 * (32 + sum(ks)))
+    assert plans.count(0) >= 60 and set(plans) <= {0, 1} and plans.count(1) >= 1
