@@ -144,17 +144,13 @@ def server_view(url: str) -> dict[str, float]:
 
 
 def run_round(args: argparse.Namespace, url: str, phases: tuple[str, ...], seed: int) -> MixedResult:
-    """The phases one at a time (same sessions: same seed), the batch burst alone only after
-    --batch-alone-gap-s without chat. A chat request within the last `interactive_recent_s` (60 s)
-    keeps even batch-only steps short, so an arriving chat waits little (docs/workload_classes.md);
-    a batch burst right after a chat phase measures that guard, not the batch job alone."""
-    results: list[MixedResult] = []
-    for index, phase in enumerate(phases):
-        if phase == "batch_alone" and (index > 0 or seed > 0) and args.batch_alone_gap_s > 0:
-            time.sleep(args.batch_alone_gap_s)
-        config = dataclasses.replace(mixed_config(args, (phase,), seed=seed), warmup=index == 0)
-        results.append(asyncio.run(run_mixed(config, url)))
-    return MixedResult(results[0].target, results[0].tokenizer, [p for r in results for p in r.phases])
+    """The phases in one run (same sessions: same seed), the batch burst alone only after
+    --batch-alone-gap-s without chat (MixedConfig.batch_alone_gap_s). A chat request within the last
+    `interactive_recent_s` (60 s) keeps even batch-only steps short, so an arriving chat waits little
+    (docs/workload_classes.md); a batch burst right after a chat phase measures that guard, not the
+    batch job alone. With the phases alternating per round, batch_alone never opens a round after the first."""
+    config = dataclasses.replace(mixed_config(args, phases, seed=seed), batch_alone_gap_s=args.batch_alone_gap_s)
+    return asyncio.run(run_mixed(config, url))
 
 
 def run_server(args: argparse.Namespace, name: str, extra: list[str], phases: tuple[str, ...]) -> dict[str, Any]:

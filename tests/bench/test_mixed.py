@@ -60,6 +60,25 @@ def test_mixed_runs_both_classes_alone_and_together(served_url: str, tmp_path: P
     assert after["batch"] - before.get("batch", 0) == 200
 
 
+def test_batch_alone_waits_the_gap_only_after_chat(served_url: str, tmp_path: Path) -> None:
+    """The burst alone starts --batch-alone-gap seconds after the chat phase ended (the server would
+    still keep batch-only steps short for a recent chat), and at once when no chat ran before it."""
+    def phases(order: str) -> list[dict[str, Any]]:
+        out = tmp_path / order.replace(",", "-")
+        argv = ["bench", "run", "--target", served_url, "--workload", "mixed", "--num-sessions", "2", "--turns", "1",
+                "--input-len", "8", "--output-len", "3", "--system-len", "4", "--rate", "50", "--batch-requests", "2",
+                "--batch-input-len", "8", "--batch-output-len", "4", "--phases", order, "--batch-alone-gap", "1.5",
+                "--no-plots", "--output-dir", str(out)]
+        assert cli.main(argv) == 0
+        found: list[dict[str, Any]] = json.loads(next(out.glob("mixed_*.json")).read_text())["phases"]
+        return found
+
+    chat, batch = phases("chat_alone,batch_alone")
+    assert batch["started_unix"] - (chat["started_unix"] + chat["duration_s"]) >= 1.5
+    batch, chat = phases("batch_alone,chat_alone")
+    assert chat["started_unix"] - (batch["started_unix"] + batch["duration_s"]) < 1.0
+
+
 def test_every_request_of_a_class_carries_its_tier() -> None:
     session = Session((Turn("hello", 1, 4),))
     spec = RunSpec(Api.COMPLETIONS, [session], [0.0], extra_body={"service_tier": "flex"})
@@ -74,6 +93,8 @@ def test_config_checks_phases_and_ratio_guards() -> None:
         MixedConfig(phases=("both",))
     with pytest.raises(BenchError, match="chat_start_s"):
         MixedConfig(chat_start_s=-1)
+    with pytest.raises(BenchError, match="batch_alone_gap_s"):
+        MixedConfig(batch_alone_gap_s=-1)
     assert _ratio(1.0, 0.0) is None and _ratio(None, 1.0) is None and _ratio(3.0, 2.0) == 1.5
     assert PhaseResult("mixed", 2.0, None, None, 0.0).total_output_throughput == 0.0
 

@@ -59,6 +59,10 @@ class MixedConfig:
     ignore_eos: bool = True
     timeout_s: float = 600.0
     warmup: bool = True
+    # Seconds without chat before the batch-alone phase when a phase with chat ran before it: a chat
+    # within the server's interactive_recent_s (tokenmill: 60 s) keeps even batch-only steps short, so
+    # a burst right after chat measures that guard, not the batch job alone. 0: straight after.
+    batch_alone_gap_s: float = 0.0
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.phases if p not in PHASES]
@@ -66,6 +70,8 @@ class MixedConfig:
             raise BenchError(f"phases must be some of {', '.join(PHASES)}; got {', '.join(self.phases) or 'none'}")
         if self.chat_start_s < 0:
             raise BenchError("chat_start_s must be >= 0")
+        if self.batch_alone_gap_s < 0:
+            raise BenchError("batch_alone_gap_s must be >= 0")
 
     def as_dict(self) -> dict[str, Any]:
         return {"chat": self.chat.as_dict(), "batch": self.batch.as_dict(), "chat_arrival": self.chat_arrival,
@@ -73,7 +79,8 @@ class MixedConfig:
                 "batch_tier": self.batch_tier, "batch_max_concurrency": self.batch_max_concurrency,
                 "slo": {"ttft_s": self.slo.ttft_s, "tpot_s": self.slo.tpot_s, "e2e_s": self.slo.e2e_s,
                         "percentile": self.slo.percentile},
-                "phases": list(self.phases), "seed": self.seed, "ignore_eos": self.ignore_eos}
+                "phases": list(self.phases), "seed": self.seed, "ignore_eos": self.ignore_eos,
+                "batch_alone_gap_s": self.batch_alone_gap_s}
 
 
 @dataclass(slots=True)
@@ -164,8 +171,11 @@ async def run_mixed(config: MixedConfig, url: str, model: str | None = None,
                                                          np.random.default_rng([config.seed, 2]))
         if config.warmup:
             await _warm_up(client, target)
-        phases = [await run_phase(client, target, config, name, chat_sessions, batch_sessions)
-                  for name in config.phases]
+        phases: list[PhaseResult] = []
+        for name in config.phases:
+            if name == "batch_alone" and config.batch_alone_gap_s > 0 and any(p.chat for p in phases):
+                await asyncio.sleep(config.batch_alone_gap_s)
+            phases.append(await run_phase(client, target, config, name, chat_sessions, batch_sessions))
         return MixedResult(target, tokenizer.name, phases)
 
 

@@ -93,6 +93,9 @@ def _add_mixed_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch-tier", default="flex", help="service_tier of batch requests ('' for none)")
     group.add_argument("--phases", default="chat_alone,batch_alone,mixed",
                        help="which runs, in order: chat_alone, batch_alone, mixed (the alone runs are the peers)")
+    group.add_argument("--batch-alone-gap", type=float, default=0.0, metavar="SECONDS",
+                       help="wait this long without chat before batch_alone when chat ran before it (tokenmill "
+                            "keeps batch steps short for 60 s after a chat; 65 measures the batch job alone)")
 
 
 def mixed_config_from_args(args: argparse.Namespace) -> Any:
@@ -106,7 +109,7 @@ def mixed_config_from_args(args: argparse.Namespace) -> Any:
     return MixedConfig(config.params, batch, config.arrival, config.arrival_options,
                        args.chat_start, args.chat_tier or None, args.batch_tier or None, args.batch_max_concurrency,
                        config.slo, tuple(p for p in args.phases.split(",") if p), config.seed, config.ignore_eos,
-                       config.timeout_s, config.warmup)
+                       config.timeout_s, config.warmup, args.batch_alone_gap)
 
 
 def run_mixed_command(args: argparse.Namespace) -> int:
