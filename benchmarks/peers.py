@@ -67,7 +67,13 @@ SIZES: dict[str, tuple[WorkloadParams, str, ArrivalOptions]] = {
     # once (with --slots 64, as `llama-server -np 64`); each lasts 30 s or more on 2 cores.
     "burst16": (WorkloadParams(num_sessions=16, turns=1, input_len=110, output_len=64), "burst", ArrivalOptions()),
     "burst64": (WorkloadParams(num_sessions=64, turns=1, input_len=110, output_len=64), "burst", ArrivalOptions()),
+    # The same requests, four times as many, with at most 16 / 64 in flight (a finished one is replaced at
+    # once): 16 and 64 concurrent for 30 s or more on a host where one burst ends in 8 s (a Zen 5 EPYC).
+    "sustained16": (WorkloadParams(num_sessions=64, turns=1, input_len=110, output_len=64), "burst", ArrivalOptions()),
+    "sustained64": (WorkloadParams(num_sessions=256, turns=1, input_len=110, output_len=64), "burst",
+                    ArrivalOptions()),
 }
+MAX_CONCURRENCY = {"sustained16": 16, "sustained64": 64}  # client-side cap; the others send all at once
 DEFAULT_WORKLOADS = ("chatbot", "agent", "dataproc")
 
 
@@ -81,6 +87,7 @@ class Settings:
     tokenmill_dtype: str
     max_noise_cores: float = 0.25  # a run during which others used more is run again
     noise_retries: int = 2
+    tag: str = ""  # in the result files' names (the host, a variant): same-day runs never overwrite each other
 
 
 def default_tokenmill_dtype() -> str:
@@ -185,9 +192,10 @@ class NoiseMeter:
 
 def bench_config(workload: str, seed: int) -> BenchConfig:
     params, arrival, options = SIZES[workload]
-    base = workload.rstrip("0123456789").replace("burst", "dataproc")  # burst16 / burst64: dataproc bursts
-    slo = get_workload(base).default_slo()
-    return BenchConfig(base, params, arrival, options, slo=slo, seed=seed)
+    base = workload.rstrip("0123456789").replace("sustained", "burst").replace("burst", "dataproc")
+    slo = get_workload(base).default_slo()  # burst16/64, sustained16/64: dataproc requests
+    return BenchConfig(base, params, arrival, options, slo=slo, seed=seed,
+                       max_concurrency=MAX_CONCURRENCY.get(workload))
 
 
 async def run_server(server: str, url: str, pid: int, model: str, workloads: list[str], settings: Settings,
@@ -251,8 +259,9 @@ def environment(settings: Settings) -> dict[str, Any]:
 def write_report(report: Report, settings: Settings, command: list[str]) -> list[Path]:
     # The burst (concurrency) runs get their own files, so they never replace the archetype report.
     workloads = {w for pairs in report.values() for w in pairs}
-    kind = "burst_" if workloads and all(w.startswith("burst") for w in workloads) else ""
-    stem = RESULTS_DIR / f"peers_{kind}{dt.date.today().isoformat()}"
+    kind = "burst_" if workloads and all(w.startswith(("burst", "sustained")) for w in workloads) else ""
+    tag = f"{settings.tag}_" if settings.tag else ""
+    stem = RESULTS_DIR / f"peers_{kind}{tag}{dt.date.today().isoformat()}"
     plots = [_plot(stem, model, workload, pair) for model, pairs in report.items() for workload, pair in pairs.items()]
     doc = {"schema": "tokenmill-peers/1", "date": dt.date.today().isoformat(), "command": command,
            "environment": environment(settings), "sizes": {w: s[0].as_dict() for w, s in SIZES.items()},
@@ -314,10 +323,12 @@ def main() -> None:
                         help="rerun a run during which other processes used more cores than this")
     parser.add_argument("--noise-retries", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tag", default="", help="suffix in the result file names (e.g. the host)")
     parser.add_argument("--tokenmill-dtype", default=None, help="default: auto where bf16 is native, else float32")
     args = parser.parse_args()
     settings = Settings(args.slots, args.ctx_per_slot, args.threads, args.quiet_wait_s, args.seed,
-                        args.tokenmill_dtype or default_tokenmill_dtype(), args.max_noise_cores, args.noise_retries)
+                        args.tokenmill_dtype or default_tokenmill_dtype(), args.max_noise_cores, args.noise_retries,
+                        args.tag)
     llama_server.ensure_built()
     started = time.monotonic()
     report: Report = {}
