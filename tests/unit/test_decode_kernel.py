@@ -55,7 +55,7 @@ def test_half_precision_caches_accumulate_in_fp32(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("lens", [[700], [1, 33, 250], [64, 64], [5, 400, 31, 129], [300] * 9, [1, 700, *[50] * 8]])
 def test_long_sequences_split_into_chunks_merge_exactly(threads: int, window: int, softcap: float, dtype: torch.dtype,
                                                          lens: list[int]) -> None:
-    """Few sequences (split across threads, chunks of at least 32 keys) or long ones (chunks that fit
+    """Few sequences (split across threads, chunks of at least 64 keys) or long ones (chunks that fit
     L2, ~170 keys here): the kernel merges the chunks' partial softmaxes; every chunk boundary, a
     window that starts inside a chunk, and sequences too short to split must all give plain
     attention's answer."""
@@ -77,6 +77,37 @@ def test_long_sequences_split_into_chunks_merge_exactly(threads: int, window: in
         torch.set_num_threads(before)
     ref = paged_attention_reference(q, k_cache.float(), v_cache.float(), table, seq_lens, 0.125, window, softcap)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_bit_identical_whatever_else_is_in_the_step(threads: int, dtype: torch.dtype) -> None:
+    """Speculative verification scores 1 + k rows of a request where a plain decode scores one, and
+    greedy output must not change with it: each row's chunks depend on its own length only, and an
+    unsplit row never takes the merge because another row split."""
+    g = torch.Generator().manual_seed(7)
+    block_size, num_heads, num_kv_heads, head_dim, width = 16, 9, 3, 64, 40
+    k_cache = torch.randn(width * 3, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(width * 3, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    table = torch.randperm(width * 3, generator=g)[:width * 3].view(3, width)
+    lens = [[117], [117, 118, 119, 120], [117, 600, 20], [117, 20], [117] * 12]
+    q = torch.randn(1, num_heads, head_dim, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert kernels is not None
+        outs = []
+        for step in lens:
+            rows = len(step)
+            qs = torch.cat([q, torch.randn(rows - 1, num_heads, head_dim, generator=g)]) if rows > 1 else q
+            order = [0, *range(1, rows)]
+            tables = table[[0 if i == 0 else i % 3 for i in order]]
+            out = kernels.paged_decode_attention(qs, k_cache, v_cache, tables, torch.tensor(step), 0.125, 0, 0.0)
+            outs.append(out[0])
+    finally:
+        torch.set_num_threads(before)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
 
 
 def test_bad_arguments_raise_instead_of_reading_out_of_bounds() -> None:

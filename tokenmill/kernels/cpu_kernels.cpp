@@ -352,28 +352,30 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
                    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                    int64_t table_width, double scale, int64_t window, double softcap) {
   constexpr bool kQuant = std::is_same_v<TC, int8_t>;
-  constexpr int64_t kMinChunk = 32;  // keys; below this a chunk's fixed cost outweighs the parallelism
+  constexpr int64_t kMinChunk = 64;  // keys; below this a chunk's fixed cost and merge outweigh the parallelism (32: batch 32 at 100 keys 1.23x slower once chunks no longer depend on the step)
   const int64_t rep = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // elements between consecutive slots
   const int64_t threads = at::get_num_threads();
   const float qscale = softcap > 0 ? 1.f : static_cast<float>(scale);  // with a softcap, scale goes inside tanh
   const auto first_key = [&](int64_t s) { return window > 0 ? std::max<int64_t>(0, seq_lens[s] - window) : 0; };
-  // Chunk length: about 4 items a thread when sequences are few; and never more keys than keep a
-  // chunk's keys and values (read by the key pass, read again by the value pass) within ~256 KiB of
-  // L2: at 1,000 keys a whole SmolLM2 sequence (1.5 MB) made the value pass re-read its rows from
-  // L3 (batch 32: 7.7 ms a layer warm against 2.4 ms in chunks).
+  // Chunk length: about 4 chunks a thread for one sequence; and never more keys than keep a chunk's
+  // keys and values (read by the key pass, read again by the value pass) within ~256 KiB of L2: at
+  // 1,000 keys a whole SmolLM2 sequence (1.5 MB) made the value pass re-read its rows from L3 (batch
+  // 32: 7.7 ms a layer warm against 2.4 ms in chunks). A sequence's chunks depend on its own key
+  // count only, never on the other rows of the step: a speculative verification scores 1 + k rows
+  // of one request where a plain decode scores one, and greedy output must not change with it
+  // (chunks sized from the step's total keys flipped a near-tie on Qwen2.5-Coder-0.5B).
   const int64_t key_bytes = 2 * token_stride * static_cast<int64_t>(sizeof(TC));
-  int64_t chunk = std::max(kMinChunk, (256 << 10) / key_bytes);
-  if (num_seqs < 4 * threads) {
-    int64_t keys = 0;
-    for (int64_t s = 0; s < num_seqs; ++s) keys += seq_lens[s] - first_key(s);
-    chunk = std::min(chunk, std::max(kMinChunk, (keys + 4 * threads - 1) / (4 * threads)));
-  }
+  const int64_t max_chunk = std::max(kMinChunk, (256 << 10) / key_bytes);
+  const auto chunk_of = [&](int64_t keys) {
+    return std::min(max_chunk, std::max(kMinChunk, (keys + 4 * threads - 1) / (4 * threads)));
+  };
   std::vector<int64_t> item_seq, item_t0;  // items in sequence order; a sequence's chunks are consecutive
-  std::vector<int64_t> first_item(num_seqs + 1);
+  std::vector<int64_t> first_item(num_seqs + 1), seq_chunk(num_seqs);
   for (int64_t s = 0; s < num_seqs; ++s) {
     first_item[s] = static_cast<int64_t>(item_seq.size());
     const int64_t lo = first_key(s), len = seq_lens[s];
+    const int64_t chunk = seq_chunk[s] = chunk_of(len - lo);
     for (int64_t t0 = lo; t0 < len; t0 = t0 + std::min(chunk, len - t0)) {
       item_seq.push_back(s);
       item_t0.push_back(t0);
@@ -390,19 +392,20 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
     part_a.resize(num_items * num_heads * head_dim);
   }
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(num_heads * head_dim), own_acc(split ? 0 : num_heads * head_dim), scores,
-        inv_sum(num_heads);
+    std::vector<float> qf(num_heads * head_dim), own_acc(num_heads * head_dim), scores, inv_sum(num_heads);
     std::vector<int64_t> slots;
     const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(TC));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item_seq[item], t0 = item_t0[item];
-      const int64_t n = std::min(chunk, seq_lens[s] - t0);
+      const int64_t n = std::min(seq_chunk[s], seq_lens[s] - t0);
+      // Per sequence, not per step: an unsplit sequence takes the same steps whatever the others do.
+      const bool seq_split = first_item[s + 1] - first_item[s] > 1;
       slots.resize(n);
       slots_of(block_table + s * table_width, t0, n, block_size, slots.data());
       const TQ* qs = q + s * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qs[i]) * qscale;
       // The unnormalised values: a split sequence's go straight to its partials.
-      float* acc = split ? part_a.data() + item * num_heads * head_dim : own_acc.data();
+      float* acc = seq_split ? part_a.data() + item * num_heads * head_dim : own_acc.data();
       scores.resize(num_heads * n);
       // The key pass prefetches keys *and values* kAhead rows ahead (the next row may sit in another
       // block), so the values wait in L2 for their pass.
@@ -451,7 +454,7 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
           const float c = static_cast<float>(softcap), sc = static_cast<float>(scale);
           for (int64_t t = 0; t < n; ++t) sh[t] = c * std::tanh(sh[t] * sc / c);
         }
-        if (split) {
+        if (seq_split) {
           part_l[item * num_heads + h] = softmax_numerators(sh, n, &part_m[item * num_heads + h]);
         } else {
           inv_sum[h] = 1.f / softmax_numerators(sh, n);
@@ -468,7 +471,7 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
         weighted_values(p, n, slots.data(), v_cache + g * head_dim, token_stride, rep, head_dim,
                         acc + g * rep * head_dim);
       }
-      if (split) continue;
+      if (seq_split) continue;
       TQ* os = out + s * num_heads * head_dim;
       for (int64_t h = 0; h < num_heads; ++h)
         for (int64_t d = 0; d < head_dim; ++d)
@@ -480,6 +483,7 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
   at::parallel_for(0, num_seqs, 1, [&](int64_t s0, int64_t s1) {
     std::vector<float> merged(head_dim);
     for (int64_t s = s0; s < s1; ++s) {
+      if (first_item[s + 1] - first_item[s] <= 1) continue;  // written by its one item
       for (int64_t h = 0; h < num_heads; ++h) {
         float big = -std::numeric_limits<float>::infinity();
         for (int64_t i = first_item[s]; i < first_item[s + 1]; ++i) big = std::max(big, part_m[i * num_heads + h]);
