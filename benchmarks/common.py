@@ -323,9 +323,21 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def host_label() -> str:
+    """The machine kind in result names, e.g. `avx512vnni-7f21b0`: the best quant ISA and a hash of the
+    CPU's instruction-set flags. Sessions land on different hosts on the same day, and a run on one
+    must not overwrite another's figures (it did, three times, on 2026-12-02)."""
+    from tokenmill.kernels import isa_key
+    from tokenmill.platform import cpu_flags
+
+    flags = cpu_flags()
+    isa = "avx512vnni" if "avx512_vnni" in flags else "avx2" if "avx2" in flags else platform.machine()
+    return f"{isa}-{isa_key()[:6]}"
+
+
 def result_path(benchmark: str, model: str, suffix: str) -> Path:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    return RESULTS_DIR / f"{benchmark}_{model}_{_dt.date.today().isoformat()}.{suffix}"
+    return RESULTS_DIR / f"{benchmark}_{model}_{_dt.date.today().isoformat()}_{host_label()}.{suffix}"
 
 
 def save_json(benchmark: str, model: str, payload: dict[str, Any]) -> Path:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import llama_server  # noqa: E402
-from common import free_port, server_process  # noqa: E402
+from common import free_port, host_label, server_process  # noqa: E402
 
 from tokenmill.bench.arrivals import ArrivalOptions  # noqa: E402
 from tokenmill.bench.bench import BenchConfig, RunResult, finish, measure, prepare, ratios, warm_up  # noqa: E402
@@ -261,7 +261,7 @@ def write_report(report: Report, settings: Settings, command: list[str]) -> list
     workloads = {w for pairs in report.values() for w in pairs}
     kind = "burst_" if workloads and all(w.startswith(("burst", "sustained")) for w in workloads) else ""
     tag = f"{settings.tag}_" if settings.tag else ""
-    stem = RESULTS_DIR / f"peers_{kind}{tag}{dt.date.today().isoformat()}"
+    stem = RESULTS_DIR / f"peers_{kind}{tag}{dt.date.today().isoformat()}_{host_label()}"
     plots = [_plot(stem, model, workload, pair) for model, pairs in report.items() for workload, pair in pairs.items()]
     doc = {"schema": "tokenmill-peers/1", "date": dt.date.today().isoformat(), "command": command,
            "environment": environment(settings), "sizes": {w: s[0].as_dict() for w, s in SIZES.items()},
