@@ -162,6 +162,23 @@ void groups_portable(const Weights& w, const Act& a, int64_t M, int64_t g0, int6
 
 #ifdef TM_X86
 
+// Software prefetch kPrefetch bytes ahead in group g's weight stream at block b, and (every other
+// block) in its scales: one call streams only 0.2-2 MB per thread, too short for the hardware
+// prefetcher to ramp up from DRAM before the stream ends. The tiles call it on the first activation
+// tile's pass over a chunk only: the later passes find it in L2, where the prefetches only took load
+// slots (measured in docs/quantization.md). Plain SSE: usable under every target.
+template <bool Q4>
+inline void prefetch_ahead(const Weights& w, int64_t g, int64_t b) {
+  const char* blk = reinterpret_cast<const char*>(w.block(g, b)) + kPrefetch;
+  _mm_prefetch(blk, _MM_HINT_T0);
+  _mm_prefetch(blk + 64, _MM_HINT_T0);
+  if (!Q4) {
+    _mm_prefetch(blk + 128, _MM_HINT_T0);
+    _mm_prefetch(blk + 192, _MM_HINT_T0);
+  }
+  if ((b & 1) == 0) _mm_prefetch(w.lane_ptr(w.scale, w.lanes(g, b)) + kPrefetch / 4, _MM_HINT_T0);
+}
+
 // ---- shared SIMD tile code, stamped out once per ISA --------------------------------------------
 // Each ISA namespace defines, under its own target pragma:
 //   madd_acc(acc, w, a): acc + the int32 pair sums of int16 w x a (madd + add, or one vpdpwssd)
@@ -187,19 +204,7 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
   for (int r = 0; r < RM; ++r) { acc[r] = _mm256_setzero_ps(); arow[r] = a.a + (m0 + r) * a.K; }                       \
   for (int64_t b = 0; b < w.nb; ++b) {                                                                                 \
     const uint8_t* blk = w.block(g, b);                                                                                \
-    /* Software prefetch a few KiB ahead in both streams: one call streams only 0.2-2 MB per thread, */                \
-    /* too short for the hardware prefetcher to ramp up from DRAM before the stream ends. Only on the */               \
-    /* first activation tile's pass over a chunk: the later passes find it in L2, where the prefetches */              \
-    /* only took load slots (measured in docs/quantization.md). */                                                     \
-    if (first_pass) {                                                                                                  \
-      _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch, _MM_HINT_T0);                                       \
-      _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + 64, _MM_HINT_T0);                                  \
-      if (!Q4) {                                                                                                       \
-        _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + 128, _MM_HINT_T0);                               \
-        _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + 192, _MM_HINT_T0);                               \
-      }                                                                                                                \
-      if ((b & 1) == 0) _mm_prefetch(w.lane_ptr(w.scale, w.lanes(g, b)) + kPrefetch / 4, _MM_HINT_T0);                 \
-    }                                                                                                                  \
+    if (first_pass) prefetch_ahead<Q4>(w, g, b);  /* the first tile's pass over a chunk only */                      \
     __m256i isum[RM];                                                                                                  \
     for (int r = 0; r < RM; ++r) isum[r] = _mm256_setzero_si256();                                                     \
     if (Q4) {                                                                                                          \
@@ -366,19 +371,9 @@ void tile2(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, in
   for (int64_t b = 0; b < w.nb; ++b) {
     const uint8_t* b0 = w.block(g, b);
     const uint8_t* b1 = w.block(g + 1, b);
-    if (first_pass) {  // as the 256-bit tile: both groups' streams, on the first pass over a chunk only
-      for (const uint8_t* blk : {b0, b1}) {
-        _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + 64, _MM_HINT_T0);
-        if (!Q4) {
-          _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + 128, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetch + 192, _MM_HINT_T0);
-        }
-      }
-      if ((b & 1) == 0) {
-        _mm_prefetch(w.lane_ptr(w.scale, w.lanes(g, b)) + kPrefetch / 4, _MM_HINT_T0);
-        _mm_prefetch(w.lane_ptr(w.scale, w.lanes(g + 1, b)) + kPrefetch / 4, _MM_HINT_T0);
-      }
+    if (first_pass) {  // as the 256-bit tile, for both groups' streams
+      prefetch_ahead<Q4>(w, g, b);
+      prefetch_ahead<Q4>(w, g + 1, b);
     }
     __m512i isum[RM];
     for (int r = 0; r < RM; ++r) isum[r] = _mm512_setzero_si512();
