@@ -327,8 +327,7 @@ def host_label() -> str:
     """The machine kind in result names, e.g. `avx512vnni-7f21b0`: the best quant ISA and a hash of the
     CPU's instruction-set flags. Sessions land on different hosts on the same day, and a run on one
     must not overwrite another's figures (it did, three times, on 2026-12-02)."""
-    from tokenmill.kernels import isa_key
-    from tokenmill.platform import cpu_flags
+    from tokenmill.kernels import cpu_flags, isa_key
 
     flags = cpu_flags()
     isa = "avx512vnni" if "avx512_vnni" in flags else "avx2" if "avx2" in flags else platform.machine()

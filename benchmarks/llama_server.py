@@ -9,11 +9,12 @@ CPU's flags). `python benchmarks/llama_server.py` builds it.
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+from tokenmill.kernels import cpu_flags, isa_key
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE_DIR = ROOT / ".cache" / "llama.cpp"
@@ -35,19 +36,16 @@ TARGETS = ("llama-server", "llama-bench")
 
 
 # Where /proc/cpuinfo lists no AMX, a native build is safe and the fairest peer (PEERS.md: ~20% faster
-# than the explicit flags at 16-64 concurrent on an AVX-512 VNNI Xeon). It is keyed by a hash of the
-# CPU's flags, so a VM that lands on another host never runs a build made for this one.
+# than the explicit flags at 16-64 concurrent on an AVX-512 VNNI Xeon). It is keyed by the same
+# instruction-set hash as tokenmill's own native builds, so a VM that lands on another host never
+# runs a build made for this one.
 NATIVE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF")
 
 
-def _cpu_flags() -> set[str]:
-    return set(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
-
-
 def isa_level() -> str:
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if not any(f.startswith("amx") for f in flags):
-        return "native-" + hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:12]
+        return f"native-{isa_key()}"
     return "avx512" if {"avx512f", "avx512_vnni", "avx512_bf16"} <= flags else "avx2"
 
 
