@@ -87,7 +87,7 @@ class Settings:
     tokenmill_dtype: str
     max_noise_cores: float = 0.25  # a run during which others used more is run again
     noise_retries: int = 2
-    tag: str = ""  # in the result files' names (the host, a variant): same-day runs never overwrite each other
+    tag: str = ""  # in the result files' names (a variant; common.host_label() names the host in every one)
 
 
 def default_tokenmill_dtype() -> str:
@@ -323,7 +323,7 @@ def main() -> None:
                         help="rerun a run during which other processes used more cores than this")
     parser.add_argument("--noise-retries", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tag", default="", help="suffix in the result file names (e.g. the host)")
+    parser.add_argument("--tag", default="", help="extra label in result names (a variant; the host is always there)")
     parser.add_argument("--tokenmill-dtype", default=None, help="default: auto where bf16 is native, else float32")
     args = parser.parse_args()
     settings = Settings(args.slots, args.ctx_per_slot, args.threads, args.quiet_wait_s, args.seed,
