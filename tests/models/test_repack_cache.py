@@ -101,7 +101,7 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == CACHE_LOGGER and r.levelno >= logging.WARNING]
 
 
-@pytest.mark.parametrize("quantization", ["auto", "q4"])  # exact GGUF mappings; re-quantized through float
+@pytest.mark.parametrize("quantization", ["auto", "q4", "q5"])  # exact GGUF mappings; through float (and q5 bits)
 def test_warm_load_maps_the_cache_and_gives_identical_logits(
         quantization: str, make_gguf: Callable[[str], Path], home: Path, packs: PackCounter,
         monkeypatch: pytest.MonkeyPatch) -> None:

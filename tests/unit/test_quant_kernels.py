@@ -1,4 +1,4 @@
-"""The native q8/q4 kernels against a float reference, on every code path this CPU runs.
+"""The native q8/q4/q5 kernels against a float reference, on every code path this CPU runs.
 
 Reference: the weights as gguf's own `dequantize` reads the GGUF blocks, times the activations
 after the kernel's rounding (`quantize_activations`, itself checked against a torch model of that
@@ -21,6 +21,10 @@ from tokenmill.layers import quant_formats as qf
 
 T = GGMLQuantizationType
 GGUF_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]  # every type in the four packaged files
+# (GGUF type, format) pairs a load can pick: each type's portable mapping, and Q5_0 → q5 (gguf_format()
+# picks it where the avx512vnni path runs; every path computes it).
+CASES = [pytest.param(t, qf.GGUF_MAPPING[t][0], id=t.name) for t in GGUF_TYPES] + [
+    pytest.param(T.Q5_0, "q5", id="Q5_0-q5")]
 ROWS = [1, 2, 3, 4, 7, 16, 64]
 PASSES = [1, 2]
 FINE = 254.0
@@ -61,9 +65,13 @@ def gguf_format(ggml_type: GGMLQuantizationType) -> qf.QuantFormat:
     return qf.GGUF_MAPPING[ggml_type][0]
 
 
+def is_exact(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat) -> bool:
+    return fmt == "q5" or qf.GGUF_MAPPING[ggml_type][1]
+
+
 def run(mat: qf.QuantMatrix, x: torch.Tensor, isa: int, passes: int = 2) -> torch.Tensor:
     assert kernels is not None
-    return kernels.quant_linear(x, [mat.qs], [mat.scale], [mat.offset], [mat.rows], passes, isa)
+    return kernels.quant_linear(x, [mat.qs], [mat.scale], [mat.offset], [mat.rows], passes, isa, [mat.high])
 
 
 def combined(qa: torch.Tensor) -> torch.Tensor:
@@ -78,13 +86,13 @@ def rounded_activations(x: torch.Tensor, isa: int, passes: int) -> torch.Tensor:
     return (combined(qa).double() * d.double().unsqueeze(-1)).view_as(x)
 
 
-@pytest.mark.parametrize("ggml_type", GGUF_TYPES, ids=lambda t: t.name)
-def test_exact_types_pack_to_gguf_dequantization(ggml_type: GGMLQuantizationType) -> None:
+@pytest.mark.parametrize(("ggml_type", "fmt"), CASES)
+def test_exact_types_pack_to_gguf_dequantization(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat) -> None:
     rows, cols = 5, 512
     raw = gguf_blocks(ggml_type, rows, cols, seed=1)
-    mat = qf.from_gguf(raw, ggml_type, cols, gguf_format(ggml_type))
+    mat = qf.from_gguf(raw, ggml_type, cols, fmt)
     reference = torch.from_numpy(dequantize(raw, ggml_type)).reshape(rows, cols)
-    if qf.GGUF_MAPPING[ggml_type][1]:
+    if is_exact(ggml_type, fmt):
         assert torch.equal(mat.dequantize(), reference)  # no second rounding
     else:
         # Q6_K → q8: one re-rounding, at most half an 8-bit step of each block's range.
@@ -134,15 +142,16 @@ def test_activation_rounding_is_round_to_nearest_per_block(isa: int, passes: int
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("passes", PASSES)
-@pytest.mark.parametrize("ggml_type", GGUF_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("ggml_type", "fmt"), CASES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_kernel_matches_float_reference(isa: int, passes: int, ggml_type: GGMLQuantizationType, rows: int) -> None:
+def test_kernel_matches_float_reference(isa: int, passes: int, ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat,
+                                        rows: int) -> None:
     # Odd N (37 output rows); K is 256 * 3 = 768 (K-quants need whole 256-blocks; 768 is not a power of 2).
     out_features, in_features = 37, 768
     raw = gguf_blocks(ggml_type, out_features, in_features, seed=rows)
-    mat = qf.from_gguf(raw, ggml_type, in_features, gguf_format(ggml_type))
+    mat = qf.from_gguf(raw, ggml_type, in_features, fmt)
     weight = torch.from_numpy(dequantize(raw, ggml_type)).reshape(out_features, in_features)
-    if not qf.GGUF_MAPPING[ggml_type][1]:
+    if not is_exact(ggml_type, fmt):
         weight = mat.dequantize()  # the re-rounding is tested above; here the kernel's own math
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     y = run(mat, x, isa, passes)
@@ -152,8 +161,8 @@ def test_kernel_matches_float_reference(isa: int, passes: int, ggml_type: GGMLQu
     assert (y.double() - expected).abs().max().item() <= 2e-6 * scale
     # And against the unrounded activations: one int8 pass costs under 2% of the output range, two
     # passes under 0.02% (a 254x finer second step).
-    exact = x.double() @ weight.double().T
-    assert (y.double() - exact).abs().max().item() <= (0.02 if passes == 1 else 2e-4) * scale
+    unrounded = x.double() @ weight.double().T
+    assert (y.double() - unrounded).abs().max().item() <= (0.02 if passes == 1 else 2e-4) * scale
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -163,12 +172,14 @@ def test_segments_of_mixed_formats_fill_one_output(isa: int) -> None:
     a = qf.from_gguf(gguf_blocks(T.Q4_K, 9, 256, 3), T.Q4_K, 256, "q4")
     b = qf.from_gguf(gguf_blocks(T.Q8_0, 5, 256, 4), T.Q8_0, 256, "q8")
     c = qf.from_gguf(gguf_blocks(T.Q4_0, 3, 256, 5), T.Q4_0, 256, "q4")
-    segments = qf.concat([a, b, c])
-    assert [s.fmt for s in segments] == ["q4", "q8", "q4"]
+    d = qf.from_gguf(gguf_blocks(T.Q5_0, 11, 256, 6), T.Q5_0, 256, "q5")
+    segments = qf.concat([a, b, c, d])
+    assert [s.fmt for s in segments] == ["q4", "q8", "q4", "q5"]
     x = torch.randn(6, 256)
     y = kernels.quant_linear(x, [s.qs for s in segments], [s.scale for s in segments],
-                             [s.offset for s in segments], [s.rows for s in segments], 2, isa)
-    expected = torch.cat([run(m, x, isa) for m in (a, b, c)], dim=1)
+                             [s.offset for s in segments], [s.rows for s in segments], 2, isa,
+                             [s.high for s in segments])
+    expected = torch.cat([run(m, x, isa) for m in (a, b, c, d)], dim=1)
     torch.testing.assert_close(y, expected, rtol=0, atol=0)
 
 
@@ -179,6 +190,8 @@ def test_float_quantization_round_trip(fmt: qf.QuantFormat) -> None:
     blocks = w.view(33, 5, 32)
     if fmt == "q8":
         step = blocks.abs().amax(-1) / 127
+    elif fmt == "q5":
+        step = blocks.abs().amax(-1) / 15
     else:
         lo, hi = blocks.aminmax(dim=-1)
         step = (hi - lo) / 15
@@ -200,16 +213,18 @@ def test_paths_agree_with_each_other(passes: int) -> None:
 
 
 @pytest.mark.skipif(not {1, 2} <= RUNNABLE, reason="needs the avx2 and avx512vnni paths on this CPU")
-@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize(("ggml_type", "fmt"), [(T.Q4_0, "q4"), (T.Q4_1, "q4"), (T.Q8_0, "q8"), (T.Q4_K, "q4"),
+                                               (T.Q6_K, "q8"), (T.Q5_0, "q5")], ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("out_features", [8, 37, 64, 72])
-def test_512_bit_tiles_equal_the_256_bit_path_bit_for_bit(ggml_type: GGMLQuantizationType, out_features: int) -> None:
+def test_512_bit_tiles_equal_the_256_bit_path_bit_for_bit(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat,
+                                                         out_features: int) -> None:
     """avx512vnni puts two row groups in one zmm (16 rows a vpdpwssd) and up to 8 activation rows in a
     tile; every lane still takes the 256-bit tile's integer and float steps in order, so the outputs
     are equal bit for bit: an odd group left over (37 and 72 rows: 5 and 9 groups), a partial last
     group, every remainder of rows under the tile height, fp16 (Q4_0, Q8_0) and float32 scales."""
     assert kernels is not None
     raw = gguf_blocks(ggml_type, out_features, 512, seed=out_features)
-    mat = qf.from_gguf(raw, ggml_type, 512, gguf_format(ggml_type))
+    mat = qf.from_gguf(raw, ggml_type, 512, fmt)
     for rows in [*range(1, 18), 64]:
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
         for passes in PASSES:
@@ -259,3 +274,23 @@ def test_parts_of_one_format_with_fp16_and_float32_scales_join_as_float32() -> N
     assert torch.equal(joined.dequantize(), torch.cat([q4_0.dequantize(), q4_k.dequantize()]))
     (same,) = qf.concat([q4_0, q4_0])
     assert same.scale.dtype == torch.float16
+
+
+def test_wide_tile_threshold_is_the_cpus_and_can_be_overridden() -> None:
+    """avx512vnni runs 512-bit tiles from wide_min_rows() activation rows up (5 on Zen 4, else 4; the
+    outputs are the same bits either way, test above); TOKENMILL_QUANT_WIDE_ROWS pins it for A/B runs."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    assert kernels is not None
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    family = next((line.split(":")[1].strip() for line in cpuinfo.splitlines() if line.startswith("cpu family")), None)
+    expected = 5 if "AuthenticAMD" in cpuinfo and family == "25" else 4
+    if "TOKENMILL_QUANT_WIDE_ROWS" not in os.environ:
+        assert kernels.wide_min_rows() == expected
+    code = "from tokenmill.kernels import quant_kernels; print(quant_kernels().wide_min_rows())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TOKENMILL_QUANT_WIDE_ROWS": "1"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "1"

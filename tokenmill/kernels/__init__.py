@@ -5,7 +5,7 @@ What is here is the product's own hot path where PyTorch has no fitting op:
     a skinny GEMM (1-4 rows) that streams each weight on all threads. Built with -march=native.
   * `glue_kernels()` (glue_kernels.cpp): RMSNorm (the residual add fused in front) and in-place RoPE,
     one call each where ATen takes five or more small ops. Built with -march=native.
-  * `quant_kernels()` (quant_kernels.cpp): q8/q4 block-quantized linear layers with integer dot
+  * `quant_kernels()` (quant_kernels.cpp): q8/q4/q5 block-quantized linear layers with integer dot
     products. Built for the baseline ISA; each fast path (AVX2, AVX-512 VNNI) carries its own target
     attribute and is picked at run time (`quant_isa()`), so one object runs on every x86-64 CPU.
   * `stack_kernels()` (stack_kernels.cpp): a decode step's whole decoder stack in one call. It holds
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # Backend names, here (no torch import) so the CLI can offer them without loading torch.
 GEMM_BACKENDS: tuple[str, ...] = ("auto", "aten", "onednn")  # see layers/linear.py
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "native")  # see layers/attention.py
-QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "q8", "q4")  # see layers/linear.py
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "q8", "q4", "q5")  # see layers/linear.py
 # "auto": a GGUF's own 4/8-bit blocks run natively. It passes the release gate against the
 # dequantized reference path (`tokenmill eval compare --gates quant`: top-1 agreement >= 0.99 and
 # perplexity within 1% of "none" on SmolLM2-135M and Qwen2.5-Coder-0.5B, docs/quantization.md) since

@@ -6,6 +6,9 @@
 //   q8: w = scale[n, b] * q                 (q int8 in [-127, 127], 16 bytes per pair: 8 rows x 2)
 //   q4: w = scale[n, b] * q + offset[n, b]  (q in [0, 15]; a 16-byte chunk c holds pair c in its low
 //                                            nibbles and pair c + 8 in its high nibbles)
+//   q5: w = scale[n, b] * (q - 16)          (q in [0, 31]: q4's nibbles, plus a uint16 mask per chunk
+//                                            and nibble half whose bit i is the fifth bit of lane i of
+//                                            the widened chunk; the offset -16 * scale is implied)
 // Scales and offsets are float32, or fp16 where the GGUF block stored them so (exact; half the bytes).
 // Activations: each row of x is quantized once per call to int8 blocks of 32. With P = 2 passes (the
 // default) a block is two int8 vectors, the first rounding and its residual at a 254x finer step:
@@ -40,11 +43,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define TM_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -68,9 +73,12 @@ struct Act {  // quantized activations: a [M, K] int16 (the combined integer), d
 struct Weights {           // one interleaved matrix (quant_formats.py)
   const uint8_t* qs;       // [G, nb * (q4 ? 128 : 256)]
   const void* scale;       // [G, nb * 8] float32, or fp16 (`half`: where GGUF's own fp16 scales are exact)
-  const void* offset;      // [G, nb * 8] like scale (q4) or nullptr (q8)
+  const void* offset;      // [G, nb * 8] like scale (q4) or nullptr (q8, q5)
+  const uint8_t* high;     // [G, nb * 32] q5's fifth-bit masks, or nullptr
   int64_t nb, rows;
-  bool q4, half;
+  bool q4, half, q5;       // q4: nibbles (q4 and q5); q5: plus the fifth bits
+  // The 16 mask words of block (g, b): word 2c = chunk c's low nibbles, 2c + 1 its high nibbles.
+  const uint8_t* high_block(int64_t g, int64_t b) const { return high + (g * nb + b) * 32; }
   int64_t lane_bytes() const { return half ? 2 : 4; }
   // Lane i of scale / offset (the portable path; the SIMD tiles load eight at a time).
   float scale_at(int64_t i) const { return lane(scale, i); }
@@ -132,11 +140,15 @@ void combine_passes(const int8_t* qa, int64_t M, int64_t K, int64_t P, int16_t* 
 // ---- portable kernel -------------------------------------------------------------------------
 
 // Weight (r, j) of block (g, b): the layout's inverse, one element at a time.
-inline int32_t weight_at(const Weights& w, const uint8_t* blk, int r, int j) {
+inline int32_t weight_at(const Weights& w, const uint8_t* blk, const uint8_t* hb, int r, int j) {
   const int p = j / 2, e = j % 2;
   if (!w.q4) return reinterpret_cast<const int8_t*>(blk)[(p * RG + r) * 2 + e];
   const uint8_t byte = blk[((p % 8) * RG + r) * 2 + e];
-  return p < 8 ? (byte & 0x0F) : (byte >> 4);
+  const int32_t q = p < 8 ? (byte & 0x0F) : (byte >> 4);
+  if (!w.q5) return q;
+  const int word = 2 * (p % 8) + (p < 8 ? 0 : 1), lane = 2 * r + e;
+  const uint16_t mask = static_cast<uint16_t>(hb[2 * word] | (hb[2 * word + 1] << 8));
+  return q | (((mask >> lane) & 1) << 4);
 }
 
 void groups_portable(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld) {
@@ -146,13 +158,15 @@ void groups_portable(const Weights& w, const Act& a, int64_t M, int64_t g0, int6
       float y[RG] = {};
       for (int64_t b = 0; b < w.nb; ++b) {
         const uint8_t* blk = w.block(g, b);
+        const uint8_t* hb = w.q5 ? w.high_block(g, b) : nullptr;
         const int16_t* ab = a.a + m * a.K + b * QK;
         const int64_t lanes = w.lanes(g, b);
         for (int r = 0; r < RG; ++r) {
           int32_t isum = 0;
-          for (int j = 0; j < QK; ++j) isum += weight_at(w, blk, r, j) * ab[j];
+          for (int j = 0; j < QK; ++j) isum += weight_at(w, blk, hb, r, j) * ab[j];
           y[r] += w.scale_at(lanes + r) * a.d[m * a.nb + b] * static_cast<float>(isum);
-          if (w.q4) y[r] += w.offset_at(lanes + r) * a.s[m * a.nb + b];
+          if (w.q5) y[r] += w.scale_at(lanes + r) * -16.f * a.s[m * a.nb + b];
+          else if (w.q4) y[r] += w.offset_at(lanes + r) * a.s[m * a.nb + b];
         }
       }
       for (int64_t r = 0; r < valid; ++r) out[m * ld + g * RG + r] = y[r];
@@ -167,7 +181,7 @@ void groups_portable(const Weights& w, const Act& a, int64_t M, int64_t g0, int6
 // prefetcher to ramp up from DRAM before the stream ends. The tiles call it on the first activation
 // tile's pass over a chunk only: the later passes find it in L2, where the prefetches only took load
 // slots (measured in docs/quantization.md). Plain SSE: usable under every target.
-template <bool Q4>
+template <bool Q4, bool Q5>
 inline void prefetch_ahead(const Weights& w, int64_t g, int64_t b) {
   const char* blk = reinterpret_cast<const char*>(w.block(g, b)) + kPrefetch;
   _mm_prefetch(blk, _MM_HINT_T0);
@@ -176,7 +190,11 @@ inline void prefetch_ahead(const Weights& w, int64_t g, int64_t b) {
     _mm_prefetch(blk + 128, _MM_HINT_T0);
     _mm_prefetch(blk + 192, _MM_HINT_T0);
   }
-  if ((b & 1) == 0) _mm_prefetch(w.lane_ptr(w.scale, w.lanes(g, b)) + kPrefetch / 4, _MM_HINT_T0);
+  if ((b & 1) == 0) {
+    _mm_prefetch(w.lane_ptr(w.scale, w.lanes(g, b)) + kPrefetch / 4, _MM_HINT_T0);
+    // q5's masks: 32 bytes a block, a quarter of its nibbles' stream, as far ahead as the scales
+    if (Q5) _mm_prefetch(reinterpret_cast<const char*>(w.high_block(g, b)) + kPrefetch / 4, _MM_HINT_T0);
+  }
 }
 
 // ---- shared SIMD tile code, stamped out once per ISA --------------------------------------------
@@ -197,21 +215,27 @@ inline __m256i bcast_pair(const int16_t* p) {                                   
 }                                                                                                                      \
 /* Group g (8 output rows) against activation rows m0 .. m0 + RM - 1: one int32 vector per row and                     \
    block (lane r = row r's block sum), then y += sum * (8 weight scales x the row's scale). */                         \
-template <int RM, bool Q4>                                                                                             \
+template <int RM, bool Q4, bool Q5>                                                                                    \
 void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld, bool first_pass) {            \
   __m256 acc[RM];                                                                                                      \
   const int16_t* arow[RM];                                                                                             \
   for (int r = 0; r < RM; ++r) { acc[r] = _mm256_setzero_ps(); arow[r] = a.a + (m0 + r) * a.K; }                       \
   for (int64_t b = 0; b < w.nb; ++b) {                                                                                 \
     const uint8_t* blk = w.block(g, b);                                                                                \
-    if (first_pass) prefetch_ahead<Q4>(w, g, b);  /* the first tile's pass over a chunk only */                      \
+    if (first_pass) prefetch_ahead<Q4, Q5>(w, g, b);  /* the first tile's pass over a chunk only */                  \
     __m256i isum[RM];                                                                                                  \
     for (int r = 0; r < RM; ++r) isum[r] = _mm256_setzero_si256();                                                     \
     if (Q4) {                                                                                                          \
       const __m256i low = _mm256_set1_epi16(0x0F);                                                                     \
       for (int c = 0; c < 8; ++c) {                                                                                    \
         const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * c)));     \
-        const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_srli_epi16(raw, 4);                                 \
+        __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_srli_epi16(raw, 4);                                       \
+        if (Q5) {  /* the fifth bits: lane i of lo (hi) gets 16 where bit i of its mask word is set */                 \
+          uint32_t words;                                                                                              \
+          std::memcpy(&words, w.high_block(g, b) + 4 * c, sizeof words);                                               \
+          lo = add_high(lo, words & 0xFFFF);                                                                           \
+          hi = add_high(hi, words >> 16);                                                                              \
+        }                                                                                                              \
         for (int r = 0; r < RM; ++r) {                                                                                 \
           const int16_t* ab = arow[r] + b * QK + 2 * c;                                                                \
           isum[r] = madd_acc(madd_acc(isum[r], lo, bcast_pair(ab)), hi, bcast_pair(ab + 16));                          \
@@ -231,8 +255,8 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
       const __m256 scale = _mm256_mul_ps(sw, _mm256_set1_ps(a.d[(m0 + r) * a.nb + b]));                                \
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);                                            \
     }                                                                                                                  \
-    if (Q4) {                                                                                                          \
-      const __m256 off = lanes8(w, w.offset, w.lanes(g, b));                                                           \
+    if (Q4) {  /* q5's offset is -16 * scale (exact: a power of two) */                                              \
+      const __m256 off = Q5 ? _mm256_mul_ps(sw, _mm256_set1_ps(-16.f)) : lanes8(w, w.offset, w.lanes(g, b));          \
       for (int r = 0; r < RM; ++r) acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(a.s[(m0 + r) * a.nb + b]), acc[r]);    \
     }                                                                                                                  \
   }                                                                                                                    \
@@ -247,7 +271,9 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
 }                                                                                                                      \
 template <int RM>                                                                                                      \
 void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld) {                             \
-  if (w.q4) tile<RM, true>(w, g, a, m0, out, ld, m0 == 0); else tile<RM, false>(w, g, a, m0, out, ld, m0 == 0);     \
+  if (w.q5) tile<RM, true, true>(w, g, a, m0, out, ld, m0 == 0);                                                       \
+  else if (w.q4) tile<RM, true, false>(w, g, a, m0, out, ld, m0 == 0);                                                 \
+  else tile<RM, false, false>(w, g, a, m0, out, ld, m0 == 0);                                                          \
 }                                                                                                                      \
 void groups256(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld) {            \
   /* Groups in chunks of ~128 KiB of weights, so a chunk stays in L2 while every m-tile passes over it. */             \
@@ -270,6 +296,14 @@ void groups256(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 inline __m256i madd_acc(__m256i acc, __m256i w, __m256i a) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a)); }
+// v | 16 in the int16 lanes whose bit is set in `mask` (AVX2 has no mask registers: broadcast, and
+// with each lane's bit, compare, and 16, or; the cost that keeps Q5_0 on q8 on AVX2 hosts).
+inline __m256i add_high(__m256i v, uint32_t mask) {
+  const __m256i bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                         static_cast<int16_t>(0x8000));
+  const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(mask)), bits), bits);
+  return _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi16(16)));
+}
 TM_SIMD_TILES
 void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld) {
   groups256(w, a, M, g0, g1, out, ld);
@@ -340,6 +374,9 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t P, int8_t* qa, 
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 namespace vnni {
 inline __m256i madd_acc(__m256i acc, __m256i w, __m256i a) { return _mm256_dpwssd_epi32(acc, w, a); }
+inline __m256i add_high(__m256i v, uint32_t mask) {  // one masked add (AVX-512BW + VL; v < 16, so an OR)
+  return _mm256_mask_add_epi16(v, static_cast<__mmask16>(mask), v, _mm256_set1_epi16(16));
+}
 TM_SIMD_TILES
 
 // 512-bit tiles: two neighbouring groups (16 output rows) side by side in one zmm, lane r = row r
@@ -363,7 +400,7 @@ inline __m512i bcast_pair512(const int16_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-template <int RM, bool Q4>
+template <int RM, bool Q4, bool Q5>
 void tile2(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld, bool first_pass) {
   __m512 acc[RM];
   const int16_t* arow[RM];
@@ -372,8 +409,8 @@ void tile2(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, in
     const uint8_t* b0 = w.block(g, b);
     const uint8_t* b1 = w.block(g + 1, b);
     if (first_pass) {  // as the 256-bit tile, for both groups' streams
-      prefetch_ahead<Q4>(w, g, b);
-      prefetch_ahead<Q4>(w, g + 1, b);
+      prefetch_ahead<Q4, Q5>(w, g, b);
+      prefetch_ahead<Q4, Q5>(w, g + 1, b);
     }
     __m512i isum[RM];
     for (int r = 0; r < RM; ++r) isum[r] = _mm512_setzero_si512();
@@ -381,7 +418,15 @@ void tile2(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, in
       const __m512i low = _mm512_set1_epi16(0x0F);
       for (int c = 0; c < 8; ++c) {
         const __m512i raw = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(load_two(b0 + 16 * c, b1 + 16 * c)));
-        const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_srli_epi16(raw, 4);
+        __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_srli_epi16(raw, 4);
+        if (Q5) {  // lanes 0-15 are group g's chunk, 16-31 group g + 1's: their two mask words side by side
+          uint32_t w0, w1;
+          std::memcpy(&w0, w.high_block(g, b) + 4 * c, sizeof w0);
+          std::memcpy(&w1, w.high_block(g + 1, b) + 4 * c, sizeof w1);
+          const __m512i sixteen = _mm512_set1_epi16(16);
+          lo = _mm512_mask_add_epi16(lo, static_cast<__mmask32>((w0 & 0xFFFF) | (w1 << 16)), lo, sixteen);
+          hi = _mm512_mask_add_epi16(hi, static_cast<__mmask32>((w0 >> 16) | (w1 & 0xFFFF0000u)), hi, sixteen);
+        }
         for (int r = 0; r < RM; ++r) {
           const int16_t* ab = arow[r] + b * QK + 2 * c;
           isum[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[r], lo, bcast_pair512(ab)), hi, bcast_pair512(ab + 16));
@@ -399,7 +444,7 @@ void tile2(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, in
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
     }
     if (Q4) {
-      const __m512 off = lanes16(w, w.offset, w.lanes(g, b), w.lanes(g + 1, b));
+      const __m512 off = Q5 ? _mm512_mul_ps(sw, _mm512_set1_ps(-16.f)) : lanes16(w, w.offset, w.lanes(g, b), w.lanes(g + 1, b));
       for (int r = 0; r < RM; ++r) acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(a.s[(m0 + r) * a.nb + b]), acc[r]);
     }
   }
@@ -410,7 +455,9 @@ void tile2(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, in
 
 template <int RM>
 void tile2(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld) {
-  if (w.q4) tile2<RM, true>(w, g, a, m0, out, ld, m0 == 0); else tile2<RM, false>(w, g, a, m0, out, ld, m0 == 0);
+  if (w.q5) tile2<RM, true, true>(w, g, a, m0, out, ld, m0 == 0);
+  else if (w.q4) tile2<RM, true, false>(w, g, a, m0, out, ld, m0 == 0);
+  else tile2<RM, false, false>(w, g, a, m0, out, ld, m0 == 0);
 }
 
 constexpr int kRM512 = 8;  // activation rows per 512-bit tile
@@ -436,7 +483,12 @@ void rest2(int64_t rest, const Weights& w, int64_t c0, int64_t c1, const Act& a,
   }
 }
 
-void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld) {
+void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld,
+            int64_t wide_rows) {
+  // Few activation rows: the 256-bit tiles (still vpdpwssd). On Zen 4, which runs a 512-bit op as two
+  // 256-bit halves, the 512-bit tiles were 1.2-1.7x slower below 4-5 rows and 1.3-1.5x faster from 6
+  // (docs/quantization.md); both give the same bits.
+  if (M < wide_rows) return groups256(w, a, M, g0, g1, out, ld);
   // As groups256: ~128 KiB chunks of weights (an even number of groups) that every m-tile passes over.
   const int64_t group_bytes = w.nb * w.block_bytes();
   int64_t chunk = std::max<int64_t>(2, (128 << 10) / std::max<int64_t>(1, group_bytes));
@@ -452,6 +504,25 @@ void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, f
 #pragma GCC pop_options
 
 #endif  // TM_X86
+
+// Least activation rows for the 512-bit tiles: TOKENMILL_QUANT_WIDE_ROWS when set (tests, A/B runs),
+// else 5 on AMD family 25 (Zen 4: 512-bit ops double-pumped; measured), else 4 (Zen 5 measured the
+// 512-bit tiles 1.5-2.1x faster from 4 rows). A property of the CPU, read once.
+int64_t wide_min_rows() {
+  static const int64_t rows = [] {
+    if (const char* env = std::getenv("TOKENMILL_QUANT_WIDE_ROWS")) return static_cast<int64_t>(std::atoll(env));
+#ifdef TM_X86
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) && ebx == 0x68747541u /* "Auth" enticAMD */ &&
+        __get_cpuid(1, &eax, &ebx, &ecx, &edx)) {
+      const unsigned base = (eax >> 8) & 0xF, family = base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
+      if (family == 0x19) return static_cast<int64_t>(5);
+    }
+#endif
+    return static_cast<int64_t>(4);
+  }();
+  return rows;
+}
 
 bool isa_available(int64_t isa) {
   if (isa == PORTABLE) return true;
@@ -493,9 +564,10 @@ void run_groups_panel(const Weights& w, const Act& a, int64_t M, float* out, int
   const int64_t groups = (w.rows + RG - 1) / RG;
   const int64_t group_bytes = w.nb * w.block_bytes() * std::max<int64_t>(1, M / 4);
   const int64_t grain = std::max<int64_t>(1, (kSplitBytes) / std::max<int64_t>(1, group_bytes));
+  const int64_t wide_rows = wide_min_rows();
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
 #ifdef TM_X86
-    if (isa == AVX512VNNI) return vnni::groups(w, a, M, g0, g1, out, ld);
+    if (isa == AVX512VNNI) return vnni::groups(w, a, M, g0, g1, out, ld, wide_rows);
     if (isa == AVX2) return avx2::groups(w, a, M, g0, g1, out, ld);
 #endif
     groups_portable(w, a, M, g0, g1, out, ld);
@@ -520,16 +592,18 @@ void check_isa(int64_t isa, int64_t passes) {
   TORCH_CHECK(passes == 1 || passes == 2, "activation passes must be 1 or 2, not ", passes);
 }
 
-// y [M, sum rows_i] = x [M, K] times the concatenated interleaved matrices (qs_i, scale_i, offset_i)
-// of rows_i output rows each. qs int8 → q8 (offset ignored: pass an empty tensor), uint8 → q4.
+// y [M, sum rows_i] = x [M, K] times the concatenated interleaved matrices (qs_i, scale_i, offset_i,
+// high_i) of rows_i output rows each. qs int8 → q8 (offset and high ignored: pass empty tensors),
+// uint8 → q4, or q5 where high_i is not empty (offset ignored). `highs` may be empty: no q5 matrix.
 // x: float32, contiguous. passes: activation rounding passes (2: the 15-bit rounding, 1: plain int8).
 at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, const std::vector<at::Tensor>& scales,
                         const std::vector<at::Tensor>& offsets, const std::vector<int64_t>& rows, int64_t passes,
-                        int64_t isa) {
+                        int64_t isa, const std::vector<at::Tensor>& highs) {
   check_isa(isa, passes);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
-  TORCH_CHECK(qs.size() == scales.size() && qs.size() == offsets.size() && qs.size() == rows.size() && !qs.empty(),
-              "one scale/offset/row count per matrix");
+  TORCH_CHECK(qs.size() == scales.size() && qs.size() == offsets.size() && qs.size() == rows.size() && !qs.empty() &&
+              (highs.empty() || highs.size() == qs.size()), "one scale/offset/row count (and high plane) per matrix");
+  auto is_q5 = [&](size_t i) { return !highs.empty() && highs[i].numel() > 0; };
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % QK == 0, "in_features ", K, " is not a multiple of 32");
   const int64_t nb = K / QK;
@@ -543,8 +617,10 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, 
     const at::ScalarType lane_type = scales[i].scalar_type();
     TORCH_CHECK((lane_type == at::kFloat || lane_type == at::kHalf) && scales[i].is_contiguous() &&
                 scales[i].numel() == groups * nb * RG, "scale must be float32 or fp16 [ceil(rows/8), K/32 * 8]");
-    TORCH_CHECK(!q4 || (offsets[i].scalar_type() == lane_type && offsets[i].is_contiguous() &&
+    TORCH_CHECK(!q4 || is_q5(i) || (offsets[i].scalar_type() == lane_type && offsets[i].is_contiguous() &&
                         offsets[i].numel() == groups * nb * RG), "offset must be [ceil(rows/8), K/32 * 8] of scale's dtype");
+    TORCH_CHECK(!is_q5(i) || (q4 && highs[i].scalar_type() == at::kByte && highs[i].is_contiguous() &&
+                              highs[i].numel() == groups * nb * 32), "high must be uint8 [ceil(rows/8), K/32 * 32] (q5)");
     total += rows[i];
   }
   at::Tensor out = at::empty({M, total}, x.options());
@@ -566,8 +642,11 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, 
   int64_t col = 0;
   for (size_t i = 0; i < qs.size(); ++i) {
     const bool q4 = qs[i].scalar_type() == at::kByte;
+    const bool q5 = is_q5(i);
     const Weights w{static_cast<const uint8_t*>(qs[i].data_ptr()), scales[i].data_ptr(),
-                    q4 ? offsets[i].data_ptr() : nullptr, nb, rows[i], q4, scales[i].scalar_type() == at::kHalf};
+                    q4 && !q5 ? offsets[i].data_ptr() : nullptr,
+                    q5 ? static_cast<const uint8_t*>(highs[i].data_ptr()) : nullptr, nb, rows[i], q4,
+                    scales[i].scalar_type() == at::kHalf, q5};
     run_groups(w, act, M, out.data_ptr<float>() + col, total, isa);
     col += rows[i];
   }
@@ -598,13 +677,14 @@ struct QuantPlan {
   std::vector<int64_t> rows;
   int64_t passes, isa;
   c10::optional<at::Tensor> bias;
+  std::vector<at::Tensor> highs;
 
   at::Tensor forward(const at::Tensor& x) const {
     TORCH_CHECK(x.dim() >= 1, "x must have a feature dimension");
     at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
     if (x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
     x2 = x2.contiguous();
-    at::Tensor y = quant_linear(x2, qs, scales, offsets, rows, passes, isa);
+    at::Tensor y = quant_linear(x2, qs, scales, offsets, rows, passes, isa, highs);
     if (bias.has_value()) y.add_(*bias);
     if (x.dim() == 2) return y;
     std::vector<int64_t> sizes = x.sizes().vec();
@@ -621,13 +701,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<QuantPlan>(m, "QuantPlan")
       .def(pybind11::init([](std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
                              std::vector<at::Tensor> offsets, std::vector<int64_t> rows, int64_t passes, int64_t isa,
-                             c10::optional<at::Tensor> bias) {
+                             c10::optional<at::Tensor> bias, std::vector<at::Tensor> highs) {
              check_isa(isa, passes);
              TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous()),
                          "bias must be contiguous float32");
              return QuantPlan{std::move(qs), std::move(scales), std::move(offsets), std::move(rows), passes, isa,
-                              std::move(bias)};
-           }))
+                              std::move(bias), std::move(highs)};
+           }), pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("rows"),
+           pybind11::arg("passes"), pybind11::arg("isa"), pybind11::arg("bias"),
+           pybind11::arg("highs") = std::vector<at::Tensor>{})
       .def("__call__", &QuantPlan::forward, "y = x W^T (+ bias) over x's last dimension (float32 out)")
       .def("handle", [](const QuantPlan& plan) {
         return pybind11::capsule(static_cast<const void*>(&plan), tokenmill_capi::kPlanCapsule);
@@ -637,7 +719,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TM_CAPI_ENTRY(api, PlanForward, plan_forward);
     return api;
   }, "the entry points as C function pointers (c_api.h), for stack_kernels.cpp");
-  m.def("quant_linear", &quant_linear, "y = x W^T for interleaved q8/q4 block-quantized W, int16 activations (CPU)");
+  m.def("quant_linear", &quant_linear, "y = x W^T for interleaved q8/q4/q5 block-quantized W, int16 activations (CPU)",
+        pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("rows"),
+        pybind11::arg("passes"), pybind11::arg("isa"), pybind11::arg("highs") = std::vector<at::Tensor>{});
   m.def("quantize_activations", &quantize_activations_op, "int8 blocks of 32 per row, 1 or 2 passes: (qa, scale, sum)");
+  m.def("wide_min_rows", &wide_min_rows, "least activation rows the avx512vnni path runs 512-bit tiles for");
   m.def("cpu_isas", &cpu_isas, "quant ISAs this CPU runs: 0 portable, 1 avx2, 2 avx512vnni");
 }

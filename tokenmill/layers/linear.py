@@ -166,8 +166,8 @@ class QuantLinear(Linear):
     1: plain int8 (one rounding at max|x|/127), which moved SmolLM2's greedy top-1 on 3.5% of
     positions against the float path (docs/quantization.md)."""
 
-    __slots__ = ("bias", "dtype", "in_features", "isa", "module", "offsets", "out_features", "passes", "plan",
-                 "qs", "rows", "scales", "segments")
+    __slots__ = ("bias", "dtype", "highs", "in_features", "isa", "module", "offsets", "out_features", "passes",
+                 "plan", "qs", "rows", "scales", "segments")
 
     def __init__(self, segments: list[qf.QuantMatrix], bias: torch.Tensor | None, dtype: torch.dtype,
                  module: Any, isa: str, passes: int = 2) -> None:
@@ -206,11 +206,11 @@ class QuantLinear(Linear):
 
     @property
     def relocatable(self) -> tuple[torch.Tensor, ...]:
-        return (*self.qs, *self.scales, *self.offsets)
+        return (*self.qs, *self.scales, *self.offsets, *self.highs)
 
     def relocate(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self._set_segments([dataclasses.replace(s, qs=place(s.qs), scale=place(s.scale), offset=place(s.offset))
-                            for s in self.segments])
+        self._set_segments([dataclasses.replace(s, qs=place(s.qs), scale=place(s.scale), offset=place(s.offset),
+                                                high=place(s.high)) for s in self.segments])
 
     def _set_segments(self, segments: list[qf.QuantMatrix]) -> None:
         """The segments and, per segment, the tensors and row counts the kernel call takes."""
@@ -219,8 +219,9 @@ class QuantLinear(Linear):
         self.scales = [s.scale for s in segments]
         self.offsets = [s.offset for s in segments]
         self.rows = [s.rows for s in segments]
+        self.highs = [s.high for s in segments]
         self.plan = self.module.QuantPlan(self.qs, self.scales, self.offsets, self.rows, self.passes, self.isa,
-                                          self.bias)
+                                          self.bias, self.highs)
 
 
 def _check_passes(passes: int) -> None:
@@ -282,7 +283,7 @@ class QuantMethod(LinearMethod):
                            quant_isa(), _passes(precise))
 
 
-LINEAR_METHODS: dict[str, LinearMethod] = {"dense": DenseMethod(), "q8": QuantMethod("q8"), "q4": QuantMethod("q4")}
+LINEAR_METHODS: dict[str, LinearMethod] = {"dense": DenseMethod(), **{f: QuantMethod(f) for f in qf.QUANT_FORMATS}}
 _warned: set[str] = set()
 
 
@@ -295,7 +296,7 @@ def choose_method(part: WeightPart, shape: tuple[int, ...], config: LinearConfig
         return mode
     if part.raw is None:  # auto: float tensors and safetensors stay dense
         return "dense"
-    mapped = qf.GGUF_MAPPING.get(part.raw.ggml_type)
+    mapped = qf.gguf_format(part.raw.ggml_type, quant_isa()) if _quant_available() else None
     if mapped is None:
         _warn_once(f"unsupported:{part.raw.ggml_type}",
                    "GGUF tensor type %s has no native quantized kernel: tensors of this type (first: %s) "

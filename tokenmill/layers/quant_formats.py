@@ -1,9 +1,10 @@
 """The two internal weight formats of quantized linear layers, and how GGUF blocks map onto them.
 
-Both are blocks of 32 consecutive weights of one output row (K = in_features = 32 * nb):
+All are blocks of 32 consecutive weights of one output row (K = in_features = 32 * nb):
 
     q8:  w = scale * q             q int8 in [-127, 127]
     q4:  w = scale * q + offset    q in [0, 15], two per byte
+    q5:  w = scale * (q - 16)      q in [0, 31]: q4's nibbles plus a plane of fifth bits (GGUF Q5_0)
 
 Kernel layout (what quant_kernels.cpp reads): rows in groups of 8 (ROW_GROUP; the last group
 padded with zero rows), each group's blocks back to back, and inside a block the 8 rows interleaved
@@ -18,7 +19,12 @@ horizontal sums (the kernel's comment has the arithmetic).
     scale  [G, nb * 8] float32       block (g, b) = the 8 rows' scales; fp16 where the GGUF block stored an
                                      fp16 scale that is the packed scale exactly (Q8_0, Q5_0, Q4_0, Q4_1):
                                      half the bytes, the same values (Q4_K's d·sc products need fp32)
-    offset [G, nb * 8] like scale    q4 only, same order and dtype as scale
+    offset [G, nb * 8] like scale    q4 only, same order and dtype as scale (q5's is -16 * scale, implied)
+    high   [G, nb * 32] uint8        q5 only: per (g, b), 8 chunks c x (low, high nibbles) of a
+                                     little-endian uint16 whose bit 2r + e is the fifth bit of the
+                                     weight in lane 2r + e of that chunk's widened int16 vector,
+                                     i.e. of w(r, 2c+e) (low) and w(r, 2c+e+16) (high). One mask
+                                     register load ORs 16 into the lanes that have it (AVX-512BW).
 
                  block b of group g (q8: 256 bytes)
           pair 0            pair 1                 pair 15
@@ -30,7 +36,8 @@ horizontal sums (the kernel's comment has the arithmetic).
 (The q4 byte keeps GGUF Q4_0/Q4_1's own nibble pairing j | j+16, so GGUF rows move as whole bytes.)
 
 GGUF types map without a second rounding where the arithmetic allows:
-    Q8_0 → q8 (scale = d)                Q5_0 → q8 (q - 16 fits int8; scale = d)
+    Q8_0 → q8 (scale = d)                Q5_0 → q8 (q - 16 fits int8; scale = d), or q5 (scale = d)
+                                         under --quantization q5 or a Q5_ISAS path: gguf_format()
     Q4_0 → q4 (scale d, offset -8d)      Q4_1 → q4 (scale d, offset m)
     Q4_K → q4 (each 32-weight sub-block: scale d*sc, offset -dmin*m; fp16 x 6-bit is exact in fp32)
     Q5_1, Q5_K, Q6_K → dequantized, then re-quantized to q8 (one rounding, measured in the tests)
@@ -48,21 +55,36 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
 
-QuantFormat = Literal["q8", "q4"]
-QUANT_FORMATS: tuple[QuantFormat, ...] = ("q8", "q4")
+QuantFormat = Literal["q8", "q4", "q5"]
+QUANT_FORMATS: tuple[QuantFormat, ...] = ("q8", "q4", "q5")
 BLOCK = 32
 ROW_GROUP = 8  # output rows interleaved per group (the kernel's 8 int32 lanes)
 # 16-byte chunks per (group, block), each 8 rows x 2 bytes: q8 16 (a column pair of int8 per row),
-# q4 8 (two column pairs per row, in the bytes' low and high nibbles).
-_PAIRS: dict[str, int] = {"q8": 16, "q4": 8}
-QUANT_LAYOUT_VERSION = 3  # bump when packed bytes change meaning: it keys the on-disk cache (loading/repack_cache.py)
+# q4 and q5 8 (two column pairs per row, in the bytes' low and high nibbles).
+_PAIRS: dict[str, int] = {"q8": 16, "q4": 8, "q5": 8}
+HIGH_BYTES = 32  # q5's fifth-bit plane per (group, block): 8 chunks x 2 nibble halves x uint16
+QUANT_LAYOUT_VERSION = 4  # bump when packed bytes change meaning: it keys the on-disk cache (loading/repack_cache.py)
 _T = GGMLQuantizationType
 # GGUF type → (format, exact). Exact: the packed weights equal gguf's own dequantization bit for bit.
+# The portable default; gguf_format() is what a load uses (it depends on the kernel path).
 GGUF_MAPPING: dict[GGMLQuantizationType, tuple[QuantFormat, bool]] = {
     _T.Q8_0: ("q8", True), _T.Q5_0: ("q8", True),
     _T.Q4_0: ("q4", True), _T.Q4_1: ("q4", True), _T.Q4_K: ("q4", True),
     _T.Q5_1: ("q8", False), _T.Q5_K: ("q8", False), _T.Q6_K: ("q8", False),
 }  # fmt: skip
+# Quant paths where `auto` packs Q5_0 as q5 (0.69 bytes a weight) rather than q8 (1.06): none yet.
+# AVX-512BW's mask registers add the fifth bits with one masked add per 32 weights, and the GEMM alone
+# reads 1.1-1.2x faster at 1-2 rows on Zen 4, but Qwen2.5-Coder-0.5B's whole decode step measured
+# 0.92x of q8 there (docs/quantization.md): at these core counts the kernel is partly compute-bound,
+# and q5's unpacking costs more per weight than q8's widening. `--quantization q5` runs it anywhere.
+Q5_ISAS: frozenset[str] = frozenset()
+
+
+def gguf_format(ggml_type: GGMLQuantizationType, isa: str) -> tuple[QuantFormat, bool] | None:
+    """(format, exact) a GGUF type packs to under quant path `isa`; None: no native mapping."""
+    if ggml_type == _T.Q5_0 and isa in Q5_ISAS:
+        return ("q5", True)
+    return GGUF_MAPPING.get(ggml_type)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,15 +96,19 @@ class RawBlocks:
     data: np.ndarray
 
 
+_EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
+
+
 @dataclass(frozen=True, slots=True)
 class QuantMatrix:
     """One packed [rows, cols] matrix in the kernel's interleaved layout (module docstring)."""
 
     fmt: QuantFormat
-    qs: torch.Tensor  # q8: int8 [G, nb * 256]; q4: uint8 [G, nb * 128]   (G = ceil(rows / 8))
+    qs: torch.Tensor  # q8: int8 [G, nb * 256]; q4, q5: uint8 [G, nb * 128]   (G = ceil(rows / 8))
     scale: torch.Tensor  # float32 or float16 [G, nb * 8]
-    offset: torch.Tensor  # [G, nb * 8] for q4, scale's dtype; empty for q8
+    offset: torch.Tensor  # [G, nb * 8] for q4, scale's dtype; empty for q8 and q5
     rows: int  # true output rows (the last group's padding excluded)
+    high: torch.Tensor = _EMPTY_U8  # q5: uint8 [G, nb * 32] fifth bits; empty for q8 and q4
 
     @property
     def cols(self) -> int:
@@ -90,17 +116,33 @@ class QuantMatrix:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.offset))
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.offset, self.high))
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols]: the weights the kernel multiplies by."""
-        qs, scale, offset = row_major(self)
-        nb = scale.shape[1]
-        q = _unpack_q4(qs) if self.fmt == "q4" else qs
-        w = q.reshape(self.rows, nb, BLOCK).float() * scale.float().unsqueeze(-1)
-        if self.fmt == "q4":
-            w = w + offset.float().unsqueeze(-1)
+        rm = row_major(self)
+        nb = rm.scale.shape[1]
+        q = rm.qs if self.fmt == "q8" else _unpack_q4(rm.qs)
+        if rm.high is not None:
+            q = q | (rm.high << 4)
+        w = q.reshape(self.rows, nb, BLOCK).float() * rm.scale.float().unsqueeze(-1)
+        if rm.offset is not None:
+            w = w + rm.offset.float().unsqueeze(-1)
+        elif self.fmt == "q5":  # the kernel's implied offset: -16 * scale (exact: a power of two)
+            w = w + (rm.scale.float() * -16.0).unsqueeze(-1)
         return w.reshape(self.rows, self.cols)
+
+
+@dataclass(frozen=True, slots=True)
+class RowMajor:
+    """A matrix's packed values in row order: qs (q8: int8 [rows, cols]; q4/q5: uint8 [rows, cols / 2],
+    byte j of a block = q_j | q_(j+16) << 4, low 4 bits), scale/offset [rows, nb], high (q5: uint8
+    [rows, cols] of 0/1, the fifth bits; else None)."""
+
+    qs: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    high: torch.Tensor | None = None
 
 
 def packed_shapes(fmt: QuantFormat, rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -109,15 +151,22 @@ def packed_shapes(fmt: QuantFormat, rows: int, cols: int) -> tuple[tuple[int, in
     return (groups, nb * _PAIRS[fmt] * ROW_GROUP * 2), (groups, nb * ROW_GROUP)
 
 
-def interleave(fmt: QuantFormat, qs: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> QuantMatrix:
-    """Row-major packed rows (q8: int8 [rows, cols]; q4: uint8 [rows, cols / 2], byte j of a block =
-    q_j | q_(j+16) << 4; scale/offset [rows, nb]) → the kernel layout. A pure byte permutation."""
+def high_shape(rows: int, cols: int) -> tuple[int, int]:
+    """q5's fifth-bit plane in the kernel layout."""
+    return (-(-rows // ROW_GROUP), cols // BLOCK * HIGH_BYTES)
+
+
+def interleave(fmt: QuantFormat, qs: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+               high: torch.Tensor | None = None) -> QuantMatrix:
+    """Row-major packed rows (RowMajor's fields) → the kernel layout. A pure permutation of bytes (and,
+    for q5's fifth bits, of bits)."""
     rows, nb = scale.shape
     pad = -rows % ROW_GROUP
     if pad:
         qs = torch.cat([qs, qs.new_zeros(pad, qs.shape[1])])
         scale = torch.cat([scale, scale.new_zeros(pad, nb)])
         offset = None if offset is None else torch.cat([offset, offset.new_zeros(pad, nb)])
+        high = None if high is None else torch.cat([high, high.new_zeros(pad, high.shape[1])])
     groups = (rows + pad) // ROW_GROUP
     # [G, 8 rows, nb, pairs, 2] → [G, nb, pairs, 8 rows, 2]: (16 pairs of int8 | 8 pairs of nibble bytes)
     pairs = _PAIRS[fmt]
@@ -126,11 +175,36 @@ def interleave(fmt: QuantFormat, qs: torch.Tensor, scale: torch.Tensor, offset: 
     def lanes(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(groups, ROW_GROUP, nb).transpose(1, 2).reshape(groups, -1).contiguous()
 
-    return QuantMatrix(fmt, packed, lanes(scale), torch.empty(0) if offset is None else lanes(offset), rows)
+    if fmt == "q5":
+        if high is None:
+            raise ValueError("q5 needs its fifth bits")
+        return QuantMatrix(fmt, packed, lanes(scale), torch.empty(0), rows,
+                           _pack_high(high, groups, nb))
+    return QuantMatrix(fmt, packed, lanes(scale), torch.empty(0) if offset is None else lanes(offset),
+                       rows)
 
 
-def row_major(mat: QuantMatrix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """interleave's inverse: (qs, scale, offset) row-major, padding rows dropped."""
+def _pack_high(high: torch.Tensor, groups: int, nb: int) -> torch.Tensor:
+    # Column j of a block = 16 h + 2 c + e (h: low or high nibble, c: chunk, e: column of the pair):
+    # [G, r, nb, h, c, e] → [G, nb, c, h, (r, e)], then the 16 bits (r, e) into one uint16.
+    bits = high.reshape(groups, ROW_GROUP, nb, 2, 8, 2).permute(0, 2, 4, 3, 1, 5).reshape(groups, nb, 8, 2, 16)
+    weights = torch.tensor([1 << i for i in range(16)], dtype=torch.int32)
+    words = (bits.to(torch.int32) * weights).sum(-1)  # [G, nb, c, h] in [0, 2^16)
+    lo, hi = (words & 0xFF).to(torch.uint8), (words >> 8).to(torch.uint8)
+    return torch.stack([lo, hi], dim=-1).reshape(groups, nb * HIGH_BYTES).contiguous()
+
+
+def _unpack_high(plane: torch.Tensor, nb: int) -> torch.Tensor:
+    groups = plane.shape[0]
+    words = plane.reshape(groups, nb, 8, 2, 2).to(torch.int32)
+    words = words[..., 0] | (words[..., 1] << 8)  # [G, nb, c, h]
+    bits = (words.unsqueeze(-1) >> torch.arange(16, dtype=torch.int32)) & 1  # [G, nb, c, h, (r, e)]
+    bits = bits.reshape(groups, nb, 8, 2, ROW_GROUP, 2).permute(0, 4, 1, 3, 2, 5)  # [G, r, nb, h, c, e]
+    return bits.reshape(groups * ROW_GROUP, nb * BLOCK).to(torch.uint8)
+
+
+def row_major(mat: QuantMatrix) -> RowMajor:
+    """interleave's inverse, padding rows dropped."""
     groups, nb = mat.qs.shape[0], mat.cols // BLOCK
     pairs = _PAIRS[mat.fmt]
     qs = mat.qs.reshape(groups, nb, pairs, ROW_GROUP, 2).permute(0, 3, 1, 2, 4).reshape(groups * ROW_GROUP, -1)
@@ -138,8 +212,9 @@ def row_major(mat: QuantMatrix) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     def rows_of(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(groups, nb, ROW_GROUP).transpose(1, 2).reshape(groups * ROW_GROUP, nb)[:mat.rows]
 
-    offset = rows_of(mat.offset) if mat.fmt == "q4" else mat.offset
-    return qs[:mat.rows], rows_of(mat.scale), offset
+    offset = rows_of(mat.offset) if mat.fmt == "q4" else None
+    high = _unpack_high(mat.high, nb)[:mat.rows] if mat.fmt == "q5" else None
+    return RowMajor(qs[:mat.rows], rows_of(mat.scale), offset, high)
 
 
 def concat(mats: list[QuantMatrix]) -> list[QuantMatrix]:
@@ -160,10 +235,16 @@ def _cat(group: list[QuantMatrix]) -> QuantMatrix:
         group = [replace(m, scale=m.scale.float(), offset=m.offset.float()) for m in group]
     if all(m.rows % ROW_GROUP == 0 for m in group[:-1]):  # whole groups: the packed bytes simply follow
         return QuantMatrix(fmt, torch.cat([m.qs for m in group]), torch.cat([m.scale for m in group]),
-                           torch.cat([m.offset for m in group]), rows)
+                           torch.cat([m.offset for m in group]), rows, torch.cat([m.high for m in group]))
     parts = [row_major(m) for m in group]  # a part ends mid-group: regroup the rows
-    return interleave(fmt, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
-                      torch.cat([p[2] for p in parts]) if fmt == "q4" else None)
+
+    def joined(field: str) -> torch.Tensor | None:
+        values = [getattr(p, field) for p in parts]
+        return None if values[0] is None else torch.cat(values)
+
+    qs, scale = joined("qs"), joined("scale")
+    assert qs is not None and scale is not None
+    return interleave(fmt, qs, scale, joined("offset"), joined("high"))
 
 
 # ---- float → packed -------------------------------------------------------------------------------
@@ -181,6 +262,12 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantMatrix:
         inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
         q = torch.round(w * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
         return interleave("q8", q.reshape(rows, cols), scale, None)
+    if fmt == "q5":  # symmetric, q - 16 in [-15, 15]: round to nearest, half a step at most
+        amax = w.abs().amax(-1)
+        scale = amax / 15.0
+        inv = torch.where(amax > 0, 15.0 / amax, torch.zeros_like(amax))
+        q = (torch.round(w * inv.unsqueeze(-1)).clamp(-15, 15) + 16).to(torch.uint8).reshape(rows, cols)
+        return interleave("q5", _pack_q4(q & 0x0F), scale, None, q >> 4)
     lo, hi = w.amin(-1), w.amax(-1)
     scale = (hi - lo) / 15.0
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
@@ -220,9 +307,9 @@ def _exact_q8(blocks: np.ndarray, ggml_type: GGMLQuantizationType) -> tuple[np.n
 
 def from_gguf(blocks: np.ndarray, ggml_type: GGMLQuantizationType, cols: int, fmt: QuantFormat) -> QuantMatrix:
     """Raw GGUF rows → `fmt`: exact where GGUF_MAPPING says so and the format matches, else through float."""
-    mapped = GGUF_MAPPING.get(ggml_type)
-    if mapped is not None and mapped == (fmt, True):
-        return _EXACT[ggml_type](np.ascontiguousarray(blocks), cols)
+    exact = _EXACT.get((ggml_type, fmt))
+    if exact is not None:
+        return exact(np.ascontiguousarray(blocks), cols)
     # Through float in slices of rows: a vocabulary-sized Q6_K head would otherwise need a few GB of
     # float32 temporaries at once (the load's peak resident memory).
     rows = blocks.shape[0]
@@ -253,6 +340,17 @@ def _q8_0(blocks: np.ndarray, cols: int) -> QuantMatrix:
 
 def _q5_0(blocks: np.ndarray, cols: int) -> QuantMatrix:
     return _exact_q8_matrix(blocks, GGMLQuantizationType.Q5_0, cols)
+
+
+def _q5_0_q5(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    # Block: d (fp16), qh (uint32, bit j = fifth bit of weight j), 16 bytes of nibbles j | j+16 << 4
+    # (q4's own pairing).
+    rows, b = blocks.shape[0], _blocks(blocks, 22)
+    qh = np.ascontiguousarray(b[:, 2:6]).view(np.uint32)
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return interleave("q5", torch.from_numpy(np.ascontiguousarray(b[:, 6:]).reshape(rows, cols // 2)),
+                      torch.from_numpy(_half(b[:, :2]).reshape(rows, -1).copy()), None,
+                      torch.from_numpy(high.reshape(rows, cols)))
 
 
 def _exact_q8_matrix(blocks: np.ndarray, ggml_type: GGMLQuantizationType, cols: int) -> QuantMatrix:
@@ -294,7 +392,8 @@ def _q4_k(blocks: np.ndarray, cols: int) -> QuantMatrix:
                    (-(dmin * mn.astype(np.float32))).reshape(rows, -1))
 
 
-_EXACT = {_T.Q8_0: _q8_0, _T.Q5_0: _q5_0, _T.Q4_0: _q4_0, _T.Q4_1: _q4_1, _T.Q4_K: _q4_k}
+_EXACT = {(_T.Q8_0, "q8"): _q8_0, (_T.Q5_0, "q8"): _q5_0, (_T.Q5_0, "q5"): _q5_0_q5, (_T.Q4_0, "q4"): _q4_0,
+          (_T.Q4_1, "q4"): _q4_1, (_T.Q4_K, "q4"): _q4_k}
 
 
 def _matrix(fmt: QuantFormat, qs: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> QuantMatrix:

@@ -184,7 +184,9 @@ class RepackCache:
 
     def _segment(self, entry: str, index: int, fmt: str, rows: int, cols: int) -> qf.QuantMatrix:
         prefix = f"{entry}#{index}."
-        quant: qf.QuantFormat = "q8" if fmt == "q8" else "q4"
+        if fmt not in qf.QUANT_FORMATS:
+            raise ValueError(f"entry {entry!r} names format {fmt!r}")
+        quant: qf.QuantFormat = fmt  # checked against QUANT_FORMATS above
         qs_shape, lane_shape = qf.packed_shapes(quant, rows, cols)
         qs = _checked(self._tensors, prefix + "qs", torch.int8 if quant == "q8" else torch.uint8, qs_shape)
         lane_type = self._tensors[prefix + "scale"].dtype  # float32, or fp16 where GGUF's scales are exact
@@ -194,7 +196,10 @@ class RepackCache:
         offset = torch.empty(0)
         if quant == "q4":
             offset = _checked(self._tensors, prefix + "offset", lane_type, lane_shape)
-        return qf.QuantMatrix(quant, qs, scale, offset, rows)
+        high = torch.empty(0, dtype=torch.uint8)
+        if quant == "q5":
+            high = _checked(self._tensors, prefix + "high", torch.uint8, qf.high_shape(rows, cols))
+        return qf.QuantMatrix(quant, qs, scale, offset, rows, high)
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -216,6 +221,8 @@ class RepackCache:
                 tensors[f"{entry}#{i}.scale"] = s.scale
                 if s.fmt == "q4":
                     tensors[f"{entry}#{i}.offset"] = s.offset
+                if s.fmt == "q5":
+                    tensors[f"{entry}#{i}.high"] = s.high
         meta = {"key": self.key, "source": str(self.source), "entries": entries}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
