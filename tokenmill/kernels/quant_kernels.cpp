@@ -297,7 +297,7 @@ void groups256(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1
 namespace avx2 {
 inline __m256i madd_acc(__m256i acc, __m256i w, __m256i a) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a)); }
 // v | 16 in the int16 lanes whose bit is set in `mask` (AVX2 has no mask registers: broadcast, and
-// with each lane's bit, compare, and 16, or; the cost that keeps Q5_0 on q8 on AVX2 hosts).
+// with each lane's bit, compare, and 16, or: five ops per 16 lanes, where VNNI's path takes one).
 inline __m256i add_high(__m256i v, uint32_t mask) {
   const __m256i bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
                                          static_cast<int16_t>(0x8000));

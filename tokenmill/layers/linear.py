@@ -296,7 +296,8 @@ def choose_method(part: WeightPart, shape: tuple[int, ...], config: LinearConfig
         return mode
     if part.raw is None:  # auto: float tensors and safetensors stay dense
         return "dense"
-    mapped = qf.gguf_format(part.raw.ggml_type, quant_isa()) if _quant_available() else None
+    # The mapping of the path that will run (build_linear falls back to dense when no module built).
+    mapped = qf.gguf_format(part.raw.ggml_type, quant_isa() if quant_kernels() is not None else "portable")
     if mapped is None:
         _warn_once(f"unsupported:{part.raw.ggml_type}",
                    "GGUF tensor type %s has no native quantized kernel: tensors of this type (first: %s) "

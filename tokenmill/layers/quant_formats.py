@@ -175,13 +175,10 @@ def interleave(fmt: QuantFormat, qs: torch.Tensor, scale: torch.Tensor, offset: 
     def lanes(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(groups, ROW_GROUP, nb).transpose(1, 2).reshape(groups, -1).contiguous()
 
-    if fmt == "q5":
-        if high is None:
-            raise ValueError("q5 needs its fifth bits")
-        return QuantMatrix(fmt, packed, lanes(scale), torch.empty(0), rows,
-                           _pack_high(high, groups, nb))
-    return QuantMatrix(fmt, packed, lanes(scale), torch.empty(0) if offset is None else lanes(offset),
-                       rows)
+    if (fmt == "q5") != (high is not None):
+        raise ValueError("q5, and only q5, has fifth bits")
+    return QuantMatrix(fmt, packed, lanes(scale), torch.empty(0) if offset is None else lanes(offset), rows,
+                       _EMPTY_U8 if high is None else _pack_high(high, groups, nb))
 
 
 def _pack_high(high: torch.Tensor, groups: int, nb: int) -> torch.Tensor:
@@ -237,14 +234,14 @@ def _cat(group: list[QuantMatrix]) -> QuantMatrix:
         return QuantMatrix(fmt, torch.cat([m.qs for m in group]), torch.cat([m.scale for m in group]),
                            torch.cat([m.offset for m in group]), rows, torch.cat([m.high for m in group]))
     parts = [row_major(m) for m in group]  # a part ends mid-group: regroup the rows
+    return interleave(fmt, torch.cat([p.qs for p in parts]), torch.cat([p.scale for p in parts]),
+                      _cat_present([p.offset for p in parts]), _cat_present([p.high for p in parts]))
 
-    def joined(field: str) -> torch.Tensor | None:
-        values = [getattr(p, field) for p in parts]
-        return None if values[0] is None else torch.cat(values)
 
-    qs, scale = joined("qs"), joined("scale")
-    assert qs is not None and scale is not None
-    return interleave(fmt, qs, scale, joined("offset"), joined("high"))
+def _cat_present(values: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """One format's optional field (all None or all tensors), concatenated."""
+    present = [v for v in values if v is not None]
+    return torch.cat(present) if present else None
 
 
 # ---- float → packed -------------------------------------------------------------------------------
@@ -298,10 +295,8 @@ def _exact_q8(blocks: np.ndarray, ggml_type: GGMLQuantizationType) -> tuple[np.n
         return np.ascontiguousarray(b[:, 2:]).view(np.int8), _half(b[:, :2])
     if ggml_type == GGMLQuantizationType.Q5_0:
         b = _blocks(blocks, 22)
-        qh = np.ascontiguousarray(b[:, 2:6]).view(np.uint32)  # bit j: the 5th bit of weight j
-        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
         low = np.concatenate([b[:, 6:] & 0x0F, b[:, 6:] >> 4], axis=1)
-        return (low | (high << 4)).astype(np.int8) - np.int8(16), _half(b[:, :2])
+        return (low | (_q5_0_high(b) << 4)).astype(np.int8) - np.int8(16), _half(b[:, :2])
     return None
 
 
@@ -346,11 +341,15 @@ def _q5_0_q5(blocks: np.ndarray, cols: int) -> QuantMatrix:
     # Block: d (fp16), qh (uint32, bit j = fifth bit of weight j), 16 bytes of nibbles j | j+16 << 4
     # (q4's own pairing).
     rows, b = blocks.shape[0], _blocks(blocks, 22)
-    qh = np.ascontiguousarray(b[:, 2:6]).view(np.uint32)
-    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
     return interleave("q5", torch.from_numpy(np.ascontiguousarray(b[:, 6:]).reshape(rows, cols // 2)),
                       torch.from_numpy(_half(b[:, :2]).reshape(rows, -1).copy()), None,
-                      torch.from_numpy(high.reshape(rows, cols)))
+                      torch.from_numpy(_q5_0_high(b).reshape(rows, cols)))
+
+
+def _q5_0_high(b: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks [n, 22] → uint8 [n, 32], weight j's fifth bit (bit j of the block's qh word)."""
+    qh = np.ascontiguousarray(b[:, 2:6]).view(np.uint32)
+    return ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
 
 
 def _exact_q8_matrix(blocks: np.ndarray, ggml_type: GGMLQuantizationType, cols: int) -> QuantMatrix:
