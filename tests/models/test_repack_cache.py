@@ -23,7 +23,7 @@ import tests.fixtures.tiny_models as tiny
 from tests.fixtures.engine_logits import engine_prompt_logits
 from tokenmill import LLM
 from tokenmill.kernels import quant_kernels
-from tokenmill.layers import quant_formats
+from tokenmill.layers import gguf_quant, quant_formats
 from tokenmill.layers.linear import QuantLinear
 from tokenmill.layers.weight_arena import HUGE_PAGES_ENV
 from tokenmill.models.loading import repack_cache
@@ -68,8 +68,8 @@ class PackCounter:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
         self.forbidden = False
-        self._from_gguf, self._quantize = quant_formats.from_gguf, quant_formats.quantize
-        monkeypatch.setattr(quant_formats, "from_gguf", self._wrap(self._from_gguf))
+        self._from_gguf, self._quantize = gguf_quant.from_gguf, quant_formats.quantize
+        monkeypatch.setattr(gguf_quant, "from_gguf", self._wrap(self._from_gguf))
         monkeypatch.setattr(quant_formats, "quantize", self._wrap(self._quantize))
 
     def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:

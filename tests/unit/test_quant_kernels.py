@@ -17,13 +17,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from tokenmill.kernels import QUANT_ISAS, quant_kernels
+from tokenmill.layers import gguf_quant as gq
 from tokenmill.layers import quant_formats as qf
 
 T = GGMLQuantizationType
 GGUF_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]  # every type in the four packaged files
 # (GGUF type, format) pairs a load can pick: each type's default mapping, and Q5_0 → q5 (--quantization
 # q5, or gguf_format() on a Q5_ISAS path; every path computes it).
-CASES = [pytest.param(t, qf.GGUF_MAPPING[t][0], id=t.name) for t in GGUF_TYPES] + [
+CASES = [pytest.param(t, gq.GGUF_MAPPING[t][0], id=t.name) for t in GGUF_TYPES] + [
     pytest.param(T.Q5_0, "q5", id="Q5_0-q5")]
 ROWS = [1, 2, 3, 4, 7, 16, 64]
 PASSES = [1, 2]
@@ -62,11 +63,11 @@ def gguf_blocks(ggml_type: GGMLQuantizationType, rows: int, cols: int, seed: int
 
 
 def gguf_format(ggml_type: GGMLQuantizationType) -> qf.QuantFormat:
-    return qf.GGUF_MAPPING[ggml_type][0]
+    return gq.GGUF_MAPPING[ggml_type][0]
 
 
 def is_exact(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat) -> bool:
-    return fmt == "q5" or qf.GGUF_MAPPING[ggml_type][1]
+    return fmt == "q5" or gq.GGUF_MAPPING[ggml_type][1]
 
 
 def run(mat: qf.QuantMatrix, x: torch.Tensor, isa: int, passes: int = 2) -> torch.Tensor:
@@ -90,7 +91,7 @@ def rounded_activations(x: torch.Tensor, isa: int, passes: int) -> torch.Tensor:
 def test_exact_types_pack_to_gguf_dequantization(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat) -> None:
     rows, cols = 5, 512
     raw = gguf_blocks(ggml_type, rows, cols, seed=1)
-    mat = qf.from_gguf(raw, ggml_type, cols, fmt)
+    mat = gq.from_gguf(raw, ggml_type, cols, fmt)
     reference = torch.from_numpy(dequantize(raw, ggml_type)).reshape(rows, cols)
     if is_exact(ggml_type, fmt):
         assert torch.equal(mat.dequantize(), reference)  # no second rounding
@@ -107,8 +108,8 @@ def test_row_dequantization_equals_gguf_reference(ggml_type: GGMLQuantizationTyp
     # The embedding's per-step row lookup (Q8_0 has its own fast path) gives gguf's floats exactly.
     raw = gguf_blocks(ggml_type, 3, 512, seed=2)
     reference = torch.from_numpy(dequantize(raw, ggml_type)).reshape(3, 512)
-    assert torch.equal(qf.gguf_dequantize(raw, ggml_type, 512), reference)
-    assert torch.equal(qf.gguf_dequantize(raw[1:2], ggml_type, 512), reference[1:2])
+    assert torch.equal(gq.gguf_dequantize(raw, ggml_type, 512), reference)
+    assert torch.equal(gq.gguf_dequantize(raw[1:2], ggml_type, 512), reference[1:2])
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -149,7 +150,7 @@ def test_kernel_matches_float_reference(isa: int, passes: int, ggml_type: GGMLQu
     # Odd N (37 output rows); K is 256 * 3 = 768 (K-quants need whole 256-blocks; 768 is not a power of 2).
     out_features, in_features = 37, 768
     raw = gguf_blocks(ggml_type, out_features, in_features, seed=rows)
-    mat = qf.from_gguf(raw, ggml_type, in_features, fmt)
+    mat = gq.from_gguf(raw, ggml_type, in_features, fmt)
     weight = torch.from_numpy(dequantize(raw, ggml_type)).reshape(out_features, in_features)
     if not is_exact(ggml_type, fmt):
         weight = mat.dequantize()  # the re-rounding is tested above; here the kernel's own math
@@ -169,10 +170,10 @@ def test_kernel_matches_float_reference(isa: int, passes: int, ggml_type: GGMLQu
 def test_segments_of_mixed_formats_fill_one_output(isa: int) -> None:
     """A fused q/k/v whose parts are 4- and 8-bit: one call, each segment's rows in place."""
     assert kernels is not None
-    a = qf.from_gguf(gguf_blocks(T.Q4_K, 9, 256, 3), T.Q4_K, 256, "q4")
-    b = qf.from_gguf(gguf_blocks(T.Q8_0, 5, 256, 4), T.Q8_0, 256, "q8")
-    c = qf.from_gguf(gguf_blocks(T.Q4_0, 3, 256, 5), T.Q4_0, 256, "q4")
-    d = qf.from_gguf(gguf_blocks(T.Q5_0, 11, 256, 6), T.Q5_0, 256, "q5")
+    a = gq.from_gguf(gguf_blocks(T.Q4_K, 9, 256, 3), T.Q4_K, 256, "q4")
+    b = gq.from_gguf(gguf_blocks(T.Q8_0, 5, 256, 4), T.Q8_0, 256, "q8")
+    c = gq.from_gguf(gguf_blocks(T.Q4_0, 3, 256, 5), T.Q4_0, 256, "q4")
+    d = gq.from_gguf(gguf_blocks(T.Q5_0, 11, 256, 6), T.Q5_0, 256, "q5")
     segments = qf.concat([a, b, c, d])
     assert [s.fmt for s in segments] == ["q4", "q8", "q4", "q5"]
     x = torch.randn(6, 256)
@@ -202,7 +203,7 @@ def test_float_quantization_round_trip(fmt: qf.QuantFormat) -> None:
 @pytest.mark.parametrize("passes", PASSES)
 def test_paths_agree_with_each_other(passes: int) -> None:
     assert kernels is not None
-    mat = qf.from_gguf(gguf_blocks(T.Q4_1, 70, 512, 9), T.Q4_1, 512, "q4")
+    mat = gq.from_gguf(gguf_blocks(T.Q4_1, 70, 512, 9), T.Q4_1, 512, "q4")
     x = torch.randn(13, 512)
     rounded = [kernels.quantize_activations(x, passes, isa) for isa in sorted(RUNNABLE)]
     for qa, d, s in rounded[1:]:  # one rounding on every path, bit for bit
@@ -224,7 +225,7 @@ def test_512_bit_tiles_equal_the_256_bit_path_bit_for_bit(ggml_type: GGMLQuantiz
     group, every remainder of rows under the tile height, fp16 (Q4_0, Q8_0) and float32 scales."""
     assert kernels is not None
     raw = gguf_blocks(ggml_type, out_features, 512, seed=out_features)
-    mat = qf.from_gguf(raw, ggml_type, 512, fmt)
+    mat = gq.from_gguf(raw, ggml_type, 512, fmt)
     for rows in [*range(1, 18), 64]:
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
         for passes in PASSES:
@@ -250,7 +251,7 @@ def test_gguf_fp16_scales_stay_fp16_and_give_the_float32_result_exactly(isa: int
                                                                        ggml_type: GGMLQuantizationType) -> None:
     """Types whose blocks store fp16 scales pack them as fp16: half the scale bytes, the same values."""
     raw = gguf_blocks(ggml_type, 37, 768, seed=4)
-    mat = qf.from_gguf(raw, ggml_type, 768, gguf_format(ggml_type))
+    mat = gq.from_gguf(raw, ggml_type, 768, gguf_format(ggml_type))
     assert mat.scale.dtype == torch.float16 and (mat.fmt == "q8" or mat.offset.dtype == torch.float16)
     wide = dataclasses.replace(mat, scale=mat.scale.float(), offset=mat.offset.float())
     x = torch.randn(5, 768, generator=torch.Generator().manual_seed(4))
@@ -261,14 +262,14 @@ def test_gguf_fp16_scales_stay_fp16_and_give_the_float32_result_exactly(isa: int
 def test_q4_k_and_requantized_types_keep_float32_scales() -> None:
     """Q4_K's d·sc products and a re-rounding's own scales are not fp16 values: they stay float32."""
     for ggml_type in (T.Q4_K, T.Q6_K):
-        mat = qf.from_gguf(gguf_blocks(ggml_type, 8, 256, 2), ggml_type, 256, gguf_format(ggml_type))
+        mat = gq.from_gguf(gguf_blocks(ggml_type, 8, 256, 2), ggml_type, 256, gguf_format(ggml_type))
         assert mat.scale.dtype == torch.float32
 
 
 def test_parts_of_one_format_with_fp16_and_float32_scales_join_as_float32() -> None:
     """One segment per run of a format (the repack cache counts them so); the values survive."""
-    q4_0 = qf.from_gguf(gguf_blocks(T.Q4_0, 8, 256, 1), T.Q4_0, 256, "q4")
-    q4_k = qf.from_gguf(gguf_blocks(T.Q4_K, 5, 256, 2), T.Q4_K, 256, "q4")
+    q4_0 = gq.from_gguf(gguf_blocks(T.Q4_0, 8, 256, 1), T.Q4_0, 256, "q4")
+    q4_k = gq.from_gguf(gguf_blocks(T.Q4_K, 5, 256, 2), T.Q4_K, 256, "q4")
     (joined,) = qf.concat([q4_0, q4_k])
     assert joined.scale.dtype == torch.float32 and joined.offset.dtype == torch.float32
     assert torch.equal(joined.dequantize(), torch.cat([q4_0.dequantize(), q4_k.dequantize()]))

@@ -20,8 +20,8 @@ from tests.fixtures.engine_logits import engine_prompt_logits
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import TokenmillError
 from tokenmill.kernels import QUANT_ISA_ENV, available_quant_isas, cpu_flags, isa_key, quant_kernels
+from tokenmill.layers import gguf_quant, quant_formats
 from tokenmill.layers import linear as linear_module
-from tokenmill.layers import quant_formats
 from tokenmill.layers.embedding import GgufRowsEmbedding
 from tokenmill.layers.linear import QuantLinear
 
@@ -75,7 +75,7 @@ def test_packed_rows_are_the_gguf_values_in_hf_order(quant_gguf: Callable[[str],
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
         raw = tensors.quantized(name)
         assert raw is not None
-        packed = quant_formats.from_gguf(raw.data, raw.ggml_type, raw.shape[1], "q4")
+        packed = gguf_quant.from_gguf(raw.data, raw.ggml_type, raw.shape[1], "q4")
         assert torch.equal(packed.dequantize(), tensors[name])
 
 
@@ -92,8 +92,8 @@ def test_safetensors_quantize_at_load(fmt: str, tiny_hf_dir: Callable[[str], Pat
 
 def test_unsupported_type_names_itself_and_falls_back_once(
         quant_gguf: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    mapping = {t: v for t, v in quant_formats.GGUF_MAPPING.items() if t != T.Q4_1}
-    monkeypatch.setattr(quant_formats, "GGUF_MAPPING", mapping)
+    mapping = {t: v for t, v in gguf_quant.GGUF_MAPPING.items() if t != T.Q4_1}
+    monkeypatch.setattr(gguf_quant, "GGUF_MAPPING", mapping)
     monkeypatch.setattr(linear_module, "_warned", set())
     with caplog.at_level(logging.WARNING, logger="tokenmill.layers.linear"):
         llm = _llm(quant_gguf("llama"), "auto")

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers import quant_formats as qf
+from tokenmill.layers import gguf_quant as gq
 from tokenmill.layers.linear import LinearConfig, raw_blocks
 from tokenmill.layers.quant_formats import RawBlocks
 
@@ -61,7 +61,7 @@ class GgufRowsEmbedding(Embedding):
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1).cpu().numpy()
-        rows = qf.gguf_dequantize(self.raw.data[ids], self.raw.ggml_type, self.raw.shape[1])
+        rows = gq.gguf_dequantize(self.raw.data[ids], self.raw.ggml_type, self.raw.shape[1])
         return rows.to(self.dtype).view(*input_ids.shape, self.raw.shape[1])
 
     @property

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import GEMM_BACKENDS, QUANT_ISAS, QUANTIZATIONS, cpu_kernels, quant_isa, quant_kernels
+from tokenmill.layers import gguf_quant as gq
 from tokenmill.layers import quant_formats as qf
 from tokenmill.layers.quant_formats import RawBlocks
 
@@ -274,7 +275,7 @@ class QuantMethod(LinearMethod):
 
     def pack(self, part: WeightPart) -> qf.QuantMatrix:
         if part.raw is not None:
-            return qf.from_gguf(part.raw.data, part.raw.ggml_type, part.raw.shape[1], self.fmt)
+            return gq.from_gguf(part.raw.data, part.raw.ggml_type, part.raw.shape[1], self.fmt)
         return qf.quantize(part.float_weight(), self.fmt)
 
     def build(self, parts: Sequence[WeightPart], bias: torch.Tensor | None, config: LinearConfig,
@@ -297,7 +298,7 @@ def choose_method(part: WeightPart, shape: tuple[int, ...], config: LinearConfig
     if part.raw is None:  # auto: float tensors and safetensors stay dense
         return "dense"
     # The mapping of the path that will run (build_linear falls back to dense when no module built).
-    mapped = qf.gguf_format(part.raw.ggml_type, quant_isa() if quant_kernels() is not None else "portable")
+    mapped = gq.gguf_format(part.raw.ggml_type, quant_isa() if quant_kernels() is not None else "portable")
     if mapped is None:
         _warn_once(f"unsupported:{part.raw.ggml_type}",
                    "GGUF tensor type %s has no native quantized kernel: tensors of this type (first: %s) "

@@ -62,7 +62,8 @@ _DATA_ALIGN = 64
 _DTYPES: dict[str, torch.dtype] = {"I8": torch.int8, "U8": torch.uint8, "F16": torch.float16, "F32": torch.float32}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 # The code whose output is the packed bytes: a change to any of them is a new cache key.
-_PACKING_SOURCES = ("layers/quant_formats.py", "layers/linear.py", "models/loading/gguf_weights.py")
+_PACKING_SOURCES = ("layers/quant_formats.py", "layers/gguf_quant.py", "layers/linear.py",
+                    "models/loading/gguf_weights.py")
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -1,0 +1,174 @@
+"""How GGUF's stored blocks become the packed formats of layers/quant_formats.py.
+
+GGUF types map without a second rounding where the arithmetic allows:
+    Q8_0 → q8 (scale = d)                Q5_0 → q8 (q - 16 fits int8; scale = d), or q5 (scale = d)
+                                         under --quantization q5 or a Q5_ISAS path: gguf_format()
+    Q4_0 → q4 (scale d, offset -8d)      Q4_1 → q4 (scale d, offset m)
+    Q4_K → q4 (each 32-weight sub-block: scale d*sc, offset -dmin*m; fp16 x 6-bit is exact in fp32)
+    Q5_1, Q5_K, Q6_K → dequantized, then re-quantized to q8 (one rounding, measured in the tests)
+Any other type has no native mapping (callers dequantize it to a dense matrix).
+Exact mappings move GGUF's own bytes (no float round trip); the rest go through gguf's reference
+dequantizer and `quant_formats.quantize`, in slices of rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as _gguf_dequantize
+
+from tokenmill.layers.quant_formats import ROW_GROUP, QuantFormat, QuantMatrix, concat, interleave, quantize
+
+_T = GGMLQuantizationType
+# GGUF type → (format, exact). Exact: the packed weights equal gguf's own dequantization bit for bit.
+# The portable default; gguf_format() is what a load uses (it depends on the kernel path).
+GGUF_MAPPING: dict[GGMLQuantizationType, tuple[QuantFormat, bool]] = {
+    _T.Q8_0: ("q8", True), _T.Q5_0: ("q8", True),
+    _T.Q4_0: ("q4", True), _T.Q4_1: ("q4", True), _T.Q4_K: ("q4", True),
+    _T.Q5_1: ("q8", False), _T.Q5_K: ("q8", False), _T.Q6_K: ("q8", False),
+}  # fmt: skip
+# Quant paths where `auto` packs Q5_0 as q5 (0.69 bytes a weight) rather than q8 (1.06): none yet.
+# AVX-512BW's mask registers add the fifth bits with one masked add per 32 weights, and the GEMM alone
+# reads 1.1-1.2x faster at 1-2 rows on Zen 4, but Qwen2.5-Coder-0.5B's whole decode step measured
+# 0.92x of q8 there (docs/quantization.md): at these core counts the kernel is partly compute-bound,
+# and q5's unpacking costs more per weight than q8's widening. `--quantization q5` runs it anywhere.
+Q5_ISAS: frozenset[str] = frozenset()
+
+
+def gguf_format(ggml_type: GGMLQuantizationType, isa: str) -> tuple[QuantFormat, bool] | None:
+    """(format, exact) a GGUF type packs to under quant path `isa`; None: no native mapping."""
+    if ggml_type == _T.Q5_0 and isa in Q5_ISAS:
+        return ("q5", True)
+    return GGUF_MAPPING.get(ggml_type)
+
+
+# ---- GGUF blocks → packed ---------------------------------------------------------------------------
+
+
+def gguf_dequantize(blocks: np.ndarray, ggml_type: GGMLQuantizationType, cols: int) -> torch.Tensor:
+    """float32 [rows, cols] from raw GGUF rows (uint8 [rows, row_bytes]), gguf's own reference code.
+
+    Q8_0 and Q5_0 (the embedding tables of the catalog models, read a few rows per decode step) are
+    spelled out: gguf's generic path costs 0.25-0.5 ms a call in fixed overhead for one row, a few
+    percent of a batch-1 step; the float32 products are the same (q * fp32(d))."""
+    exact = _exact_q8(blocks, ggml_type)
+    if exact is not None:
+        q, d = exact
+        return torch.from_numpy((q.astype(np.float32) * d.astype(np.float32)).reshape(-1, cols))
+    return torch.from_numpy(np.ascontiguousarray(_gguf_dequantize(blocks, ggml_type)).reshape(-1, cols))
+
+
+def _exact_q8(blocks: np.ndarray, ggml_type: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray] | None:
+    """(q int8 [blocks, 32], d fp16 [blocks, 1]) with w = d * q, for the types q8 holds exactly; else None."""
+    if ggml_type == GGMLQuantizationType.Q8_0:
+        b = _blocks(blocks, 34)
+        return np.ascontiguousarray(b[:, 2:]).view(np.int8), _half(b[:, :2])
+    if ggml_type == GGMLQuantizationType.Q5_0:
+        b = _blocks(blocks, 22)
+        low = np.concatenate([b[:, 6:] & 0x0F, b[:, 6:] >> 4], axis=1)
+        return (low | (_q5_0_high(b) << 4)).astype(np.int8) - np.int8(16), _half(b[:, :2])
+    return None
+
+
+def from_gguf(blocks: np.ndarray, ggml_type: GGMLQuantizationType, cols: int, fmt: QuantFormat) -> QuantMatrix:
+    """Raw GGUF rows → `fmt`: exact where GGUF_MAPPING says so and the format matches, else through float."""
+    exact = _EXACT.get((ggml_type, fmt))
+    if exact is not None:
+        return exact(np.ascontiguousarray(blocks), cols)
+    # Through float in slices of rows: a vocabulary-sized Q6_K head would otherwise need a few GB of
+    # float32 temporaries at once (the load's peak resident memory).
+    rows = blocks.shape[0]
+    step = max(1, _REQUANT_ROW_ELEMENTS // cols // ROW_GROUP) * ROW_GROUP  # whole row groups: concat appends
+    parts = [quantize(gguf_dequantize(blocks[i:i + step], ggml_type, cols), fmt) for i in range(0, rows, step)]
+    return concat(parts)[0]
+
+
+_REQUANT_ROW_ELEMENTS = 1 << 22  # 16 MB of float32 per slice
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return _half(raw).astype(np.float32)
+
+
+def _half(raw: np.ndarray) -> np.ndarray:
+    """GGUF's fp16 fields as stored (packed as fp16 scales: exact, half the bytes of float32)."""
+    return np.ascontiguousarray(raw).view(np.float16)
+
+
+def _blocks(blocks: np.ndarray, block_bytes: int) -> np.ndarray:
+    return blocks.reshape(-1, block_bytes)
+
+
+def _q8_0(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    return _exact_q8_matrix(blocks, GGMLQuantizationType.Q8_0, cols)
+
+
+def _q5_0(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    return _exact_q8_matrix(blocks, GGMLQuantizationType.Q5_0, cols)
+
+
+def _q5_0_q5(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    # Block: d (fp16), qh (uint32, bit j = fifth bit of weight j), 16 bytes of nibbles j | j+16 << 4
+    # (q4's own pairing).
+    rows, b = blocks.shape[0], _blocks(blocks, 22)
+    return interleave("q5", torch.from_numpy(np.ascontiguousarray(b[:, 6:]).reshape(rows, cols // 2)),
+                      torch.from_numpy(_half(b[:, :2]).reshape(rows, -1).copy()), None,
+                      torch.from_numpy(_q5_0_high(b).reshape(rows, cols)))
+
+
+def _q5_0_high(b: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks [n, 22] → uint8 [n, 32], weight j's fifth bit (bit j of the block's qh word)."""
+    qh = np.ascontiguousarray(b[:, 2:6]).view(np.uint32)
+    return ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _exact_q8_matrix(blocks: np.ndarray, ggml_type: GGMLQuantizationType, cols: int) -> QuantMatrix:
+    exact = _exact_q8(blocks, ggml_type)
+    assert exact is not None
+    q, d = exact
+    rows = blocks.shape[0]
+    return _matrix("q8", q.reshape(rows, cols), d.reshape(rows, -1), None)
+
+
+def _q4_0(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    rows, b = blocks.shape[0], _blocks(blocks, 18)
+    d = _half(b[:, :2]).reshape(rows, -1)
+    with np.errstate(over="ignore"):
+        offset = d * np.float16(-8.0)  # exact (a power of two) unless |d| > 8188 overflows fp16
+    if not np.isfinite(offset).all():
+        d, offset = d.astype(np.float32), d.astype(np.float32) * -8.0
+    return _matrix("q4", b[:, 2:].reshape(rows, cols // 2), d, offset)
+
+
+def _q4_1(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    rows, b = blocks.shape[0], _blocks(blocks, 20)
+    return _matrix("q4", b[:, 4:].reshape(rows, cols // 2), _half(b[:, :2]).reshape(rows, -1),
+                   _half(b[:, 2:4]).reshape(rows, -1))
+
+
+def _q4_k(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    # Super-block of 256: d, dmin (fp16), 12 bytes of 6-bit (sc, m) for 8 sub-blocks, 128 bytes of
+    # nibbles where bytes [32p, 32p + 32) hold sub-block 2p in low and 2p + 1 in high nibbles.
+    rows, b = blocks.shape[0], _blocks(blocks, 144)
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    s = b[:, 4:16].reshape(-1, 3, 4)
+    sc = np.concatenate([s[:, 0] & 0x3F, (s[:, 2] & 0x0F) | ((s[:, 0] >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([s[:, 1] & 0x3F, (s[:, 2] >> 4) | ((s[:, 1] >> 2) & 0x30)], axis=1)
+    nibbles = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (nibbles & 0x0F).reshape(-1, 8, 32)  # [super-block, sub-block, weight]
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    return _matrix("q4", packed.reshape(rows, cols // 2), (d * sc.astype(np.float32)).reshape(rows, -1),
+                   (-(dmin * mn.astype(np.float32))).reshape(rows, -1))
+
+
+_EXACT = {(_T.Q8_0, "q8"): _q8_0, (_T.Q5_0, "q8"): _q5_0, (_T.Q5_0, "q5"): _q5_0_q5, (_T.Q4_0, "q4"): _q4_0,
+          (_T.Q4_1, "q4"): _q4_1, (_T.Q4_K, "q4"): _q4_k}
+
+
+def _matrix(fmt: QuantFormat, qs: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> QuantMatrix:
+    """Pack row-major blocks; fp16 scale (and offset) arrays stay fp16, anything else becomes float32."""
+    lane_type = np.float16 if scale.dtype == np.float16 else np.float32
+    return interleave(fmt, torch.from_numpy(np.ascontiguousarray(qs)),
+                      torch.from_numpy(np.ascontiguousarray(scale, dtype=lane_type)),
+                      None if offset is None else torch.from_numpy(np.ascontiguousarray(offset, lane_type)))
