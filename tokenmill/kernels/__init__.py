@@ -43,7 +43,7 @@ QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "q8", "q4", "q5")  # see layer
 # the kernels round activations in two passes. Parity tests against transformers pin "none".
 DEFAULT_QUANTIZATION = "auto"
 # The quant kernel's code paths, in the order cpu_isas() numbers them (quant_kernels.cpp).
-QUANT_ISAS: tuple[str, ...] = ("portable", "avx2", "avx512vnni")
+QUANT_ISAS: tuple[str, ...] = ("portable", "avx2", "avx512vnni", "amx")
 QUANT_ISA_ENV = "TOKENMILL_QUANT_ISA"
 
 _KERNEL_DIR = Path(__file__).parent
