@@ -70,9 +70,15 @@ def is_exact(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat) -> bool:
     return fmt == "q5" or gq.GGUF_MAPPING[ggml_type][1]
 
 
-def run(mat: qf.QuantMatrix, x: torch.Tensor, isa: int, passes: int = 2) -> torch.Tensor:
+AMX = QUANT_ISAS.index("amx")
+
+
+def run(mat: qf.QuantMatrix, x: torch.Tensor, isa: int, passes: int = 2, bf16_rows: int = 0) -> torch.Tensor:
+    """The kernel on path `isa`; on amx, its int8 tiles at every M (bf16_rows 0), or from bf16_rows
+    rows up its bf16 tiles (their own rounding, tested apart)."""
     assert kernels is not None
-    return kernels.quant_linear(x, [mat.qs], [mat.scale], [mat.offset], [mat.rows], passes, isa, [mat.high])
+    return kernels.quant_linear(x, [mat.qs], [mat.scale], [mat.offset], [mat.rows], passes, isa, [mat.high],
+                                amx_rows=1, bf16_rows=bf16_rows)
 
 
 def combined(qa: torch.Tensor) -> torch.Tensor:
@@ -177,11 +183,12 @@ def test_segments_of_mixed_formats_fill_one_output(isa: int) -> None:
     segments = qf.concat([a, b, c, d])
     assert [s.fmt for s in segments] == ["q4", "q8", "q4", "q5"]
     x = torch.randn(6, 256)
-    y = kernels.quant_linear(x, [s.qs for s in segments], [s.scale for s in segments],
-                             [s.offset for s in segments], [s.rows for s in segments], 2, isa,
-                             [s.high for s in segments])
-    expected = torch.cat([run(m, x, isa) for m in (a, b, c, d)], dim=1)
-    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    for bf16_rows in (0, 1):  # (amx: its int8 tiles, then its bf16 tiles)
+        y = kernels.quant_linear(x, [s.qs for s in segments], [s.scale for s in segments],
+                                 [s.offset for s in segments], [s.rows for s in segments], 2, isa,
+                                 [s.high for s in segments], amx_rows=1, bf16_rows=bf16_rows)
+        expected = torch.cat([run(m, x, isa, bf16_rows=bf16_rows) for m in (a, b, c, d)], dim=1)
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("fmt", qf.QUANT_FORMATS)
@@ -295,3 +302,65 @@ def test_wide_tile_threshold_is_the_cpus_and_can_be_overridden() -> None:
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TOKENMILL_QUANT_WIDE_ROWS": "1"},
                          capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "1"
+
+
+AMX_CASES = [(T.Q4_0, "q4"), (T.Q4_1, "q4"), (T.Q8_0, "q8"), (T.Q4_K, "q4"), (T.Q6_K, "q8"), (T.Q5_0, "q5")]
+needs_amx = pytest.mark.skipif(AMX not in RUNNABLE, reason="this CPU (or OS) grants no AMX")
+
+
+@needs_amx
+@pytest.mark.parametrize(("ggml_type", "fmt"), AMX_CASES, ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("out_features", [8, 37, 72])
+def test_amx_int8_tiles_equal_the_vnni_path_bit_for_bit(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat,
+                                                        out_features: int) -> None:
+    """The AMX-INT8 tiles form each block's integer sum from one tile product per activation pass
+    (254 C1 + C2) and then take vpdpwssd's float steps lane for lane: the same bits at every M (a
+    partial 16-row tile of activations, an odd group, a partial group, fp16 and float32 scales)."""
+    raw = gguf_blocks(ggml_type, out_features, 512, seed=out_features)
+    mat = gq.from_gguf(raw, ggml_type, 512, fmt)
+    for rows in [1, 2, 15, 16, 17, 31, 33, 64]:
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        for passes in PASSES:
+            assert torch.equal(run(mat, x, AMX, passes), run(mat, x, 2, passes)), (rows, passes)
+
+
+@needs_amx
+@pytest.mark.parametrize(("ggml_type", "fmt"), AMX_CASES, ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("out_features", [8, 37, 72, 100])
+def test_amx_bf16_tiles_match_a_bf16_reference(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat,
+                                               out_features: int) -> None:
+    """The bf16 tiles compute bf16(x) . bf16(dequantized W) with fp32 sums: against that product in
+    double, to fp32 summation error plus the odd bf16 tie that the reference's own fp32 weight
+    (scale * q + offset, two roundings where the kernel fuses them) rounds the other way; and against
+    the unrounded product, bf16's error. Partial tiles in M (17, 33, 100 rows) and N (37, 72, 100)."""
+    in_features = 768
+    raw = gguf_blocks(ggml_type, out_features, in_features, seed=out_features + 1)
+    mat = gq.from_gguf(raw, ggml_type, in_features, fmt)
+    weight = mat.dequantize().double()
+    for rows in [1, 16, 17, 33, 64, 100]:
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+        y = run(mat, x, AMX, bf16_rows=1).double()
+        expected = x.bfloat16().double() @ weight.bfloat16().double().T
+        scale = expected.abs().max().item()
+        assert y.shape == (rows, out_features)
+        assert (y - expected).abs().max().item() <= 2e-4 * scale, rows
+        assert (y - x.double() @ weight.T).abs().max().item() <= 1e-2 * scale, rows
+
+
+@needs_amx
+def test_amx_path_picks_its_tiles_by_rows() -> None:
+    """isa amx: the VNNI tiles below amx_min_rows(), the int8 tiles (same bits) up to amx_bf16_rows(),
+    the bf16 tiles from there; the thresholds are the CPU's defaults unless a call names its own."""
+    assert kernels is not None
+    mat = gq.from_gguf(gguf_blocks(T.Q4_K, 40, 512, 11), T.Q4_K, 512, "q4")
+    assert kernels.amx_min_rows() >= 1 and kernels.amx_bf16_rows() > kernels.amx_min_rows()
+
+    def default(x: torch.Tensor) -> torch.Tensor:
+        assert kernels is not None
+        return kernels.quant_linear(x, [mat.qs], [mat.scale], [mat.offset], [mat.rows], 2, AMX, [mat.high])
+
+    small = torch.randn(kernels.amx_min_rows() - 1 or 1, 512)
+    assert torch.equal(default(small), run(mat, small, 2))
+    big = torch.randn(kernels.amx_bf16_rows(), 512)
+    assert torch.equal(default(big), run(mat, big, AMX, bf16_rows=1))
+    assert not torch.equal(default(big), run(mat, big, 2))  # bf16 rounding, not the integer paths'

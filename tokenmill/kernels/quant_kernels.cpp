@@ -911,14 +911,14 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int64_t P, int8_
   });
 }
 
-void run_groups_panel(const Weights& w, const Act& a, int64_t M, float* out, int64_t ld, int64_t isa) {
+void run_groups_panel(const Weights& w, const Act& a, int64_t M, float* out, int64_t ld, int64_t isa, int64_t amx_rows) {
   // Grain: enough groups per task that each thread streams a long run of the weight matrix.
   const int64_t groups = (w.rows + RG - 1) / RG;
   const int64_t group_bytes = w.nb * w.block_bytes() * std::max<int64_t>(1, M / 4);
   const int64_t grain = std::max<int64_t>(1, (kSplitBytes) / std::max<int64_t>(1, group_bytes));
   const int64_t wide_rows = wide_min_rows();
 #ifdef TM_X86
-  if (isa == AMX && M >= amx_min_rows()) {
+  if (isa == AMX && M >= amx_rows) {
     // Tasks of 16-row tiles: each regroups its weights once for all M rows, so a split costs nothing.
     return at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
       amx::tiles(w, a, a.q, a.P, M, t0, t1, out, ld);
@@ -934,7 +934,7 @@ void run_groups_panel(const Weights& w, const Act& a, int64_t M, float* out, int
   });
 }
 
-void run_groups(const Weights& w, const Act& a, int64_t M, float* out, int64_t ld, int64_t isa) {
+void run_groups(const Weights& w, const Act& a, int64_t M, float* out, int64_t ld, int64_t isa, int64_t amx_rows) {
   // Activation rows in panels of ~kPanelBytes: every m-tile passes over each L2-resident weight chunk,
   // so all of a panel's rows are read once per chunk; past L2 (a 1,760-token prefill at K = 896 is
   // 3 MB of int16 rows) they came from L3 on every chunk and the GEMM fell from ~265 to ~180 G
@@ -942,7 +942,7 @@ void run_groups(const Weights& w, const Act& a, int64_t M, float* out, int64_t l
   const int64_t panel = std::max<int64_t>(64, kPanelBytes / (2 * a.K) / RG * RG);
   for (int64_t p0 = 0; p0 < M; p0 += panel) {
     const Act part{a.a + p0 * a.K, a.d + p0 * a.nb, a.s + p0 * a.nb, a.K, a.nb, a.q + p0 * a.nb * a.P * QK, a.P};
-    run_groups_panel(w, part, std::min(panel, M - p0), out + p0 * ld, ld, isa);
+    run_groups_panel(w, part, std::min(panel, M - p0), out + p0 * ld, ld, isa, amx_rows);
   }
 }
 
@@ -956,10 +956,16 @@ void check_isa(int64_t isa, int64_t passes) {
 // high_i) of rows_i output rows each. qs int8 → q8 (offset and high ignored: pass empty tensors),
 // uint8 → q4, or q5 where high_i is not empty (offset ignored). `highs` may be empty: no q5 matrix.
 // x: float32, contiguous. passes: activation rounding passes (2: the 15-bit rounding, 1: plain int8).
+// amx_rows / bf16_rows: the amx path's thresholds (amx_min_rows(), amx_bf16_rows()) for this call where
+// >= 0 (bf16_rows 0: never), so tests reach every tile kind at any M.
 at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, const std::vector<at::Tensor>& scales,
                         const std::vector<at::Tensor>& offsets, const std::vector<int64_t>& rows, int64_t passes,
-                        int64_t isa, const std::vector<at::Tensor>& highs) {
+                        int64_t isa, const std::vector<at::Tensor>& highs, int64_t amx_rows = -1,
+                        int64_t bf16_rows = -1) {
   check_isa(isa, passes);
+  if (amx_rows < 0) amx_rows = amx_min_rows();
+  if (amx_rows == 0) amx_rows = 1;
+  if (bf16_rows < 0) bf16_rows = amx_bf16_rows();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   TORCH_CHECK(qs.size() == scales.size() && qs.size() == offsets.size() && qs.size() == rows.size() && !qs.empty() &&
               (highs.empty() || highs.size() == qs.size()), "one scale/offset/row count (and high plane) per matrix");
@@ -1000,7 +1006,7 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, 
   auto a_at = reinterpret_cast<std::uintptr_t>(qa + Mp * passes * K);
   int16_t* a16 = reinterpret_cast<int16_t*>((a_at + 31) & ~static_cast<std::uintptr_t>(31));
 #ifdef TM_X86
-  if (isa == AMX && amx_bf16_rows() > 0 && M >= amx_bf16_rows()) {
+  if (isa == AMX && bf16_rows > 0 && M >= bf16_rows) {
     // bf16 activations (16 rows of padding: the tiles read whole 16-row tiles) and bf16 tiles.
     uint16_t* xb = reinterpret_cast<uint16_t*>(d);
     const size_t need = ((M + 16) * K + 1) / 2 + 16;
@@ -1030,7 +1036,7 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, 
                     q4 && !q5 ? offsets[i].data_ptr() : nullptr,
                     q5 ? static_cast<const uint8_t*>(highs[i].data_ptr()) : nullptr, nb, rows[i], q4,
                     scales[i].scalar_type() == at::kHalf, q5};
-    run_groups(w, act, M, out.data_ptr<float>() + col, total, isa);
+    run_groups(w, act, M, out.data_ptr<float>() + col, total, isa, amx_rows);
     col += rows[i];
   }
   return out;
@@ -1104,7 +1110,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "the entry points as C function pointers (c_api.h), for stack_kernels.cpp");
   m.def("quant_linear", &quant_linear, "y = x W^T for interleaved q8/q4/q5 block-quantized W, int16 activations (CPU)",
         pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("rows"),
-        pybind11::arg("passes"), pybind11::arg("isa"), pybind11::arg("highs") = std::vector<at::Tensor>{});
+        pybind11::arg("passes"), pybind11::arg("isa"), pybind11::arg("highs") = std::vector<at::Tensor>{},
+        pybind11::arg("amx_rows") = -1, pybind11::arg("bf16_rows") = -1);
   m.def("quantize_activations", &quantize_activations_op, "int8 blocks of 32 per row, 1 or 2 passes: (qa, scale, sum)");
   m.def("wide_min_rows", &wide_min_rows, "least activation rows the avx512vnni path runs 512-bit tiles for");
   m.def("amx_bf16_rows", &amx_bf16_rows, "least activation rows the amx path runs bf16 tiles for (0: never)");
