@@ -330,7 +330,8 @@ def host_label() -> str:
     from tokenmill.kernels import cpu_flags, isa_key
 
     flags = cpu_flags()
-    isa = "avx512vnni" if "avx512_vnni" in flags else "avx2" if "avx2" in flags else platform.machine()
+    isa = ("amx" if "amx_int8" in flags else "avx512vnni" if "avx512_vnni" in flags else "avx2" if "avx2" in flags
+           else platform.machine())
     return f"{isa}-{isa_key()[:6]}"
 
 

@@ -1,5 +1,6 @@
-"""dtype=auto for a quantized GGUF on a bf16-capable CPU resolves to float32 activations and a bf16 KV
-cache (engine/loader.py: the quantized kernels and the native decode stack are float32)."""
+"""dtype=auto for a quantized GGUF on a bf16-capable CPU resolves to float32 activations and KV cache
+(engine/loader.py: the quantized kernels and the native decode stack are float32, and a bf16 cache
+failed Qwen2.5's quality gate)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig
 from tokenmill.engine import loader
 from tokenmill.kernels import quant_kernels
+from tokenmill.layers import kv_cache
 
 pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="native quantized kernels cannot be built here")
 
@@ -22,10 +24,12 @@ def bf16_host(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loader, "auto_dtype", lambda device: torch.bfloat16)
 
 
-def test_quantized_gguf_on_a_bf16_host_runs_float32_with_a_bf16_kv_cache(bf16_host: None) -> None:
+def test_quantized_gguf_on_a_bf16_host_runs_float32_with_a_float32_kv_cache(bf16_host: None) -> None:
     resolved = loader.resolve_compute_dtype(_config(), "gguf")
     assert resolved.model.dtype == "float32" and resolved.model.torch_dtype() == torch.float32
-    assert resolved.cache.kv_cache_dtype == "bf16"
+    # "auto" keeps the model's dtype: float32 (kv_cache.py)
+    assert resolved.cache.kv_cache_dtype == "auto"
+    assert kv_cache.kv_cache_spec(resolved.cache.kv_cache_dtype, resolved.model.torch_dtype()).name == "fp32"
 
 
 @pytest.mark.parametrize(("model", "fmt"), [({"dtype": "bfloat16"}, "gguf"), ({"quantization": "none"}, "gguf"),

@@ -1067,13 +1067,14 @@ struct QuantPlan {
   int64_t passes, isa;
   c10::optional<at::Tensor> bias;
   std::vector<at::Tensor> highs;
+  int64_t bf16_rows;  // quant_linear's: -1 the CPU's default, 0 never (integer tiles at every M)
 
   at::Tensor forward(const at::Tensor& x) const {
     TORCH_CHECK(x.dim() >= 1, "x must have a feature dimension");
     at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
     if (x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
     x2 = x2.contiguous();
-    at::Tensor y = quant_linear(x2, qs, scales, offsets, rows, passes, isa, highs);
+    at::Tensor y = quant_linear(x2, qs, scales, offsets, rows, passes, isa, highs, -1, bf16_rows);
     if (bias.has_value()) y.add_(*bias);
     if (x.dim() == 2) return y;
     std::vector<int64_t> sizes = x.sizes().vec();
@@ -1090,15 +1091,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<QuantPlan>(m, "QuantPlan")
       .def(pybind11::init([](std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
                              std::vector<at::Tensor> offsets, std::vector<int64_t> rows, int64_t passes, int64_t isa,
-                             c10::optional<at::Tensor> bias, std::vector<at::Tensor> highs) {
+                             c10::optional<at::Tensor> bias, std::vector<at::Tensor> highs, int64_t bf16_rows) {
              check_isa(isa, passes);
              TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous()),
                          "bias must be contiguous float32");
              return QuantPlan{std::move(qs), std::move(scales), std::move(offsets), std::move(rows), passes, isa,
-                              std::move(bias), std::move(highs)};
+                              std::move(bias), std::move(highs), bf16_rows};
            }), pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("rows"),
            pybind11::arg("passes"), pybind11::arg("isa"), pybind11::arg("bias"),
-           pybind11::arg("highs") = std::vector<at::Tensor>{})
+           pybind11::arg("highs") = std::vector<at::Tensor>{}, pybind11::arg("bf16_rows") = -1)
       .def("__call__", &QuantPlan::forward, "y = x W^T (+ bias) over x's last dimension (float32 out)")
       .def("handle", [](const QuantPlan& plan) {
         return pybind11::capsule(static_cast<const void*>(&plan), tokenmill_capi::kPlanCapsule);

@@ -165,14 +165,19 @@ class QuantLinear(Linear):
     per 32-block, x ≈ d·(254·q1 + q2) with q2 the first rounding's residual at a 254x finer step (a
     15-bit activation); the kernel multiplies both by each weight block while it is in registers.
     1: plain int8 (one rounding at max|x|/127), which moved SmolLM2's greedy top-1 on 3.5% of
-    positions against the float path (docs/quantization.md)."""
+    positions against the float path (docs/quantization.md).
 
-    __slots__ = ("bias", "dtype", "highs", "in_features", "isa", "module", "offsets", "out_features", "passes",
-                 "plan", "qs", "rows", "scales", "segments")
+    `bf16`: whether the amx path may take its bf16 tiles for prefill-sized calls (bf16 weights and
+    activations); False keeps the integer rounding at every M (the lm_head, whose near-ties pick
+    tokens: `precise` layers)."""
+
+    __slots__ = ("bf16", "bias", "dtype", "highs", "in_features", "isa", "module", "offsets", "out_features",
+                 "passes", "plan", "qs", "rows", "scales", "segments")
 
     def __init__(self, segments: list[qf.QuantMatrix], bias: torch.Tensor | None, dtype: torch.dtype,
-                 module: Any, isa: str, passes: int = 2) -> None:
+                 module: Any, isa: str, passes: int = 2, bf16: bool = True) -> None:
         _check_passes(passes)
+        self.bf16 = bf16
         self.bias = None if bias is None else bias.float().contiguous()
         self.dtype = dtype
         self.module = module
@@ -222,7 +227,7 @@ class QuantLinear(Linear):
         self.rows = [s.rows for s in segments]
         self.highs = [s.high for s in segments]
         self.plan = self.module.QuantPlan(self.qs, self.scales, self.offsets, self.rows, self.passes, self.isa,
-                                          self.bias, self.highs)
+                                          self.bias, self.highs, -1 if self.bf16 else 0)
 
 
 def _check_passes(passes: int) -> None:
@@ -280,8 +285,7 @@ class QuantMethod(LinearMethod):
 
     def build(self, parts: Sequence[WeightPart], bias: torch.Tensor | None, config: LinearConfig,
               precise: bool = False) -> Linear:
-        return QuantLinear(qf.concat([self.pack(p) for p in parts]), bias, config.dtype, quant_kernels(),
-                           quant_isa(), _passes(precise))
+        return quant_linear(qf.concat([self.pack(p) for p in parts]), bias, config, precise)
 
 
 LINEAR_METHODS: dict[str, LinearMethod] = {"dense": DenseMethod(), **{f: QuantMethod(f) for f in qf.QUANT_FORMATS}}
@@ -327,7 +331,7 @@ def build_linear(tensors: Mapping[str, torch.Tensor], names: Sequence[str], bias
     # The loader's on-disk cache of packed layers (models/loading/repack_cache.py): a hit skips packing.
     cache = repack_store(tensors, config)
     if cache is not None and (cached := cache.load(names, methods)) is not None:
-        return QuantLinear(cached, bias, config.dtype, quant_kernels(), quant_isa(), _passes(precise))
+        return quant_linear(cached, bias, config, precise)
     linear = _build_quant(parts, methods, bias, config, precise)
     if cache is not None and isinstance(linear, QuantLinear):
         cache.store(names, methods, linear.segments)
@@ -340,11 +344,15 @@ def _build_quant(parts: Sequence[WeightPart], methods: Sequence[str], bias: torc
         return LINEAR_METHODS[methods[0]].build(parts, bias, config, precise)
     # Mixed formats (e.g. q/k Q4_K with v Q6_K): one segment per format run, one native call for all.
     packed = [_method(m).pack(p) for m, p in zip(methods, parts, strict=True)]
-    return QuantLinear(qf.concat(packed), bias, config.dtype, quant_kernels(), quant_isa(), _passes(precise))
+    return quant_linear(qf.concat(packed), bias, config, precise)
 
 
-def _passes(precise: bool) -> int:
-    return 2 if precise else ACTIVATION_PASSES
+def quant_linear(segments: list[qf.QuantMatrix], bias: torch.Tensor | None, config: LinearConfig,
+                 precise: bool) -> QuantLinear:
+    """A QuantLinear on this CPU's quant path; `precise` (the lm_head): two activation passes and no
+    bf16 tiles."""
+    passes = 2 if precise else ACTIVATION_PASSES
+    return QuantLinear(segments, bias, config.dtype, quant_kernels(), quant_isa(), passes, bf16=not precise)
 
 
 def _shape(part: WeightPart) -> tuple[int, ...]:
