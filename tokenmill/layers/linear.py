@@ -193,6 +193,12 @@ class QuantLinear(Linear):
         self.passes = passes
         self._set_segments(self.segments)
 
+    def set_path(self, isa: str, bf16: bool) -> None:
+        """Switch the kernel path (A/B benchmarks; the plan is rebuilt, a native stack must rebind)."""
+        self.isa = QUANT_ISAS.index(isa)
+        self.bf16 = bf16
+        self._set_segments(self.segments)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # The native plan does the whole call (reshape, float32 in, bias): Python here is one frame.
         y = self.plan(x)
