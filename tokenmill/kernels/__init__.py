@@ -6,8 +6,8 @@ What is here is the product's own hot path where PyTorch has no fitting op:
   * `glue_kernels()` (glue_kernels.cpp): RMSNorm (the residual add fused in front) and in-place RoPE,
     one call each where ATen takes five or more small ops. Built with -march=native.
   * `quant_kernels()` (quant_kernels.cpp): q8/q4/q5 block-quantized linear layers with integer dot
-    products. Built for the baseline ISA; each fast path (AVX2, AVX-512 VNNI) carries its own target
-    attribute and is picked at run time (`quant_isa()`), so one object runs on every x86-64 CPU.
+    products. Built for the baseline ISA; each fast path (AVX2, AVX-512 VNNI, AMX) carries its own
+    target attribute and is picked at run time (`quant_isa()`), so one object runs on every x86-64 CPU.
   * `stack_kernels()` (stack_kernels.cpp): a decode step's whole decoder stack in one call. It holds
     no math of its own: the other three export their entry points as C function pointers (`c_api()`,
     declared in c_api.h) and it calls them without Python in between. Built for the baseline ISA.
