@@ -74,7 +74,8 @@ def test_a_killed_builds_lock_is_removed_and_two_checkouts_share_one_build(
         source = tmp_path / checkout / "kernel.cpp"
         source.parent.mkdir()
         source.write_text("// the same kernel in two checkouts\n")
-        (source.parent / "c_api.h").write_text("// the shared header\n")
+        for header in kernels._HEADERS:
+            (source.parent / header).write_text("// the shared header\n")
         sources.append(source)
     name = kernels._build_name("k", sources[0])
     stale = tmp_path / "extensions" / name / "lock"

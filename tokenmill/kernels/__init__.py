@@ -75,8 +75,9 @@ def isa_key(flags: frozenset[str] | None = None, machine: str | None = None) -> 
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-# The header every module includes (c_api.h: the C entry points the modules hand each other).
-_HEADERS = ("c_api.h",)
+# The headers beside the sources (c_api.h: the C entry points the modules hand each other; quant_amx.h:
+# the quant kernel's AMX tiles).
+_HEADERS = ("c_api.h", "quant_amx.h")  # copied beside each source and hashed into its build name
 
 
 def _build_name(stem: str, source: Path) -> str:
