@@ -96,39 +96,32 @@ inline __m512 lanes(const Weights& w, const void* p, int64_t g, int64_t b, bool 
   return _mm512_zextps256_ps512(vnni::lanes8(w, p, w.lanes(g, b)));
 }
 
-// Output rows g*8 .. g*8 + 15 (groups g, g + 1) for activation rows m0 .. m0 + 15 (rows past M are
-// computed from the padding and not stored). q: the int8 passes [rows, nb, P, 32]; d, s padded likewise.
-// Block b's tile products (pass 1, and pass 2 when P = 2) into register set S (tmm0/1 or tmm5/6),
-// stored to cbuf (C1 at 0, C2 at 256 int32). Two sets, so that block b + 1's products run on the
-// AMX unit while the vector ports take block b's float steps (measured: 1.2x -> see docs).
+// Block b's tile products (pass 1, and pass 2 when P = 2) into register set S (tmm0/1 + weights in
+// tmm4, or tmm5/6 + tmm7; activations in tmm2/3 for both), stored to cbuf (C1 at 0, C2 at 256 int32).
+// Two sets, so that block b + 1's products can run on the AMX unit while the vector ports take block
+// b's float steps (measured +3-10% at 16 rows, neutral from 48: docs/quantization.md). A macro: the
+// tile intrinsics take register numbers as literals.
+#define TM_PRODUCTS(c1, c2, bw)                                        \
+  do {                                                                 \
+    _tile_zero(c1);                                                    \
+    _tile_loadd(bw, bt, 64);                                           \
+    _tile_loadd(2, qb, stride);                                        \
+    if (Q4) _tile_dpbsud(c1, 2, bw); else _tile_dpbssd(c1, 2, bw);     \
+    _tile_stored(c1, cbuf, 64);                                        \
+    if (P == 2) {                                                      \
+      _tile_zero(c2);                                                  \
+      _tile_loadd(3, qb + QK, stride);                                 \
+      if (Q4) _tile_dpbsud(c2, 3, bw); else _tile_dpbssd(c2, 3, bw);   \
+      _tile_stored(c2, cbuf + 256, 64);                                \
+    }                                                                  \
+  } while (0)
+
 template <bool Q4, int P, int S>
 inline void products(const uint8_t* bt, const int8_t* qb, int64_t stride, int32_t* cbuf) {
-  if constexpr (S == 0) {
-    _tile_zero(0);
-    _tile_loadd(4, bt, 64);
-    _tile_loadd(2, qb, stride);
-    if (Q4) _tile_dpbsud(0, 2, 4); else _tile_dpbssd(0, 2, 4);
-    _tile_stored(0, cbuf, 64);
-    if (P == 2) {
-      _tile_zero(1);
-      _tile_loadd(3, qb + QK, stride);
-      if (Q4) _tile_dpbsud(1, 3, 4); else _tile_dpbssd(1, 3, 4);
-      _tile_stored(1, cbuf + 256, 64);
-    }
-  } else {
-    _tile_zero(5);
-    _tile_loadd(7, bt, 64);
-    _tile_loadd(2, qb, stride);
-    if (Q4) _tile_dpbsud(5, 2, 7); else _tile_dpbssd(5, 2, 7);
-    _tile_stored(5, cbuf, 64);
-    if (P == 2) {
-      _tile_zero(6);
-      _tile_loadd(3, qb + QK, stride);
-      if (Q4) _tile_dpbsud(6, 3, 7); else _tile_dpbssd(6, 3, 7);
-      _tile_stored(6, cbuf + 256, 64);
-    }
-  }
+  if constexpr (S == 0) TM_PRODUCTS(0, 1, 4);
+  else TM_PRODUCTS(5, 6, 7);
 }
+#undef TM_PRODUCTS
 
 // Output rows g*8 .. g*8 + 15 (groups g, g + 1) for activation rows m0 .. m0 + 15 (rows past M are
 // computed from the padding and not stored). q: the int8 passes [rows, nb, P, 32]; d, s padded likewise.
