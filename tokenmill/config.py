@@ -38,6 +38,10 @@ class ModelConfig:
     # "none" dequantizes to `dtype` (the reference path); "q8" / "q4" quantize every matrix at load,
     # safetensors too. The default is DEFAULT_QUANTIZATION (why: tokenmill/kernels). See layers/linear.py.
     quantization: str = DEFAULT_QUANTIZATION
+    # True: every quantized matmul keeps the integer kernels' rounding at any row count, so a request's
+    # tokens never depend on what else shares its batch (speculation stays token-identical at any
+    # concurrency). False: on AMX hosts, GEMMs of 64+ rows take bf16 tiles (docs/quantization.md).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         _require(self.quantization in QUANTIZATIONS,

@@ -163,3 +163,27 @@ def test_two_pass_activations_nearly_remove_the_rounding() -> None:
     assert linear_module.ACTIVATION_PASSES == 2  # the default that passes the release gate
     with pytest.raises(ValueError, match="passes must be 1 or 2"):
         QuantLinear([mat], None, torch.float32, module, available_quant_isas()[-1], 3)
+
+
+def test_batch_invariant_keeps_integer_rounding_in_every_quantized_matmul(
+        quant_gguf: Callable[[str], Path]) -> None:
+    """--batch-invariant / LLM(batch_invariant=True): no QuantLinear may take the amx path's bf16 tiles
+    (the default lets all but the lm_head take them from amx_bf16_rows() rows), and the model still
+    answers like the default at batch sizes where both use the integer kernels."""
+    from tokenmill.cli.main import build_parser
+
+    path = quant_gguf("llama")
+    default = _llm(path, "auto")
+    invariant = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=256,
+                    quantization="auto", batch_invariant=True)
+    quant = {n: lin for n, lin in default.core.runner.model.linears().items() if isinstance(lin, QuantLinear)}
+    assert quant and not quant["lm_head"].bf16 and all(lin.bf16 for n, lin in quant.items() if n != "lm_head")
+    fixed = [lin for lin in invariant.core.runner.model.linears().values() if isinstance(lin, QuantLinear)]
+    assert len(fixed) == len(quant) and not any(lin.bf16 for lin in fixed)
+    prompt = _prompt(12, seed=3)  # 12 rows: under every AMX threshold, so both runs take the same kernels
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert (invariant.generate([prompt], params)[0].outputs[0].token_ids
+            == default.generate([prompt], params)[0].outputs[0].token_ids)
+    for command in (["serve", "m", "--batch-invariant"], ["generate", "m", "hi", "--batch-invariant"]):
+        assert build_parser().parse_args(command).batch_invariant
+    assert not build_parser().parse_args(["serve", "m"]).batch_invariant

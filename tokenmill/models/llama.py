@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.errors import ModelFormatError
-from tokenmill.kernels import cpu_kernels, glue_kernels
+from tokenmill.kernels import QUANT_ISAS, cpu_kernels, glue_kernels
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention, decode_kernel
 from tokenmill.layers.embedding import Embedding, build_embedding
 from tokenmill.layers.kv_cache import LayerKVCache
-from tokenmill.layers.linear import Linear, LinearConfig, build_linear
+from tokenmill.layers.linear import Linear, LinearConfig, QuantLinear, build_linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
 from tokenmill.layers.weight_arena import WeightArena, relocate
@@ -163,6 +163,13 @@ class LlamaForCausalLM(nn.Module):
         if self.device.type == "cpu":
             # After the repack cache is written: the arena's copies replace the loaded tensors.
             self.weight_arena = relocate(self.linears().values())
+        self.rebind_native_stack()
+
+    def make_batch_invariant(self) -> None:
+        """Every quantized matmul on the integer kernels' rounding at any row count (no bf16 tiles)."""
+        for linear in self.linears().values():
+            if isinstance(linear, QuantLinear):
+                linear.set_path(QUANT_ISAS[linear.isa], bf16=False)
         self.rebind_native_stack()
 
     def rebind_native_stack(self) -> None:
