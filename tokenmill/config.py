@@ -38,10 +38,11 @@ class ModelConfig:
     # "none" dequantizes to `dtype` (the reference path); "q8" / "q4" quantize every matrix at load,
     # safetensors too. The default is DEFAULT_QUANTIZATION (why: tokenmill/kernels). See layers/linear.py.
     quantization: str = DEFAULT_QUANTIZATION
-    # True: every quantized matmul keeps the integer kernels' rounding at any row count, so a request's
-    # tokens never depend on what else shares its batch (speculation stays token-identical at any
-    # concurrency). False: on AMX hosts, GEMMs of 64+ rows take bf16 tiles (docs/quantization.md).
-    batch_invariant: bool = False
+    # True: on AMX hosts, quantized GEMMs of 64+ rows (prefill chunks, wide decode batches) take bf16
+    # tiles, 2-4x faster, with bf16 rounding: a request's tokens then depend on what shares its batch,
+    # and Qwen2.5-Coder-1.5B fails the 0.99 top-1 release gate with them (docs/quantization.md). False
+    # (the default): the integer kernels' rounding at every row count, the same bits on every path.
+    amx_bf16: bool = False
 
     def __post_init__(self) -> None:
         _require(self.quantization in QUANTIZATIONS,

@@ -165,25 +165,26 @@ def test_two_pass_activations_nearly_remove_the_rounding() -> None:
         QuantLinear([mat], None, torch.float32, module, available_quant_isas()[-1], 3)
 
 
-def test_batch_invariant_keeps_integer_rounding_in_every_quantized_matmul(
-        quant_gguf: Callable[[str], Path]) -> None:
-    """--batch-invariant / LLM(batch_invariant=True): no QuantLinear may take the amx path's bf16 tiles
-    (the default lets all but the lm_head take them from amx_bf16_rows() rows), and the model still
-    answers like the default at batch sizes where both use the integer kernels."""
+def test_amx_bf16_is_opt_in_and_never_reaches_the_lm_head(quant_gguf: Callable[[str], Path]) -> None:
+    """By default every QuantLinear keeps the integer rounding at any row count (the same bits on every
+    path, so batch composition never changes a token); --amx-bf16 / LLM(amx_bf16=True) lets all but
+    the lm_head take the amx path's bf16 tiles from amx_bf16_rows() rows, and below that row count
+    both answer alike."""
     from tokenmill.cli.main import build_parser
 
     path = quant_gguf("llama")
     default = _llm(path, "auto")
-    invariant = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=256,
-                    quantization="auto", batch_invariant=True)
-    quant = {n: lin for n, lin in default.core.runner.model.linears().items() if isinstance(lin, QuantLinear)}
-    assert quant and not quant["lm_head"].bf16 and all(lin.bf16 for n, lin in quant.items() if n != "lm_head")
-    fixed = [lin for lin in invariant.core.runner.model.linears().values() if isinstance(lin, QuantLinear)]
-    assert len(fixed) == len(quant) and not any(lin.bf16 for lin in fixed)
+    fast = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=256, quantization="auto",
+               amx_bf16=True)
+    quant = [lin for lin in default.core.runner.model.linears().values() if isinstance(lin, QuantLinear)]
+    assert quant and not any(lin.bf16 for lin in quant)
+    opted = {n: lin for n, lin in fast.core.runner.model.linears().items() if isinstance(lin, QuantLinear)}
+    assert len(opted) == len(quant) and not opted["lm_head"].bf16
+    assert all(lin.bf16 for n, lin in opted.items() if n != "lm_head")
     prompt = _prompt(12, seed=3)  # 12 rows: under every AMX threshold, so both runs take the same kernels
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    assert (invariant.generate([prompt], params)[0].outputs[0].token_ids
+    assert (fast.generate([prompt], params)[0].outputs[0].token_ids
             == default.generate([prompt], params)[0].outputs[0].token_ids)
-    for command in (["serve", "m", "--batch-invariant"], ["generate", "m", "hi", "--batch-invariant"]):
-        assert build_parser().parse_args(command).batch_invariant
-    assert not build_parser().parse_args(["serve", "m"]).batch_invariant
+    for command in (["serve", "m", "--amx-bf16"], ["generate", "m", "hi", "--amx-bf16"]):
+        assert build_parser().parse_args(command).amx_bf16
+    assert not build_parser().parse_args(["serve", "m"]).amx_bf16

@@ -64,8 +64,8 @@ class ModelRunner:
             arch, max_model_len, self.dtype, self.device, model_config.gemm_backend, model_config.attention_backend,
             model_config.quantization)
         self.model.load_weights(tensors)
-        if model_config.batch_invariant:
-            self.model.make_batch_invariant()
+        if model_config.amx_bf16:
+            self.model.set_bf16_tiles(True)
         self.kv_caches: list[LayerKVCache] = []
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)

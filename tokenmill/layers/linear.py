@@ -168,14 +168,14 @@ class QuantLinear(Linear):
     positions against the float path (docs/quantization.md).
 
     `bf16`: whether the amx path may take its bf16 tiles for prefill-sized calls (bf16 weights and
-    activations); False keeps the integer rounding at every M (the lm_head, whose near-ties pick
-    tokens: `precise` layers)."""
+    activations; `--amx-bf16`, never the lm_head); False (the default) keeps the integer rounding at
+    every M."""
 
     __slots__ = ("bf16", "bias", "dtype", "highs", "in_features", "isa", "module", "offsets", "out_features",
                  "passes", "plan", "qs", "rows", "scales", "segments")
 
     def __init__(self, segments: list[qf.QuantMatrix], bias: torch.Tensor | None, dtype: torch.dtype,
-                 module: Any, isa: str, passes: int = 2, bf16: bool = True) -> None:
+                 module: Any, isa: str, passes: int = 2, bf16: bool = False) -> None:
         _check_passes(passes)
         self.bf16 = bf16
         self.bias = None if bias is None else bias.float().contiguous()
@@ -355,10 +355,10 @@ def _build_quant(parts: Sequence[WeightPart], methods: Sequence[str], bias: torc
 
 def quant_linear(segments: list[qf.QuantMatrix], bias: torch.Tensor | None, config: LinearConfig,
                  precise: bool) -> QuantLinear:
-    """A QuantLinear on this CPU's quant path; `precise` (the lm_head): two activation passes and no
-    bf16 tiles."""
+    """A QuantLinear on this CPU's quant path, on the integer rounding (ModelConfig.amx_bf16 opts the
+    model into bf16 tiles after load); `precise` (the lm_head): two activation passes."""
     passes = 2 if precise else ACTIVATION_PASSES
-    return QuantLinear(segments, bias, config.dtype, quant_kernels(), quant_isa(), passes, bf16=not precise)
+    return QuantLinear(segments, bias, config.dtype, quant_kernels(), quant_isa(), passes)
 
 
 def _shape(part: WeightPart) -> tuple[int, ...]:

@@ -165,11 +165,12 @@ class LlamaForCausalLM(nn.Module):
             self.weight_arena = relocate(self.linears().values())
         self.rebind_native_stack()
 
-    def make_batch_invariant(self) -> None:
-        """Every quantized matmul on the integer kernels' rounding at any row count (no bf16 tiles)."""
-        for linear in self.linears().values():
+    def set_bf16_tiles(self, on: bool) -> None:
+        """Let the quantized matmuls (not the lm_head, whose near-ties pick tokens) take the amx path's
+        bf16 tiles for prefill-sized calls, or keep them all on the integer rounding (the default)."""
+        for name, linear in self.linears().items():
             if isinstance(linear, QuantLinear):
-                linear.set_path(QUANT_ISAS[linear.isa], bf16=False)
+                linear.set_path(QUANT_ISAS[linear.isa], bf16=on and name != "lm_head")
         self.rebind_native_stack()
 
     def rebind_native_stack(self) -> None:
