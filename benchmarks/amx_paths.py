@@ -3,8 +3,8 @@
 Variants (each QuantLinear switched in place with `set_path`, the native stack rebound; the lm_head
 keeps integer rounding in every variant, as the engine builds it):
   vnni      `avx512vnni`: vpdpwssd tiles at every M (the path before AMX)
-  amx-int8  `amx` without bf16 tiles: AMX-INT8 tiles from amx_min_rows() rows (bit-identical to vnni)
-  amx       `amx` (the default on an AMX host): plus bf16 tiles from amx_bf16_rows() rows
+  amx-int8  `amx` as served by default: AMX-INT8 tiles from amx_min_rows() rows (bit-identical to vnni)
+  amx       `amx` with --amx-bf16 (opt-in): plus bf16 tiles from amx_bf16_rows() rows
 Measured per variant, rounds interleaved (this VM drifts within minutes: the figure is the median of
 per-round ratios against vnni):
   prefill   `--prefill-prompts` prompts of `--prefill-len` tokens, 1 output token each: prompt tokens/s
