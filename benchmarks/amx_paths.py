@@ -1,6 +1,6 @@
 """The quant kernel's AMX paths against its AVX-512 VNNI path, on one loaded model, in one run.
 
-Variants (each QuantLinear switched in place with `set_path`, the native stack rebound; the lm_head
+Variants (each QuantLinear switched in place by the model's `set_quant_path`, the native stack rebound; the lm_head
 keeps integer rounding in every variant, as the engine builds it):
   vnni      `avx512vnni`: vpdpwssd tiles at every M (the path before AMX)
   amx-int8  `amx` as served by default: AMX-INT8 tiles from amx_min_rows() rows (bit-identical to vnni)
@@ -56,7 +56,6 @@ def main() -> None:
     from quant_decode import batch_decode
 
     from tokenmill.kernels import available_quant_isas, quant_kernels
-    from tokenmill.layers.linear import QuantLinear
     from tokenmill.llm import LLM
 
     args = parse_args()
@@ -69,8 +68,6 @@ def main() -> None:
               max_num_seqs=max(max_batch, args.prefill_prompts),
               num_kv_blocks=max(max_batch, args.prefill_prompts) * (-(-seq_tokens // 16)) + 8)
     model = llm.core.runner.model
-    quant = [lin for lin in model.linears().values() if isinstance(lin, QuantLinear)]
-    head = getattr(model, "lm_head", None)
     kernels = quant_kernels()
     bos = common.prompt_bos(llm.tokenizer)
     long_prompts = common.build_prompts(llm.tokenizer.encode, args.prefill_prompts, args.prefill_len, bos)
@@ -80,9 +77,7 @@ def main() -> None:
         order = list(VARIANTS) if rnd % 2 == 0 else list(reversed(VARIANTS))
         for variant in order:
             isa, bf16 = VARIANTS[variant]
-            for lin in quant:
-                lin.set_path(isa, bf16 and lin is not head)
-            model.rebind_native_stack()
+            model.set_quant_path(bf16, isa)  # the lm_head keeps the integer rounding
             prefill_tok_s(llm, long_prompts[:1], f"warm-{variant}-{rnd}")
             row = figures[variant]
             row.setdefault("prefill", []).append(prefill_tok_s(llm, long_prompts, f"p-{variant}-{rnd}"))

@@ -65,7 +65,7 @@ class ModelRunner:
             model_config.quantization)
         self.model.load_weights(tensors)
         if model_config.amx_bf16:
-            self.model.set_bf16_tiles(True)
+            self.model.set_quant_path(bf16=True)
         self.kv_caches: list[LayerKVCache] = []
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)

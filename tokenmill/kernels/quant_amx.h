@@ -23,6 +23,11 @@ namespace amx {
 constexpr int64_t kTileRows = 16;   // activation rows (and output rows) per tile
 constexpr int64_t kBBytes = 512;    // one B tile: 8 quad rows x 64 bytes
 
+// The first 64-byte boundary at or after p (tile loads and stores of the thread-local buffers).
+inline uint8_t* align64(uint8_t* p) {
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<std::uintptr_t>(p) + 63) & ~static_cast<std::uintptr_t>(63));
+}
+
 struct alignas(64) TileConfig {
   uint8_t palette, start_row;
   uint8_t reserved[14];
@@ -124,15 +129,15 @@ inline void products(const uint8_t* bt, const int8_t* qb, int64_t stride, int32_
 #undef TM_PRODUCTS
 
 // Output rows g*8 .. g*8 + 15 (groups g, g + 1) for activation rows m0 .. m0 + 15 (rows past M are
-// computed from the padding and not stored). q: the int8 passes [rows, nb, P, 32]; d, s padded likewise.
-// cbuf: two 2 KiB halves, one per register set.
+// computed from the padding and not stored). a.q: the int8 passes [rows, nb, P, 32]; a.d, a.s padded
+// likewise. cbuf: two 2 KiB halves, one per register set.
 template <bool Q4, bool Q5, int P>
-void tile(const Weights& w, int64_t g, bool two, const uint8_t* bbuf, const Act& a, const int8_t* q,
-          int64_t m0, int64_t M, float* out, int64_t ld, int32_t* cbuf) {
+void tile(const Weights& w, int64_t g, bool two, const uint8_t* bbuf, const Act& a, int64_t m0, int64_t M,
+          float* out, int64_t ld, int32_t* cbuf) {
   __m512 acc[kTileRows];
   for (int i = 0; i < kTileRows; ++i) acc[i] = _mm512_setzero_ps();
   const int64_t stride = a.nb * P * QK;
-  const int8_t* qrow = q + m0 * stride;
+  const int8_t* qrow = a.q + m0 * stride;
   products<Q4, P, 0>(bbuf, qrow, stride, cbuf);
   for (int64_t b = 0; b < w.nb; ++b) {
     int32_t* cb = cbuf + (b & 1) * 512;
@@ -162,37 +167,33 @@ void tile(const Weights& w, int64_t g, bool two, const uint8_t* bbuf, const Act&
 }
 
 template <bool Q4, bool Q5, int P>
-void pairs(const Weights& w, const Act& a, const int8_t* q, int64_t M, int64_t t0, int64_t t1, float* out, int64_t ld) {
+void pairs(const Weights& w, const Act& a, int64_t M, int64_t t0, int64_t t1, float* out, int64_t ld) {
   thread_local std::vector<uint8_t> bstore;
   const size_t need = static_cast<size_t>(w.nb * kBBytes + 64 + 4096 + 64);
   if (bstore.size() < need) bstore.resize(need);
-  auto align = [](uint8_t* p) {
-    return reinterpret_cast<uint8_t*>((reinterpret_cast<std::uintptr_t>(p) + 63) & ~static_cast<std::uintptr_t>(63));
-  };
-  uint8_t* bbuf = align(bstore.data());
-  int32_t* cbuf = reinterpret_cast<int32_t*>(align(bbuf + w.nb * kBBytes));
+  uint8_t* bbuf = align64(bstore.data());
+  int32_t* cbuf = reinterpret_cast<int32_t*>(align64(bbuf + w.nb * kBBytes));
   const int64_t groups = (w.rows + RG - 1) / RG;
   configure();
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t g = 2 * t;
     const bool two = g + 1 < groups;
     regroup<Q4, Q5>(w, g, two, bbuf);
-    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) tile<Q4, Q5, P>(w, g, two, bbuf, a, q, m0, M, out, ld, cbuf);
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) tile<Q4, Q5, P>(w, g, two, bbuf, a, m0, M, out, ld, cbuf);
   }
   _tile_release();
 }
 
 // Tiles of 16 output rows t0 .. t1 - 1 (groups 2t, 2t + 1) for all M activation rows.
-void tiles(const Weights& w, const Act& a, const int8_t* q, int64_t P, int64_t M, int64_t t0, int64_t t1, float* out,
-           int64_t ld) {
-  if (P == 2) {
-    if (w.q5) pairs<true, true, 2>(w, a, q, M, t0, t1, out, ld);
-    else if (w.q4) pairs<true, false, 2>(w, a, q, M, t0, t1, out, ld);
-    else pairs<false, false, 2>(w, a, q, M, t0, t1, out, ld);
+void tiles(const Weights& w, const Act& a, int64_t M, int64_t t0, int64_t t1, float* out, int64_t ld) {
+  if (a.P == 2) {
+    if (w.q5) pairs<true, true, 2>(w, a, M, t0, t1, out, ld);
+    else if (w.q4) pairs<true, false, 2>(w, a, M, t0, t1, out, ld);
+    else pairs<false, false, 2>(w, a, M, t0, t1, out, ld);
   } else {
-    if (w.q5) pairs<true, true, 1>(w, a, q, M, t0, t1, out, ld);
-    else if (w.q4) pairs<true, false, 1>(w, a, q, M, t0, t1, out, ld);
-    else pairs<false, false, 1>(w, a, q, M, t0, t1, out, ld);
+    if (w.q5) pairs<true, true, 1>(w, a, M, t0, t1, out, ld);
+    else if (w.q4) pairs<true, false, 1>(w, a, M, t0, t1, out, ld);
+    else pairs<false, false, 1>(w, a, M, t0, t1, out, ld);
   }
 }
 }  // namespace amx
@@ -279,10 +280,7 @@ void panels(const Weights& w, const uint16_t* xb, int64_t M, int64_t t0, int64_t
   thread_local std::vector<uint8_t> store;
   const size_t need = static_cast<size_t>(w.nb * 2 * kBTile + 1024 + 128);
   if (store.size() < need) store.resize(need);
-  auto align = [](uint8_t* p) {
-    return reinterpret_cast<uint8_t*>((reinterpret_cast<std::uintptr_t>(p) + 63) & ~static_cast<std::uintptr_t>(63));
-  };
-  uint8_t* buf = align(store.data());
+  uint8_t* buf = amx::align64(store.data());
   float* tmp = reinterpret_cast<float*>(buf + w.nb * 2 * kBTile);
   const int64_t groups = (w.rows + RG - 1) / RG, K = w.nb * QK, stride = K * 2;
   configure();

@@ -547,9 +547,6 @@ int64_t amx_min_rows() {
   return rows;
 }
 
-// AMX-INT8 needs the CPU's flags, the OS's XSAVE support for the tile state (XCR0 bits 17-18) and, on
-// Linux, this process's permission for the 8 KiB tile data (arch_prctl ARCH_REQ_XCOMP_PERM), without
-// which the first tile instruction faults: asked once, process-wide. Elsewhere AMX is not offered.
 // Least activation rows for the amx path's bf16 tiles (prefill chunks): TOKENMILL_QUANT_AMX_BF16_ROWS
 // when set (0: never), else 64 (measured in docs/quantization.md). Read once.
 int64_t amx_bf16_rows() {
@@ -560,6 +557,9 @@ int64_t amx_bf16_rows() {
   return rows;
 }
 
+// AMX-INT8 needs the CPU's flags, the OS's XSAVE support for the tile state (XCR0 bits 17-18) and, on
+// Linux, this process's permission for the 8 KiB tile data (arch_prctl ARCH_REQ_XCOMP_PERM), without
+// which the first tile instruction faults: asked once, process-wide. Elsewhere AMX is not offered.
 bool amx_usable() {
 #if defined(TM_X86) && defined(__linux__)
   static const bool usable = [] {
@@ -574,6 +574,21 @@ bool amx_usable() {
     unsigned lo = 0, hi = 0;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     return ((lo >> 17) & 3) == 3;
+  }();
+  return usable;
+#else
+  return false;
+#endif
+}
+
+// The bf16 tiles also need AMX-BF16 (TDPBF16PS) and AVX512-BF16 (the bf16 conversions); without them
+// the amx path keeps its int8 tiles at every M.
+bool amx_bf16_usable() {
+#ifdef TM_X86
+  static const bool usable = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!amx_usable() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !((edx >> 22) & 1)) return false;
+    return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && ((eax >> 5) & 1);
   }();
   return usable;
 #else
@@ -628,7 +643,7 @@ void run_groups_panel(const Weights& w, const Act& a, int64_t M, float* out, int
   if (isa == AMX && M >= amx_rows) {
     // Tasks of 16-row tiles: each regroups its weights once for all M rows, so a split costs nothing.
     return at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
-      amx::tiles(w, a, a.q, a.P, M, t0, t1, out, ld);
+      amx::tiles(w, a, M, t0, t1, out, ld);
     });
   }
 #endif
@@ -680,6 +695,13 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, 
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % QK == 0, "in_features ", K, " is not a multiple of 32");
   const int64_t nb = K / QK;
+  auto weights_of = [&](size_t i) {  // matrix i as the tiles read it (after the checks below)
+    const bool q4 = qs[i].scalar_type() == at::kByte, q5 = is_q5(i);
+    return Weights{static_cast<const uint8_t*>(qs[i].data_ptr()), scales[i].data_ptr(),
+                   q4 && !q5 ? offsets[i].data_ptr() : nullptr,
+                   q5 ? static_cast<const uint8_t*>(highs[i].data_ptr()) : nullptr, nb, rows[i], q4,
+                   scales[i].scalar_type() == at::kHalf, q5};
+  };
   int64_t total = 0;
   for (size_t i = 0; i < qs.size(); ++i) {
     const bool q4 = qs[i].scalar_type() == at::kByte;
@@ -713,7 +735,7 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, 
   auto a_at = reinterpret_cast<std::uintptr_t>(qa + Mp * passes * K);
   int16_t* a16 = reinterpret_cast<int16_t*>((a_at + 31) & ~static_cast<std::uintptr_t>(31));
 #ifdef TM_X86
-  if (isa == AMX && bf16_rows > 0 && M >= bf16_rows) {
+  if (isa == AMX && bf16_rows > 0 && M >= bf16_rows && amx_bf16_usable()) {
     // bf16 activations (16 rows of padding: the tiles read whole 16-row tiles) and bf16 tiles.
     uint16_t* xb = reinterpret_cast<uint16_t*>(d);
     const size_t need = ((M + 16) * K + 1) / 2 + 16;
@@ -721,12 +743,7 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, 
     amxbf::to_bf16(x.data_ptr<float>(), M, K, xb);
     int64_t col = 0;
     for (size_t i = 0; i < qs.size(); ++i) {
-      const bool q4 = qs[i].scalar_type() == at::kByte, q5 = is_q5(i);
-      const Weights w{static_cast<const uint8_t*>(qs[i].data_ptr()), scales[i].data_ptr(),
-                      q4 && !q5 ? offsets[i].data_ptr() : nullptr,
-                      q5 ? static_cast<const uint8_t*>(highs[i].data_ptr()) : nullptr, nb, rows[i], q4,
-                      scales[i].scalar_type() == at::kHalf, q5};
-      amxbf::linear(w, xb, M, out.data_ptr<float>() + col, total);
+      amxbf::linear(weights_of(i), xb, M, out.data_ptr<float>() + col, total);
       col += rows[i];
     }
     return out;
@@ -737,13 +754,7 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, 
   const Act act{a16, d, s, K, nb, qa, passes};
   int64_t col = 0;
   for (size_t i = 0; i < qs.size(); ++i) {
-    const bool q4 = qs[i].scalar_type() == at::kByte;
-    const bool q5 = is_q5(i);
-    const Weights w{static_cast<const uint8_t*>(qs[i].data_ptr()), scales[i].data_ptr(),
-                    q4 && !q5 ? offsets[i].data_ptr() : nullptr,
-                    q5 ? static_cast<const uint8_t*>(highs[i].data_ptr()) : nullptr, nb, rows[i], q4,
-                    scales[i].scalar_type() == at::kHalf, q5};
-    run_groups(w, act, M, out.data_ptr<float>() + col, total, isa, amx_rows);
+    run_groups(weights_of(i), act, M, out.data_ptr<float>() + col, total, isa, amx_rows);
     col += rows[i];
   }
   return out;

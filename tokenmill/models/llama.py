@@ -165,12 +165,13 @@ class LlamaForCausalLM(nn.Module):
             self.weight_arena = relocate(self.linears().values())
         self.rebind_native_stack()
 
-    def set_bf16_tiles(self, on: bool) -> None:
+    def set_quant_path(self, bf16: bool, isa: str | None = None) -> None:
         """Let the quantized matmuls (not the lm_head, whose near-ties pick tokens) take the amx path's
-        bf16 tiles for prefill-sized calls, or keep them all on the integer rounding (the default)."""
+        bf16 tiles for prefill-sized calls, or keep them all on the integer rounding (the default);
+        `isa` also switches their kernel path (A/B benchmarks), None keeps each one's."""
         for name, linear in self.linears().items():
             if isinstance(linear, QuantLinear):
-                linear.set_path(QUANT_ISAS[linear.isa], bf16=on and name != "lm_head")
+                linear.set_path(isa or QUANT_ISAS[linear.isa], bf16=bf16 and name != "lm_head")
         self.rebind_native_stack()
 
     def rebind_native_stack(self) -> None:
