@@ -17,7 +17,7 @@ Each start records spawn → /health (the socket is bound while weights load in 
 spawn → /ready (the replica serves), the first request's latency (one 8-token completion: it
 faults in the mapped weights), and the server's VmRSS / VmHWM after that request. Figures are
 printed as ratios against `repack` and `none` from the same run (the machine is shared and noisy),
-with the CPU and load average, and saved to results/cold_start_<model>_<date>.json.
+with the CPU and load average, and saved to results/cold_start_<model>_<date>_<host>.json (common.result_path).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import common
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = ROOT / "benchmarks" / "results"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # tests.fixtures (the tiny model) and an uninstalled tokenmill
 
@@ -219,8 +219,7 @@ def report(name: str, f: dict[str, Any], args: argparse.Namespace) -> None:
 def save(name: str, benchmark: str, figures: dict[str, Any], args: argparse.Namespace) -> None:
     record = {"benchmark": benchmark, "model": name, "date": dt.date.today().isoformat(),
               "config": vars(args), "machine": {**machine(), "load_avg_1m": os.getloadavg()[0]}, "figures": figures}
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{benchmark}_{name}_{dt.date.today().isoformat()}.json"
+    path = common.result_path(benchmark, name, "json")  # the host in the name: hosts never overwrite each other
     path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     print(f"  saved {path.relative_to(ROOT)}")
 
