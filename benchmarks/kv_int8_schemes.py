@@ -45,9 +45,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def fake_int8(x: torch.Tensor) -> torch.Tensor:
-    """Round trip through the int8 cache's rounding: one fp16 scale per row of the last dim."""
-    scale = (x.abs().amax(-1, keepdim=True) / 127).to(torch.float16).float()
-    return torch.round(x / scale.clamp(min=2.0**-24)).clamp(-127, 127) * scale
+    """Round trip through the int8 cache's own rounding (one fp16 scale per row of the last dim)."""
+    from tokenmill.layers.kv_cache import dequantize_int8, quantize_int8
+
+    return dequantize_int8(*quantize_int8(x), torch.float32)
 
 
 class Stats:
@@ -76,6 +77,8 @@ class Stats:
 
 def scheme_fn(name: str, stats: Stats) -> Callable[[int, torch.Tensor, torch.Tensor],
                                                    tuple[torch.Tensor, torch.Tensor]]:
+    smoothing = {layer: stats.smoothing(layer) for layer in stats.sums}  # fitted once, not per write
+
     def apply(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if name == "int8":
             return fake_int8(k), fake_int8(v)
@@ -85,7 +88,7 @@ def scheme_fn(name: str, stats: Stats) -> Callable[[int, torch.Tensor, torch.Ten
             return k, fake_int8(v)
         if name.startswith("layer"):
             return (fake_int8(k) if layer == int(name[5:]) else k), v
-        mu, sigma, nu = stats.smoothing(layer)
+        mu, sigma, nu = smoothing[layer]
         k = fake_int8((k - mu) / sigma) * sigma + mu
         v = fake_int8(v - nu) + nu if name == "smooth+v" else fake_int8(v)
         return k, v
