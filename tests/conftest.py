@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels (kernels/triton_attention.py) run under Triton's interpreter. It is
+# chosen when triton is first imported, so before any test can import it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if TYPE_CHECKING:
     from tests.fixtures.tiny_models import TinyArch

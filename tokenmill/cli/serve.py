@@ -72,7 +72,8 @@ def add_kernel_arguments(parser: Any) -> None:
     parser.add_argument("--gemm-backend", default="auto", choices=GEMM_BACKENDS,
                         help="CPU matmuls: auto = native for 1-4 rows, oneDNN for large weights, else aten")
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                        help="decode attention: auto = the native CPU kernel where it builds, else SDPA")
+                        help="decode attention: auto = the native CPU kernel where it builds, the Triton "
+                             "kernel on CUDA, else SDPA")
     add_quantization_argument(parser)
 
 

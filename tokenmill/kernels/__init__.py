@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 # Backend names, here (no torch import) so the CLI can offer them without loading torch.
 GEMM_BACKENDS: tuple[str, ...] = ("auto", "aten", "onednn")  # see layers/linear.py
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "native")  # see layers/attention.py
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "sdpa", "native", "triton")  # see layers/attention.py
 QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "q8", "q4", "q5")  # see layers/linear.py
 # "auto": a GGUF's own 4/8-bit blocks run natively. It passes the release gate against the
 # dequantized reference path (`tokenmill eval compare --gates quant`: top-1 agreement >= 0.99 and

@@ -55,13 +55,19 @@ class AttentionMetadata:
 
 
 def decode_kernel(backend: str, device: torch.device) -> NativeDecodeKernels | None:
-    """The native decode kernel for `backend` on `device`, or None for the SDPA path.
+    """The paged decode kernel for `backend` on `device`, or None for the SDPA path (gather + mask).
 
-    "auto": native on CPU where it builds (2.1-2.6x faster than gather + SDPA at 64 sequences,
-    1.6x at 16; see benchmarks/cpu_kernels.py), SDPA elsewhere. "native": required, an error where it cannot build."""
+    "auto": the native kernel on CPU where it builds (2.1-2.6x faster than gather + SDPA at 64
+    sequences, 1.6x at 16; see benchmarks/cpu_kernels.py), the Triton kernel on CUDA where Triton
+    imports, else SDPA. "native" / "triton": required, an error where it cannot run (Triton on CPU
+    only under its interpreter, for tests)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend '{backend}' is not supported: use {', '.join(ATTENTION_BACKENDS)}")
-    if backend == "sdpa" or (backend == "auto" and device.type != "cpu"):
+    if backend == "sdpa":
+        return None
+    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
+        return _triton_kernels(device, required=backend == "triton")
+    if backend == "auto" and device.type != "cpu":
         return None
     module = cpu_kernels() if device.type == "cpu" else None
     if module is None:
@@ -70,6 +76,22 @@ def decode_kernel(backend: str, device: torch.device) -> NativeDecodeKernels | N
                                  "(see the warning above); use --attention-backend sdpa")
         return None
     return cast(NativeDecodeKernels, module)
+
+
+def _triton_kernels(device: torch.device, required: bool) -> NativeDecodeKernels | None:
+    try:
+        from tokenmill.kernels.triton_attention import TritonDecodeKernels, interpreting
+    except ImportError as e:
+        if required:
+            raise TokenmillError(f"attention backend 'triton' needs the triton package ({e}); "
+                                 "use --attention-backend sdpa") from e
+        return None
+    if device.type != "cuda" and not interpreting():
+        if required:
+            raise TokenmillError("attention backend 'triton' runs on CUDA devices (on CPU only under "
+                                 "TRITON_INTERPRET=1, for tests)")
+        return None
+    return TritonDecodeKernels()
 
 
 class PagedAttention:
@@ -90,6 +112,7 @@ class PagedAttention:
                  meta: AttentionMetadata, is_sliding: bool) -> torch.Tensor:
         """q: [T, H, hd]; k, v: [T, KVH, hd]. Returns [T, H * hd]."""
         cache.write(meta.slot_mapping, k, v)
+        q = cache.queries(q)  # int8 key smoothing: q · σ against keys stored as (k − μ)·σ⁻¹ (kv_smoothing.py)
         groups = [g for g in (meta.decode, meta.prefill) if g is not None]
         if len(groups) == 1:  # all decodes or all prefill: no scatter into a shared output
             return self._group(q, cache, groups[0], is_sliding).reshape(q.shape[0], -1)
