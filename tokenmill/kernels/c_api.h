@@ -24,8 +24,10 @@ using Rope = void (*)(at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // cpu_kernels.cpp
 using KvWrite = void (*)(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& k,
                          const at::Tensor& v);
+// v2: the calibrated key smoothing (k_shift μ, k_inv_sigma σ⁻¹ [KVH, hd] float32, both or neither).
 using KvWriteInt8 = void (*)(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_scale, at::Tensor v_scale,
-                             const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v);
+                             const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v,
+                             const c10::optional<at::Tensor>& k_shift, const c10::optional<at::Tensor>& k_inv_sigma);
 using Decode = at::Tensor (*)(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                               at::Tensor seq_lens, double scale, int64_t window, double softcap);
 using DecodeInt8 = at::Tensor (*)(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_scale,
@@ -38,7 +40,9 @@ using PlanForward = at::Tensor (*)(const void* plan, const at::Tensor& x);
 
 constexpr const char* kPlanCapsule = "tokenmill.QuantPlan";
 
-inline std::string capsule_name(const char* fn) { return std::string("tokenmill.c_api.") + fn + ".v1"; }
+inline std::string capsule_name(const char* fn, int version) {
+  return std::string("tokenmill.c_api.") + fn + ".v" + std::to_string(version);
+}
 
 // The capsule's name must outlive it: the names are string literals passed in by the callers.
 template <typename F>
@@ -47,8 +51,8 @@ pybind11::capsule export_fn(F fn, const char* full_name) {
 }
 
 template <typename F>
-F import_fn(const pybind11::dict& api, const char* fn) {
-  const std::string name = capsule_name(fn);
+F import_fn(const pybind11::dict& api, const char* fn, int version = 1) {
+  const std::string name = capsule_name(fn, version);
   TORCH_CHECK(api.contains(name), "native C API has no ", name, " (a stale kernel build?)");
   pybind11::capsule cap = api[name.c_str()].cast<pybind11::capsule>();
   TORCH_CHECK(cap.name() != nullptr && name == cap.name(), "native C API capsule ", name, " has the wrong name");
@@ -57,6 +61,9 @@ F import_fn(const pybind11::dict& api, const char* fn) {
 
 }  // namespace tokenmill_capi
 
-// One entry of a module's c_api() dict: the function `fn` under its versioned name.
-#define TM_CAPI_ENTRY(dict, type, fn) \
-  (dict)["tokenmill.c_api." #fn ".v1"] = tokenmill_capi::export_fn<tokenmill_capi::type>(&fn, "tokenmill.c_api." #fn ".v1")
+// One entry of a module's c_api() dict: the function `fn` under its versioned name (TM_CAPI_ENTRY_V:
+// a signature changed since v1, imported with import_fn's `version`).
+#define TM_CAPI_ENTRY_V(dict, type, fn, version)                                \
+  (dict)["tokenmill.c_api." #fn ".v" #version] = tokenmill_capi::export_fn<tokenmill_capi::type>( \
+      &fn, "tokenmill.c_api." #fn ".v" #version)
+#define TM_CAPI_ENTRY(dict, type, fn) TM_CAPI_ENTRY_V(dict, type, fn, 1)

@@ -28,6 +28,7 @@ import torch
 
 from tokenmill.kernels import cpu_kernels
 from tokenmill.layers import KV_CACHE_DTYPES
+from tokenmill.layers.kv_smoothing import KeySmoothing
 
 _FP16_MAX = 65504.0
 
@@ -52,7 +53,8 @@ class NativeKVWriter(Protocol):
                  v: torch.Tensor) -> None: ...
 
     def kv_write_int8(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
-                      v_scale: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+                      v_scale: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      k_shift: torch.Tensor | None = None, k_inv_sigma: torch.Tensor | None = None) -> None: ...
 
 
 class LayerKVCache(ABC):
@@ -77,6 +79,10 @@ class LayerKVCache(ABC):
     @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the layer's cache holds (for byte accounting)."""
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """The queries [T, H, hd] as every reader of this cache must see them (key smoothing scales them)."""
+        return q
 
     @property
     def nbytes(self) -> int:
@@ -118,13 +124,19 @@ class Int8KVCache(LayerKVCache):
                  writer: NativeKVWriter | None = None) -> None:
         self.k, self.v, self.k_scale, self.v_scale = k, v, k_scale, v_scale
         self.writer = writer
+        # Keys stored as (k − μ)·σ⁻¹ and queries scaled by σ (layers/kv_smoothing.py). Set once, before
+        # the cache holds any token (engine/kv_calibration.py): rows written before would mean other keys.
+        self.smoothing: KeySmoothing | None = None
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        sm = self.smoothing
         if self.writer is not None:
-            self.writer.kv_write_int8(self.k, self.v, self.k_scale, self.v_scale, slots, k, v)
+            self.writer.kv_write_int8(self.k, self.v, self.k_scale, self.v_scale, slots, k, v,
+                                      *((sm.shift, sm.inv_sigma) if sm is not None else ()))
             return
         kvh, hd = self.k.shape[2], self.k.shape[3]
-        for x, cache, scales in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+        for x, cache, scales in ((k if sm is None else sm.normalize(k), self.k, self.k_scale),
+                                 (v, self.v, self.v_scale)):
             q, s = quantize_int8(x)
             cache.view(-1, kvh * hd).index_copy_(0, slots, q.reshape(-1, kvh * hd))
             scales.view(-1, kvh).index_copy_(0, slots, s.reshape(-1, kvh))
@@ -140,6 +152,9 @@ class Int8KVCache(LayerKVCache):
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v, self.k_scale, self.v_scale]
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        return q if self.smoothing is None else self.smoothing.scale_queries(q)
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,14 +60,22 @@ class NativeDecodeStack:
         cos, sin = self.model.rope_global.tables(positions)
         return self.stack(x.contiguous(), cos, sin, meta.slot_mapping, group.block_table, group.seq_lens)
 
+    def unbind(self) -> None:
+        """The caches' key smoothing changed (engine/kv_calibration.py): bind them again on the next step."""
+        self._bound = None
+
     def _bind(self, kv_caches: list[LayerKVCache]) -> bool:
+        # Per layer (k, v, k_scale, v_scale, k_shift, k_inv_sigma, query_scale): scales for int8, the
+        # last three for int8 with key smoothing (layers/kv_smoothing.py), None where absent.
         caches: list[list[torch.Tensor | None]] = []
         for cache in kv_caches:
             if isinstance(cache, Int8KVCache) and cache.writer is not None:
-                caches.append([cache.k, cache.v, cache.k_scale, cache.v_scale])
+                sm = cache.smoothing
+                smoothing = [sm.shift, sm.inv_sigma, sm.query_scale] if sm is not None else [None] * 3
+                caches.append([cache.k, cache.v, cache.k_scale, cache.v_scale, *smoothing])
             elif (isinstance(cache, DenseKVCache) and cache.writer is not None
                   and cache.k.dtype in (torch.float32, torch.bfloat16, torch.float16)):
-                caches.append([cache.k, cache.v, None, None])
+                caches.append([cache.k, cache.v, None, None, None, None, None])
             else:
                 log.debug("native stack off: a KV cache without a native write (%s)", type(cache).__name__)
                 self.enabled = False

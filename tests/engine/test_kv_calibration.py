@@ -1,0 +1,88 @@
+"""The int8 KV cache's key smoothing fitted at load (engine/kv_calibration.py): the calibration keys are
+the model's own keys (after RoPE), every int8 layer cache gets its fit at load and the native stack
+rebinds to it, nothing else is smoothed, and the calibration text shares nothing with the eval corpora."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.engine.tiny import ARCH_NAMES, ArchName, make_core, random_prompts, tiny_model
+from tokenmill import LLM
+from tokenmill.engine.kv_calibration import (
+    SMOOTHING_ENV,
+    calibrate_key_smoothing,
+    calibration_keys,
+    calibration_text,
+    smoothing_skipped,
+)
+from tokenmill.eval.texts import CORPORA, corpus
+from tokenmill.layers.kv_cache import DenseKVCache, Int8KVCache, kv_cache_spec
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_calibration_keys_are_the_models_keys_after_rope(arch: ArchName) -> None:
+    """Read back from the temporary cache: transformers' own cached keys, position by position."""
+    model = tiny_model(arch)
+    runner = make_core(model, num_blocks=32).runner
+    ids = random_prompts([45], seed=3)[0]
+    keys = calibration_keys(runner.model, ids, runner.block_size)
+    with torch.no_grad():
+        cache = model.hf(torch.tensor([ids]), use_cache=True).past_key_values
+    assert len(keys) == model.arch.num_layers
+    for layer, k in enumerate(keys):
+        reference = cache.layers[layer].keys[0].transpose(0, 1)  # [n, KVH, hd]; a sliding layer keeps its window
+        assert k.shape == (len(ids), model.arch.num_kv_heads, model.arch.head_dim)
+        torch.testing.assert_close(k[len(ids) - reference.shape[0]:], reference, rtol=1e-4, atol=1e-4)
+
+
+def test_calibration_fits_each_int8_layer_and_rebinds() -> None:
+    runner = make_core(tiny_model("qwen2"), num_blocks=32).runner
+    runner.kv_spec = kv_cache_spec("int8", torch.float32)
+    runner.allocate_kv_cache(32)
+    assert smoothing_skipped(runner) is None
+    fits = calibrate_key_smoothing(runner, random_prompts([60], seed=4)[0])
+    assert len(fits) == len(runner.kv_caches) == runner.arch.num_layers
+    for cache, fit in zip(runner.kv_caches, fits, strict=True):
+        assert isinstance(cache, Int8KVCache) and cache.smoothing is fit
+        assert fit.query_scale.shape == (runner.arch.num_heads, runner.arch.head_dim)
+    with pytest.raises(ValueError, match="calibration tokens"):
+        calibrate_key_smoothing(runner, [])
+
+
+def _llm(path: Path, kv_cache_dtype: str) -> LLM:
+    return LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=256,
+               kv_cache_dtype=kv_cache_dtype)
+
+
+def test_load_smooths_int8_caches_only(tiny_hf_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny_hf_dir("llama")
+    int8 = _llm(path, "int8").core.runner
+    assert all(isinstance(c, Int8KVCache) and c.smoothing is not None for c in int8.kv_caches)
+    assert all(isinstance(c, DenseKVCache) for c in _llm(path, "fp32").core.runner.kv_caches)
+    monkeypatch.setenv(SMOOTHING_ENV, "0")
+    off = _llm(path, "int8").core.runner
+    assert smoothing_skipped(off) == f"{SMOOTHING_ENV}=0"
+    assert all(isinstance(c, Int8KVCache) and c.smoothing is None for c in off.kv_caches)
+
+
+def test_no_smoothing_under_a_logit_softcap(tiny_hf_dir: Callable[[str], Path]) -> None:
+    runner = _llm(tiny_hf_dir("llama"), "int8").core.runner
+    runner.model.attn.logit_softcap = 30.0  # cap · tanh(s / cap): a shift of s is no longer invisible
+    assert smoothing_skipped(runner) == "attention logit softcap (not shift-invariant)"
+
+
+def test_calibration_text_shares_no_passage_with_the_eval_corpora() -> None:
+    """No 40-character run of the calibration text (whitespace folded) occurs in any eval corpus."""
+    def fold(text: str) -> str:
+        return " ".join(text.split())
+
+    calibration = fold(calibration_text())
+    assert len(calibration) > 4000
+    shingles = {calibration[i:i + 40] for i in range(0, len(calibration) - 40, 7)}
+    for name in CORPORA:
+        text = fold(corpus(name))
+        assert not [s for s in shingles if s in text], name
