@@ -43,6 +43,8 @@ class ModelConfig:
     # and Qwen2.5-Coder-1.5B fails the 0.99 top-1 release gate with them (docs/quantization.md). False
     # (the default): the integer kernels' rounding at every row count, the same bits on every path.
     amx_bf16: bool = False
+    # True: no CUDA graphs; every decode step launches its kernels from Python (engine/cuda_graphs.py).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         _require(self.quantization in QUANTIZATIONS,

@@ -30,7 +30,7 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, policy: str = "fcfs",
                  enable_chunked_prefill: bool = True, seed: int = 0, num_threads: int | None = None,
                  gemm_backend: str = "auto", attention_backend: str = "auto", kv_cache_dtype: str = "auto",
-                 quantization: str = DEFAULT_QUANTIZATION, amx_bf16: bool = False,
+                 quantization: str = DEFAULT_QUANTIZATION, amx_bf16: bool = False, enforce_eager: bool = False,
                  speculative: str | None = None,
                  draft_model: str | None = None,
                  num_speculative_tokens: int = 3, ngram_min: int = 1, ngram_max: int = 4,
@@ -38,7 +38,7 @@ class LLM:
         """`profile`: N steps (or a ProfileConfig) to profile, written to ./tokenmill-profile (docs/performance.md)."""
         self.config = EngineConfig(
             ModelConfig(model, dtype, device, max_model_len, seed, gemm_backend, attention_backend, quantization,
-                        amx_bf16),
+                        amx_bf16, enforce_eager),
             CacheConfig(block_size, num_kv_blocks, kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
                         kv_cache_dtype=kv_cache_dtype),
             SchedulerConfig(max_num_batched_tokens, max_num_seqs, policy, enable_chunked_prefill),

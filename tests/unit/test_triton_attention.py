@@ -47,12 +47,14 @@ def test_matches_reference_float32(case: tuple) -> None:
     torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=1e-5)
 
 
-def test_bfloat16_cache() -> None:
-    q, k, v, table, seq_lens = _problem(4, 2, 64, [7, 200, 64], torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_cache(dtype: torch.dtype) -> None:
+    """Tensor-core dots in the cache's dtype (on CPU: fp16 only; the interpreter has no bf16 math)."""
+    q, k, v, table, seq_lens = _problem(4, 2, 64, [7, 200, 64], dtype)
     out = triton_attention.paged_decode(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), table.to(DEVICE),
                                         seq_lens.to(DEVICE), 0.125, 0, 0.0, partition=64, block_n=32)
     ref = paged_attention_reference(q, k, v, table, seq_lens, 0.125, 0, 0.0, torch.float64)
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == dtype
     torch.testing.assert_close(out.cpu().double(), ref, atol=1e-2, rtol=1e-2)
 
 

@@ -51,6 +51,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = {k: v for k, v in optional.items() if v is not None}
     return {"dtype": args.dtype, "device": args.device, "seed": args.seed, "kv_cache_dtype": args.kv_cache_dtype,
             "quantization": args.quantization, "amx_bf16": args.amx_bf16,
+            "enforce_eager": args.enforce_eager,
             "enable_prefix_caching": not args.no_prefix_caching, **kwargs}
 
 

@@ -53,7 +53,8 @@ def run_generate(args: argparse.Namespace) -> int:
     llm = LLM(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               num_threads=args.threads, gemm_backend=args.gemm_backend, attention_backend=args.attention_backend,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-              amx_bf16=args.amx_bf16, **speculative_kwargs(args))
+              amx_bf16=args.amx_bf16, enforce_eager=args.enforce_eager,
+              **speculative_kwargs(args))
     tokens: str | list[int] = prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -88,6 +88,8 @@ def add_quantization_argument(parser: Any) -> None:
                         help="AMX hosts: quantized GEMMs of 64+ rows (prefill, wide batches) on bf16 tiles, 2-4x "
                              "faster with bf16 rounding (tokens then depend on batch composition; below the "
                              "release gate on Qwen2.5-Coder-1.5B; docs/quantization.md)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="CUDA: no CUDA graphs; every decode step launches its kernels from Python")
 
 
 def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,7 +123,7 @@ def run_serve(args: argparse.Namespace) -> int:
     model_name = _installed_model_name(args.model)
     engine_config = EngineConfig(
         ModelConfig(args.model, args.dtype, args.device, args.max_model_len, args.seed, args.gemm_backend,
-                    args.attention_backend, args.quantization, args.amx_bf16),
+                    args.attention_backend, args.quantization, args.amx_bf16, args.enforce_eager),
         CacheConfig(num_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype),
         SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy,
                         service_classes=service_class_config(args)),

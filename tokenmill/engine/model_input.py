@@ -35,6 +35,8 @@ class ModelInput:
     sampled: list[ScheduledRequest]  # the requests sampled, in the same order (request i owns num_sample_rows rows)
     prompt_logprob_offsets: list[tuple[ScheduledRequest, int]]  # requests wanting prompt logprobs, flat start
     every_row_sampled: bool = False  # sample_indices is arange(T): the hidden rows need no gather
+    graph_key: tuple[int, int] | None = None  # staged in a CUDA graph's static buffers (engine/cuda_graphs.py):
+    # replay that graph instead of running the model
 
 
 @dataclass(slots=True)
@@ -62,8 +64,7 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int, slidin
     """`tables`: the runner's persistent block tables (None: rebuilt from the block lists, the old
     path). `decode_mask` False: the decode group is served by the paged decode kernel, which needs
     no dense mask (it walks each row's keys up to seq_lens)."""
-    if tables is not None and not decode_mask and scheduled and \
-            all(s.num_new_tokens == 1 and not s.spec_token_ids for s in scheduled):
+    if tables is not None and not decode_mask and is_plain_decode(scheduled):
         return _plain_decodes(scheduled, block_size, device, tables)
     decodes = [s for s in scheduled if s.num_new_tokens <= MAX_DECODE_QUERY]
     prefills = [s for s in scheduled if s.num_new_tokens > MAX_DECODE_QUERY]
@@ -103,12 +104,40 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int, slidin
     )
 
 
-def _plain_decodes(scheduled: list[ScheduledRequest], block_size: int, device: torch.device,
-                   tables: PersistentBlockTables) -> ModelInput:
-    """The steady state: one new token per request, all on the paged decode kernel (no masks). The
-    same tensors as the general path (tests/engine/test_runner_buffers.py checks it against a
-    rebuild), in a handful of numpy calls: at batch 1 the general path's ~40 small calls were 0.5 ms
-    of a 10 ms step."""
+@dataclass(slots=True)
+class PlainDecodeArrays:
+    """The host side of a plain decode step (one new token per request, no proposals): what both the
+    eager tensors and the CUDA graphs' static buffers (engine/cuda_graphs.py) are filled from."""
+
+    scheduled: list[ScheduledRequest]
+    input_ids: np.ndarray  # [n] int64
+    positions: np.ndarray  # [n] int64: num_computed_tokens
+    slots: np.ndarray  # [n] int64 cache slot of each new token
+    seq_lens: np.ndarray  # [n] int64 keys after this step
+    table: np.ndarray  # [n, ceil(max seq_len / block_size)] int64, contiguous
+    sampled_idx: list[int]  # rows that sample (a plain decode always does, unless a draft model catches up)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.scheduled)
+
+    def sampling(self, device: torch.device) -> tuple[torch.Tensor, list[ScheduledRequest],
+                                                      list[tuple[ScheduledRequest, int]], bool]:
+        """sample_indices, sampled, prompt_logprob_offsets, every_row_sampled of the ModelInput."""
+        n = self.num_rows
+        return (torch.from_numpy(np.array(self.sampled_idx, dtype=np.int64)).to(device),
+                [self.scheduled[i] for i in self.sampled_idx],
+                [(s, i) for i, s in enumerate(self.scheduled) if s.request.params.prompt_logprobs is not None],
+                len(self.sampled_idx) == n)
+
+
+def is_plain_decode(scheduled: list[ScheduledRequest]) -> bool:
+    return bool(scheduled) and all(s.num_new_tokens == 1 and not s.spec_token_ids for s in scheduled)
+
+
+def plain_decode_arrays(scheduled: list[ScheduledRequest], block_size: int,
+                        tables: PersistentBlockTables) -> PlainDecodeArrays:
+    """A handful of numpy calls: at batch 1 the general path's ~40 small calls were 0.5 ms of a 10 ms step."""
     n = len(scheduled)
     rows = tables.rows_for(scheduled)
     starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, n)
@@ -117,18 +146,28 @@ def _plain_decodes(scheduled: list[ScheduledRequest], block_size: int, device: t
     table = tables.table[rows, :-(-int(seq_lens.max()) // block_size)]  # fancy indexing: a contiguous copy
     slots = table[np.arange(n), starts // block_size] * block_size + starts % block_size
     sampled_idx = [i for i, s in enumerate(scheduled) if s.needs_sample]
-    decode = GroupMetadata(block_table=torch.from_numpy(table).to(device),
-                           seq_lens=torch.from_numpy(seq_lens).to(device), mask=None, sliding_mask=None,
+    return PlainDecodeArrays(scheduled, input_ids, starts, slots, seq_lens, table, sampled_idx)
+
+
+def _plain_decodes(scheduled: list[ScheduledRequest], block_size: int, device: torch.device,
+                   tables: PersistentBlockTables) -> ModelInput:
+    """The steady state: one new token per request, all on the paged decode kernel (no masks). The
+    same tensors as the general path (tests/engine/test_runner_buffers.py checks it against a
+    rebuild)."""
+    a = plain_decode_arrays(scheduled, block_size, tables)
+    n = a.num_rows
+    decode = GroupMetadata(block_table=torch.from_numpy(a.table).to(device),
+                           seq_lens=torch.from_numpy(a.seq_lens).to(device), mask=None, sliding_mask=None,
                            token_start=0, num_tokens=n, max_query_len=1, pad_index=None)
+    sample_indices, sampled, prompt_offsets, every_row = a.sampling(device)
     return ModelInput(
-        input_ids=torch.from_numpy(input_ids).to(device),
-        positions=torch.from_numpy(starts).to(device),
-        meta=AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(device), decode=decode, prefill=None),
-        sample_indices=torch.from_numpy(np.array(sampled_idx, dtype=np.int64)).to(device),
-        sampled=[scheduled[i] for i in sampled_idx],
-        prompt_logprob_offsets=[(s, i) for i, s in enumerate(scheduled)
-                                if s.request.params.prompt_logprobs is not None],
-        every_row_sampled=len(sampled_idx) == n,
+        input_ids=torch.from_numpy(a.input_ids).to(device),
+        positions=torch.from_numpy(a.positions).to(device),
+        meta=AttentionMetadata(slot_mapping=torch.from_numpy(a.slots).to(device), decode=decode, prefill=None),
+        sample_indices=sample_indices,
+        sampled=sampled,
+        prompt_logprob_offsets=prompt_offsets,
+        every_row_sampled=every_row,
     )
 
 

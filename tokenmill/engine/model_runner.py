@@ -8,12 +8,14 @@ from collections.abc import Mapping
 import torch
 
 from tokenmill.config import CacheConfig, ModelConfig
+from tokenmill.engine.cuda_graphs import WIDTH_STEP_TOKENS, DecodeGraphs
 from tokenmill.engine.input_buffers import PersistentBlockTables
 from tokenmill.engine.interfaces import RunnerOutput, SampledTokens, ScheduledRequest, SchedulerOutput
-from tokenmill.engine.model_input import ModelInput, build_model_input
+from tokenmill.engine.model_input import ModelInput, build_model_input, is_plain_decode, plain_decode_arrays
 from tokenmill.engine.profiling import PhaseTimer, StepShape
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.engine.sampler import Sampler, token_logprobs
+from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.kv_cache import KVCacheSpec, LayerKVCache, kv_cache_spec
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.llama import LlamaForCausalLM
@@ -77,6 +79,14 @@ class ModelRunner:
         # False: the previous per-step path (tables rebuilt, masks for every group), for
         # benchmarks/host_overhead.py's before/after in one process.
         self.persistent_inputs = self.tables is not None
+        # Plain decode steps replay CUDA graphs (engine/cuda_graphs.py): on CUDA, with persistent
+        # tables and the paged decode kernel, unless enforce_eager. Captured once the KV cache exists.
+        self.graphs: DecodeGraphs | None = None
+        self._graph_mode: str | None = None
+        self._graph_width_step = WIDTH_STEP_TOKENS
+        if (self.device.type == "cuda" and not model_config.enforce_eager and self.tables is not None
+                and self.model.attn.decode_kernel is not None):
+            self._graph_mode = "cuda"
 
     def forget(self, request_id: str) -> None:
         """A request ended (finished or aborted): free its row and its sampler state."""
@@ -90,12 +100,43 @@ class ModelRunner:
 
     def _input(self, out: SchedulerOutput) -> ModelInput:
         fast = self.persistent_inputs and self.tables is not None
+        if self.graphs is not None and fast and is_plain_decode(out.scheduled):
+            assert self.tables is not None
+            arrays = plain_decode_arrays(out.scheduled, self.block_size, self.tables)
+            key = self.graphs.key_for(arrays)
+            if key is not None:
+                return self.graphs.stage(arrays, key)
         return build_model_input(out.scheduled, self.block_size, self.arch.sliding_window, self.device,
                                  self.tables if fast else None,
                                  decode_mask=not fast or self.model.attn.decode_kernel is None)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = self._allocate_kv(num_blocks)
+        """`num_blocks` for the KV cache manager; with CUDA graphs one more, the padding rows' (never handed out)."""
+        if self._graph_mode is None:
+            self.kv_caches = self._allocate_kv(num_blocks)
+            return
+        self.kv_caches = self._allocate_kv(num_blocks + 1)
+        assert self.tables is not None
+        self.graphs = DecodeGraphs(self._forward_meta, self.device, self.tables.table.shape[0], self.tables.width,
+                                   self.block_size, pad_block=num_blocks, mode=self._graph_mode,
+                                   width_step_tokens=self._graph_width_step)
+        self.graphs.capture()
+
+    def enable_decode_graphs(self, mode: str, width_step_tokens: int = WIDTH_STEP_TOKENS) -> None:
+        """Replay plain decode steps from graphs from now on: "cuda", or "eager" (the same static
+        buffers re-run eagerly, how CPU tests exercise the staging). Reallocates the KV cache."""
+        self._graph_mode = mode
+        self._graph_width_step = width_step_tokens
+        self.allocate_kv_cache(self.kv_caches[0].k.shape[0] if self.kv_caches else 1)
+
+    def _forward_meta(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def _forward(self, inp: ModelInput) -> torch.Tensor:
+        if inp.graph_key is not None:
+            assert self.graphs is not None
+            return self.graphs.replay(inp)
+        return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
 
     def _allocate_kv(self, num_blocks: int) -> list[LayerKVCache]:
         return [self.kv_spec.allocate(num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
@@ -117,7 +158,7 @@ class ModelRunner:
             if inp.sampled and not any(s.spec_token_ids for s in inp.sampled):
                 self.sampler.prepare([s.request for s in inp.sampled])  # grammar masks overlap the forward
         with timer.phase("forward"):
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+            hidden = self._forward(inp)
         with timer.phase("logits"):
             result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, inp))
             rows = hidden if inp.every_row_sampled else hidden[inp.sample_indices]
@@ -147,7 +188,7 @@ class ModelRunner:
         """Run one step without sampling (a draft model's forward): the requests whose chunk reached
         their last token, in row order, and the float32 logits of their last token."""
         inp = self._input(out)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        hidden = self._forward(inp)
         return inp.sampled, self.model.compute_logits(hidden[inp.sample_indices])
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: ModelInput) -> dict[str, list[TokenLogprob]]:
@@ -169,7 +210,7 @@ class ModelRunner:
     def logits_for(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one step and return the float32 logits of every scheduled token (for parity tests)."""
         inp = self._input(out)
-        return self.model.compute_logits(self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta))
+        return self.model.compute_logits(self._forward(inp))
 
 
 

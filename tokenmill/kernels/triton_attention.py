@@ -17,7 +17,9 @@ a CUDA graph captured for a table width replays with the same grid whatever the 
 
 Keys past seq_len, and before seq_len - window for a sliding window, are never read. Scores,
 softmax and the value sum run in float32 whatever the cache dtype (int8 caches multiply by their
-per-(token, kv head) scales on load). The same source runs on CPU under Triton's interpreter
+per-(token, kv head) scales on load); with a bf16/fp16 cache the two dots take that dtype on the
+tensor cores (q and the softmax weights rounded to it, as FlashAttention does), with a float32
+cache they run in float32 ("ieee"). The same source runs on CPU under Triton's interpreter
 (TRITON_INTERPRET=1, set by tests/conftest.py where there is no GPU): that is how the tests check
 it on machines without one.
 """
@@ -41,7 +43,7 @@ def _decode_partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, ou
                     stride_on, stride_oh, num_splits,
                     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
-                    INT8: tl.constexpr, SOFTCAP: tl.constexpr, SINGLE: tl.constexpr):
+                    INT8: tl.constexpr, LOWP: tl.constexpr, SOFTCAP: tl.constexpr, SINGLE: tl.constexpr):
     n = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -57,7 +59,11 @@ def _decode_partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, ou
     d_ok = d < HEAD_DIM
     heads = kvh * GROUP + g
     q = tl.load(q_ptr + n.to(tl.int64) * stride_qn + heads[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if LOWP:  # noqa: SIM108  (bf16/fp16 cache: tensor-core dots in its dtype, float32 accumulation)
+        q = q.to(k_ptr.dtype.element_ty)
+    else:
+        q = q.to(tl.float32)
 
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P], tl.float32)
@@ -73,13 +79,19 @@ def _decode_partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, ou
             within = (tok % BLOCK_SIZE).to(tl.int64)
             row = blk * stride_kb + within * stride_kt + kvh * stride_kh  # [BLOCK_N] element offsets
             kv_mask = valid[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if not LOWP:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
             if INT8:
                 srow = blk * stride_sb + within * stride_st + kvh
                 k = k * tl.load(ks_ptr + srow, mask=valid, other=0.0).to(tl.float32)[:, None]
                 v = v * tl.load(vs_ptr + srow, mask=valid, other=0.0).to(tl.float32)[:, None]
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GROUP_P, BLOCK_N]
+            if LOWP:  # noqa: SIM108  (Triton compiles if/else on a constexpr; keep the kernel plain)
+                s = tl.dot(q, tl.trans(k)) * scale  # [GROUP_P, BLOCK_N]
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             if SOFTCAP:
                 # tanh(x) = 1 - 2 / (e^{2x} + 1): no libdevice call, so the interpreter runs it too.
                 s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
@@ -88,7 +100,10 @@ def _decode_partial(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, ou
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            if LOWP:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m_i = m_new
 
     out_mask = g_ok[:, None] & d_ok[None, :]
@@ -135,6 +150,12 @@ def _compiled() -> tuple[Any, Any]:
     return triton.jit(_decode_partial), triton.jit(_decode_merge)
 
 
+def _low_precision_dots(dtype: torch.dtype) -> bool:
+    # The interpreter has no bf16 arithmetic (numpy): its bf16 dots come out garbage, so there a bf16
+    # cache takes the float32 path; fp16 (which numpy has) tests the low-precision code on CPU.
+    return dtype == torch.float16 or (dtype == torch.bfloat16 and not interpreting())
+
+
 def _pow2(x: int, least: int = 1) -> int:
     return max(least, 1 << (x - 1).bit_length())
 
@@ -172,7 +193,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out.stride(0), out.stride(1), splits,
         GROUP=group, GROUP_P=_pow2(group, _MIN_GROUP), HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, PARTITION=partition,
-        INT8=int8, SOFTCAP=bool(softcap), SINGLE=splits == 1)
+        INT8=int8, LOWP=_low_precision_dots(k_cache.dtype), SOFTCAP=bool(softcap),
+        SINGLE=splits == 1)
     if splits > 1:
         merge[(num_rows, num_heads)](acc, ml, out, out.stride(0), out.stride(1), num_heads, splits,
                                      HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=_pow2(splits))
