@@ -1,6 +1,6 @@
 """GPU check (run on a CUDA machine, ~4 minutes): the engine's CUDA path, its tests, parity and speed.
 
-    PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py [OUT_DIR] [--quick]
+    PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py [OUT_DIR] [--quick] [--only SECTION,SECTION]
     GPU_CHECK_DEVICE=cpu TRITON_INTERPRET=1 python benchmarks/gpu_check.py /tmp/out --tiny --quick  # dry run on CPU
 
 1. Device facts and ceilings: name, torch/triton versions, device-to-device copy bandwidth (bytes
@@ -52,7 +52,12 @@ def _save() -> None:
     (OUT / "gpu_check.json").write_text(json.dumps(REPORT, indent=1))
 
 
+ONLY: set[str] = set()
+
+
 def section(name: str, fn: Callable[[], Any]) -> None:
+    if ONLY and name not in ONLY:
+        return
     started = time.perf_counter()
     try:
         REPORT[name] = fn()
@@ -109,8 +114,8 @@ def device_facts() -> dict[str, Any]:
 def cuda_tests() -> dict[str, Any]:
     # Only the CUDA cases: the CPU ones would spend device time building the CPU kernels.
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-           "tests/unit/test_triton_attention.py",
-           "tests/engine/test_cuda_graphs.py::test_cuda_graph_replay_equals_eager_on_gpu"]
+           *os.environ.get("GPU_CHECK_TESTS", "tests/unit/test_triton_attention.py tests/unit/test_triton_glue.py "
+                           "tests/engine/test_cuda_graphs.py::test_cuda_graph_replay_equals_eager_on_gpu").split()]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     tail = (proc.stdout + proc.stderr).strip().splitlines()
     return {"returncode": proc.returncode, "summary": tail[-1] if tail else "", "failures": [
@@ -224,13 +229,17 @@ def _decode_rate(generate: Callable[[int], Any], batch: int) -> float:
     return batch * DECODE / (times[1 + DECODE] - times[1])
 
 
-def tokenmill_speed(path: Path, copy_bw: float, eager: bool) -> dict[str, Any]:
+def tokenmill_speed(path: Path, copy_bw: float, eager: bool, glue: bool = True) -> dict[str, Any]:
+    """`glue` False: the ATen glue ops instead of kernels/triton_glue.py (TOKENMILL_TRITON_GLUE=0)."""
+    os.environ["TOKENMILL_TRITON_GLUE"] = "1" if glue else "0"
     llm = LLM(str(path), dtype=DTYPE, device=DEVICE, max_num_seqs=max(BATCHES), max_model_len=512,
               enable_prefix_caching=False, enforce_eager=eager)
+    os.environ.pop("TOKENMILL_TRITON_GLUE")
     runner = llm.core.runner
     weight_bytes = runner.model.weight_bytes()
     results: dict[str, Any] = {"weight_bytes": weight_bytes, "dtype": str(runner.dtype),
-                               "attention": type(runner.model.attn.decode_kernel).__name__}
+                               "attention": type(runner.model.attn.decode_kernel).__name__,
+                               "triton_glue": runner.model.norm.triton_glue is not None}
     for batch in BATCHES:
         prompts = _prompts(batch)
 
@@ -250,7 +259,7 @@ def tokenmill_speed(path: Path, copy_bw: float, eager: bool) -> dict[str, Any]:
             entry["graph_replay_ms"] = replay_s * 1000
             entry["graph_replay_roofline_fraction"] = weight_bytes / replay_s / copy_bw
         results[f"b{batch}"] = entry
-        print(f"tokenmill {'eager' if eager else 'graphs'} batch {batch}: {entry}", flush=True)
+        print(f"tokenmill {'eager' if eager else 'graphs'} glue={glue} batch {batch}: {entry}", flush=True)
     return results
 
 
@@ -274,28 +283,32 @@ def transformers_speed(path: Path) -> dict[str, Any]:
 
 def main() -> None:
     global OUT
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    args = [a for a in sys.argv[1:2] if not a.startswith("--")]
     OUT = Path(args[0]) if args else Path(".")
     OUT.mkdir(parents=True, exist_ok=True)
     quick = "--quick" in sys.argv
+    if "--only" in sys.argv:
+        ONLY.update(sys.argv[sys.argv.index("--only") + 1].split(","))
     section("device", device_facts)
-    copy_bw = REPORT["device"]["copy_bytes_per_s"]
-    if not quick:
-        section("cuda_tests", cuda_tests)
+    copy_bw = REPORT["device"]["copy_bytes_per_s"] if "device" in REPORT else 4.28e12
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         section("parity", lambda: parity(root))
-        section("attention", attention_kernels)
         path = random_qwen_1p5b(root)
         section("tokenmill_graphs", lambda: tokenmill_speed(path, copy_bw, eager=False))
+        section("tokenmill_graphs_aten_glue", lambda: tokenmill_speed(path, copy_bw, eager=False, glue=False))
         section("tokenmill_eager", lambda: tokenmill_speed(path, copy_bw, eager=True))
         section("transformers", lambda: transformers_speed(path))
+    section("attention", attention_kernels)
+    if not quick:  # last: the slowest (pytest compiles every kernel variant the tests ask for)
+        section("cuda_tests", cuda_tests)
     summary: dict[str, Any] = {}
     for batch in BATCHES:
         key = f"b{batch}"
         try:
             graphs = REPORT["tokenmill_graphs"][key]["tok_s"]
             summary[key] = {"graphs_tok_s": graphs,
+                            "glue_vs_aten_glue": graphs / REPORT["tokenmill_graphs_aten_glue"][key]["tok_s"],
                             "graphs_vs_eager": graphs / REPORT["tokenmill_eager"][key]["tok_s"],
                             "graphs_vs_transformers": graphs / REPORT["transformers"][key]["tok_s"],
                             "roofline_fraction": REPORT["tokenmill_graphs"][key]["roofline_fraction"]}

@@ -54,6 +54,15 @@ _ISA_FLAG_PREFIXES = ("sse", "ssse3", "avx", "fma", "f16c", "bmi", "amx", "vnni"
                       "vpclmulqdq", "gfni", "adx", "lzcnt", "abm", "asimd", "sve", "fp16", "bf16")
 
 
+def triton_available() -> bool:
+    """Whether the Triton kernels (triton_attention.py, triton_glue.py) can be imported."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     """The instruction-set flags of this CPU (x86 `flags`, Arm `Features`), from /proc/cpuinfo."""
     if cpuinfo is None:

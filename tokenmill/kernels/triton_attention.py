@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 
 PARTITION = 512  # keys per program; a multiple of BLOCK_N
+SMALL_PARTITION = 128  # when rows x kv heads alone cannot fill the GPU (batch 1): more programs per row
+_FEW_PROGRAMS = 64
 BLOCK_N = 64  # keys per tile
 _MIN_GROUP = 16  # tl.dot needs M >= 16: a GQA group of 1-8 heads is padded
 
@@ -163,12 +165,14 @@ def _pow2(x: int, least: int = 1) -> int:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, window: int, softcap: float,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 partition: int = PARTITION, block_n: int = BLOCK_N) -> torch.Tensor:
+                 partition: int | None = None, block_n: int = BLOCK_N) -> torch.Tensor:
     """q [N, H, hd] (last dim contiguous); caches [blocks, bs, KVH, hd] (int8 with scales
     [blocks, bs, KVH]); block_table [N, W]; seq_lens [N] (>= 1). Returns [N, H, hd] in q's dtype."""
     num_rows, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if partition is None:  # a function of shapes only, so a captured graph keeps its grid
+        partition = SMALL_PARTITION if num_rows * num_kv_heads < _FEW_PROGRAMS else PARTITION
     assert partition % block_n == 0
     group = num_heads // num_kv_heads
     out = torch.empty(num_rows, num_heads, head_dim, dtype=q.dtype, device=q.device)

@@ -109,9 +109,11 @@ class PagedAttention:
         self.decode_kernel = decode_kernel
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
-                 meta: AttentionMetadata, is_sliding: bool) -> torch.Tensor:
-        """q: [T, H, hd]; k, v: [T, KVH, hd]. Returns [T, H * hd]."""
-        cache.write(meta.slot_mapping, k, v)
+                 meta: AttentionMetadata, is_sliding: bool, written: bool = False) -> torch.Tensor:
+        """q: [T, H, hd]; k, v: [T, KVH, hd]. Returns [T, H * hd]. `written`: k and v are already in
+        the cache (the fused RoPE + KV write of kernels/triton_glue.py)."""
+        if not written:
+            cache.write(meta.slot_mapping, k, v)
         q = cache.queries(q)  # int8 key smoothing: q · σ against keys stored as (k − μ)·σ⁻¹ (kv_smoothing.py)
         groups = [g for g in (meta.decode, meta.prefill) if g is not None]
         if len(groups) == 1:  # all decodes or all prefill: no scatter into a shared output

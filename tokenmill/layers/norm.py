@@ -22,6 +22,7 @@ class RMSNorm(nn.Module):
     """
 
     native: ModuleType | None = None
+    triton_glue: ModuleType | None = None  # kernels/triton_glue.py on CUDA (LlamaForCausalLM.use_triton_glue)
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
@@ -39,6 +40,8 @@ class RMSNorm(nn.Module):
         return self.native is not None and x.dtype == torch.float32 and x.is_contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton_glue is not None and x.dim() == 2 and x.stride(-1) == 1:
+            return self.triton_glue.rms_norm(x, self.weight, self.eps)
         if self._native_ok(x):
             assert self.native is not None
             return self.native.rms_norm(x, self.weight, self.eps)
@@ -50,6 +53,8 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual += x (in place: the caller's residual stream), then the norm of the sum."""
+        if self.triton_glue is not None and x.dim() == 2 and x.stride(-1) == 1 and residual.stride(-1) == 1:
+            return self.triton_glue.rms_norm(x, self.weight, self.eps, residual)
         if self._native_ok(x) and residual.dtype == torch.float32 and residual.is_contiguous():
             assert self.native is not None
             return self.native.add_rms_norm(x, residual, self.weight, self.eps)

@@ -8,6 +8,7 @@ reads and writes the paged KV cache through `PagedAttention`; nothing here loops
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from types import ModuleType
 
@@ -16,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.errors import ModelFormatError
-from tokenmill.kernels import QUANT_ISAS, cpu_kernels, glue_kernels
+from tokenmill.kernels import QUANT_ISAS, cpu_kernels, glue_kernels, triton_available
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention, decode_kernel
 from tokenmill.layers.embedding import Embedding, build_embedding
-from tokenmill.layers.kv_cache import LayerKVCache
+from tokenmill.layers.kv_cache import DenseKVCache, LayerKVCache
 from tokenmill.layers.linear import Linear, LinearConfig, QuantLinear, build_linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
@@ -42,6 +43,7 @@ class DecoderLayer(nn.Module):
         self.act = _ACTIVATIONS[arch.hidden_act]
         self.rope_kernel: ModuleType | None = None  # native in-place RoPE (set by load() on CPU)
         self.silu_mul_kernel: ModuleType | None = None  # native SwiGLU glue (set by load() on CPU for silu)
+        self.triton_glue: ModuleType | None = None  # fused glue on CUDA (LlamaForCausalLM.use_triton_glue)
         # Set by load(): one Linear per (fused) weight matrix.
         self.qkv_proj: Linear
         self.o_proj: Linear
@@ -75,6 +77,14 @@ class DecoderLayer(nn.Module):
     def norms(self) -> dict[str, RMSNorm]:
         return {"input_layernorm": self.input_layernorm, "post_attention_layernorm": self.post_attention_layernorm}
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v before RoPE (views of the fused projection; q and k normed where the model norms them)."""
+        num_heads, num_kv_heads = self.arch.num_heads, self.arch.num_kv_heads
+        heads = self.qkv_proj(x).view(-1, num_heads + 2 * num_kv_heads, self.arch.head_dim)
+        q, k = heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads]
+        v = heads[:, num_heads + num_kv_heads:]
+        return (*self.qk_norm(q, k), v) if self.has_qk_norm else (q, k, v)
+
     def qkv(self, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         num_heads, num_kv_heads = self.arch.num_heads, self.arch.num_kv_heads
         heads = self.qkv_proj(x)
@@ -94,6 +104,8 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.triton_glue is not None:
+            return self.down_proj(self.triton_glue.act_mul(gate_up, gelu=self.arch.hidden_act != "silu"))
         if self.silu_mul_kernel is not None and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
             return self.down_proj(self.silu_mul_kernel.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -101,6 +113,11 @@ class DecoderLayer(nn.Module):
 
     def attention(self, x: torch.Tensor, rope: RopeTables, attn: PagedAttention,
                   kv: LayerKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        if self.triton_glue is not None and type(kv) is DenseKVCache:
+            # RoPE and the KV write in one kernel: k and v go from the projection straight to their slots.
+            q, k, v = self.project(x)
+            q = self.triton_glue.rope_kv_write(q, k, v, *rope, kv.k, kv.v, meta.slot_mapping)
+            return self.o_proj(attn(q, k, v, kv, meta, self.is_sliding, written=True))
         q, k, v = self.qkv(x, rope)
         out = attn(q, k, v, kv, meta, self.is_sliding)
         return self.o_proj(out)
@@ -163,7 +180,26 @@ class LlamaForCausalLM(nn.Module):
         if self.device.type == "cpu":
             # After the repack cache is written: the arena's copies replace the loaded tensors.
             self.weight_arena = relocate(self.linears().values())
+        elif self.device.type == "cuda" and os.environ.get("TOKENMILL_TRITON_GLUE", "1") != "0":
+            self.use_triton_glue(triton_available())
         self.rebind_native_stack()
+
+    def use_triton_glue(self, enabled: bool) -> None:
+        """Norms, RoPE + KV write and the gated activation as Triton kernels (kernels/triton_glue.py):
+        the default on CUDA where triton imports (TOKENMILL_TRITON_GLUE=0: the ATen ops); on CPU only
+        under Triton's interpreter, for tests."""
+        glue: ModuleType | None = None
+        if enabled:
+            from tokenmill.kernels import triton_glue
+
+            glue = triton_glue
+        norms = [self.norm]
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.triton_glue = glue
+            norms.extend(layer.norms().values())
+        for norm in norms:
+            norm.triton_glue = glue
 
     def set_quant_path(self, bf16: bool, isa: str | None = None) -> None:
         """Let the quantized matmuls (not the lm_head, whose near-ties pick tokens) take the amx path's
