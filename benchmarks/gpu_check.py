@@ -247,7 +247,7 @@ def tokenmill_speed(path: Path, copy_bw: float, eager: bool, glue: bool = True) 
             llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))  # noqa: B023
 
         rate = _decode_rate(generate, batch)
-        entry = {"tok_s": rate, "step_ms": 1000 * batch / rate,
+        entry: dict[str, Any] = {"tok_s": rate, "step_ms": 1000 * batch / rate,
                  "roofline_fraction": weight_bytes * rate / batch / copy_bw}
         if runner.graphs is not None:  # the forward alone: one replay of this batch's graph, no host work
             from tokenmill.engine.model_input import ModelInput
@@ -258,6 +258,9 @@ def tokenmill_speed(path: Path, copy_bw: float, eager: bool, glue: bool = True) 
             replay_s = _time_cuda(lambda: runner.graphs.replay(inp), 50)  # type: ignore[union-attr]  # noqa: B023
             entry["graph_replay_ms"] = replay_s * 1000
             entry["graph_replay_roofline_fraction"] = weight_bytes / replay_s / copy_bw
+        if batch == 8:  # tokens to compare across configurations (bf16: rounding may part them late)
+            outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+            entry["greedy_tokens"] = [o.outputs[0].token_ids for o in outs]
         results[f"b{batch}"] = entry
         print(f"tokenmill {'eager' if eager else 'graphs'} glue={glue} batch {batch}: {entry}", flush=True)
     return results
@@ -279,6 +282,10 @@ def transformers_speed(path: Path) -> dict[str, Any]:
         results[f"b{batch}"] = {"tok_s": _decode_rate(generate, batch)}
         print(f"transformers batch {batch}: {results[f'b{batch}']}", flush=True)
     return results
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def main() -> None:
@@ -308,12 +315,20 @@ def main() -> None:
         try:
             graphs = REPORT["tokenmill_graphs"][key]["tok_s"]
             summary[key] = {"graphs_tok_s": graphs,
-                            "glue_vs_aten_glue": graphs / REPORT["tokenmill_graphs_aten_glue"][key]["tok_s"],
-                            "graphs_vs_eager": graphs / REPORT["tokenmill_eager"][key]["tok_s"],
-                            "graphs_vs_transformers": graphs / REPORT["transformers"][key]["tok_s"],
                             "roofline_fraction": REPORT["tokenmill_graphs"][key]["roofline_fraction"]}
+            for name, peer in (("glue_vs_aten_glue", "tokenmill_graphs_aten_glue"),
+                               ("graphs_vs_eager", "tokenmill_eager"), ("graphs_vs_transformers", "transformers")):
+                if isinstance(REPORT.get(peer), dict) and key in REPORT[peer]:
+                    summary[key][name] = graphs / REPORT[peer][key]["tok_s"]
         except (KeyError, TypeError):
             continue
+    try:
+        same = [_common_prefix(a, b) for a, b in zip(REPORT["tokenmill_graphs"]["b8"]["greedy_tokens"],
+                                                     REPORT["tokenmill_graphs_aten_glue"]["b8"]["greedy_tokens"],
+                                                     strict=True)]
+        summary["glue_vs_aten_common_prefix_of_32"] = same
+    except (KeyError, TypeError):
+        pass
     REPORT["summary"] = summary
     print("== summary\n" + json.dumps(summary, indent=1), flush=True)
     _save()

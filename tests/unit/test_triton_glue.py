@@ -40,26 +40,29 @@ def test_rms_norm(dtype: torch.dtype, with_residual: bool) -> None:
         assert torch.equal(res_dev.cpu(), residual)
 
 
-def test_rope_kv_write_equals_rotary_then_cache_write() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_kv_write_equals_rotary_then_cache_write(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)
     tokens, heads, kv_heads, head_dim, block_size = 6, 4, 2, 32, 4
     fused = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=g)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
     q, k, v = fused[:, :heads], fused[:, heads:heads + kv_heads], fused[:, heads + kv_heads:]
     rope = RotaryEmbedding(head_dim, 64, 10000.0, 1.0, torch.float32, torch.device("cpu"))
     positions = torch.tensor([0, 5, 9, 17, 33, 63])
     cos, sin = rope.tables(positions)
     slots = torch.tensor([3, 8, 9, 22, 0, 31])
-    k_cache = torch.zeros(8, block_size, kv_heads, head_dim)
+    k_cache = torch.zeros(8, block_size, kv_heads, head_dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
-    dev = [t.to(DEVICE) for t in (q, k, v, cos, sin, k_cache, v_cache, slots)]
-    q_out = glue.rope_kv_write(*dev)
-    torch.testing.assert_close(q_out.cpu(), apply_rotary(q, cos, sin), atol=1e-5, rtol=1e-5)
-    k_ref = torch.zeros_like(k_cache)
-    v_ref = torch.zeros_like(v_cache)
+    dev = [t.to(DEVICE) for t in (q.to(dtype), k.to(dtype), v.to(dtype), cos, sin, k_cache, v_cache)]
+    q_out = glue.rope_kv_write(*dev, slots.to(DEVICE))
+    q, k, v = q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float()
+    torch.testing.assert_close(q_out.cpu().float(), apply_rotary(q, cos, sin), atol=tol, rtol=tol)
+    k_ref = torch.zeros(k_cache.shape)
+    v_ref = torch.zeros(v_cache.shape)
     k_ref.view(-1, kv_heads, head_dim)[slots] = apply_rotary(k, cos, sin)
     v_ref.view(-1, kv_heads, head_dim)[slots] = v
-    torch.testing.assert_close(dev[5].cpu(), k_ref, atol=1e-5, rtol=1e-5)
-    assert torch.equal(dev[6].cpu(), v_ref)
+    torch.testing.assert_close(dev[5].cpu().float(), k_ref, atol=tol, rtol=tol)
+    assert torch.equal(dev[6].cpu().float(), v_ref)
 
 
 @pytest.mark.parametrize("gelu", [False, True])

@@ -55,24 +55,24 @@ def _rope_kv_write(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr
         cos = tl.load(cos_ptr + t * s_cos + d, mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + t * s_sin + d, mask=mask, other=0.0).to(tl.float32)
         if h < num_heads:
-            src = q_ptr + t * sq_t + h * sq_h
-            x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
-            xp = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
-            tl.store(qo_ptr + t * sqo_t + h * sqo_h + d, (x * cos + xp * sin).to(qo_ptr.dtype.element_ty),
+            q_src = q_ptr + t * sq_t + h * sq_h
+            qx = tl.load(q_src + d, mask=mask, other=0.0).to(tl.float32)
+            qp = tl.load(q_src + partner, mask=mask, other=0.0).to(tl.float32)
+            tl.store(qo_ptr + t * sqo_t + h * sqo_h + d, (qx * cos + qp * sin).to(qo_ptr.dtype.element_ty),
                      mask=mask)
         else:
             kh = h - num_heads
-            src = k_ptr + t * sk_t + kh * sk_h
-            x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
-            xp = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
-            slot = tl.load(slot_ptr + t)
-            tl.store(kc_ptr + slot * s_slot + kh * s_head + d, (x * cos + xp * sin).to(kc_ptr.dtype.element_ty),
+            k_src = k_ptr + t * sk_t + kh * sk_h
+            kx = tl.load(k_src + d, mask=mask, other=0.0).to(tl.float32)
+            kp = tl.load(k_src + partner, mask=mask, other=0.0).to(tl.float32)
+            kslot = tl.load(slot_ptr + t)
+            tl.store(kc_ptr + kslot * s_slot + kh * s_head + d, (kx * cos + kp * sin).to(kc_ptr.dtype.element_ty),
                      mask=mask)
-    else:
+    else:  # names of its own: Triton wants a name bound in both branches to have one type
         vh = h - num_heads - num_kv_heads
-        x = tl.load(v_ptr + t * sv_t + vh * sv_h + d, mask=mask, other=0.0)
-        slot = tl.load(slot_ptr + t)
-        tl.store(vc_ptr + slot * s_slot + vh * s_head + d, x.to(vc_ptr.dtype.element_ty), mask=mask)
+        val = tl.load(v_ptr + t * sv_t + vh * sv_h + d, mask=mask, other=0.0)
+        vslot = tl.load(slot_ptr + t)
+        tl.store(vc_ptr + vslot * s_slot + vh * s_head + d, val.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def _act_mul(gu_ptr, out_ptr, stride_gu, stride_o, n_cols, GELU: tl.constexpr, BLOCK: tl.constexpr):
