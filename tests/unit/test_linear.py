@@ -50,3 +50,12 @@ def test_unknown_backend_is_a_clear_error() -> None:
         ModelConfig("smollm2-135m", gemm_backend="mkl")
     with pytest.raises(ValueError, match="not supported"):
         linear_kernel(torch.zeros(2, 2), "mkl")
+
+
+def test_bfloat16_weights_get_a_kernel_that_runs_on_this_cpu() -> None:
+    """Whatever the CPU (oneDNN bf16 only with AVX512-BF16/AMX), a bf16 matmul runs and is right."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(ONEDNN_MIN_NUMEL // 64 + 64, 64, generator=g).bfloat16()  # large enough for oneDNN
+    x = torch.randn(9, 64, generator=g).bfloat16()
+    out = linear_kernel(weight)(x, weight, None)
+    torch.testing.assert_close(out.float(), x.float() @ weight.float().T, atol=0.1, rtol=0.02)

@@ -395,8 +395,12 @@ def _warn_once(key: str, message: str, *args: object) -> None:
 
 
 def onednn_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """bf16 only where oneDNN has bf16 kernels for this CPU (AVX512-BF16/AMX): on an AVX2 host its
+    bf16 inner product has no primitive and every matmul of a `--dtype bfloat16` model raised."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available() \
+            or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _aten(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
