@@ -10,11 +10,16 @@ Schemes:
   values      values only (keys float32)
   layer<N>    keys of layer N only (`--layers`: one scheme per layer, to find the sensitive ones)
   smooth      keys stored as (k - mu) / sigma (per layer, kv head and channel; mu, sigma from a calibration
-              pass over the bench's docstring prose, disjoint from the scored passages), values as int8.
+              pass: `--calibration engine` (default) the engine's own calibration text and sequences,
+              `docstrings` passages of the bench's docstring prose, disjoint from the scored passages;
+              fitted by the library's ChannelMoments as the engine does at load: sigma a power of two),
+              values as int8.
               Exact if queries are multiplied by sigma: q.(k - mu) differs from q.k by q.mu, the
               same for every key of a query, so the softmax is unchanged
   smooth+v    smooth, and values stored as v - nu (nu: their calibrated mean; the attention output
               gets nu back, since the softmax weights sum to 1)
+  smooth+vs   smooth, and values stored as (v - nu) / tau per channel (tau: their spread, a power of two;
+              the attention output would be multiplied by tau and get nu back)
 
     flock /tmp/tokenmill-bench.lock python benchmarks/kv_int8_schemes.py --model qwen2.5-coder-0.5b
 """
@@ -30,7 +35,9 @@ from typing import Any
 import common
 import torch
 
-SCHEMES = ("int8", "keys", "values", "smooth", "smooth+v")
+from tokenmill.layers.kv_smoothing import ChannelMoments, ChannelSmoothing
+
+SCHEMES = ("int8", "keys", "values", "smooth", "smooth+v", "smooth+vs")
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,7 +46,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--schemes", default=",".join(SCHEMES))
     p.add_argument("--layers", action="store_true", help="also quantize each layer's keys alone")
     p.add_argument("--passages", type=int, default=12, help="scored passages (half prose, half code)")
+    p.add_argument("--calibration", choices=("engine", "docstrings"), default="engine",
+                   help="engine: the engine's own calibration text, one prefill of its first CALIBRATION_TOKENS "
+                   "tokens (engine/kv_calibration.py); docstrings: passages of the bench's docstring prose")
     p.add_argument("--calibration-passages", type=int, default=8)
+    p.add_argument("--calibration-len", type=int, default=None,
+                   help="engine: tokens per calibration sequence (default: the engine's CALIBRATION_SEQ_LEN)")
     p.add_argument("--threads", type=int, default=2)
     return p.parse_args()
 
@@ -52,32 +64,26 @@ def fake_int8(x: torch.Tensor) -> torch.Tensor:
 
 
 class Stats:
-    """Per-layer running sums of keys and values [KVH, hd] (the calibration pass)."""
+    """Per-layer statistics of the calibration pass: the keys' moments (the library's own fit,
+    layers/kv_smoothing.py, as the engine's load-time calibration uses) and the values' sums."""
 
-    def __init__(self) -> None:
-        self.sums: dict[int, list[torch.Tensor]] = {}
-        self.count: dict[int, int] = {}
+    def __init__(self, num_heads: int) -> None:
+        self.num_heads = num_heads
+        self.keys: dict[int, ChannelMoments] = {}
+        self.values: dict[int, ChannelMoments] = {}  # the same moments, of the values
 
     def add(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        parts = [k.sum(0), (k * k).sum(0), v.sum(0)]
-        if layer in self.sums:
-            parts = [a + b for a, b in zip(self.sums[layer], parts, strict=True)]
-        self.sums[layer] = parts
-        self.count[layer] = self.count.get(layer, 0) + k.shape[0]
+        self.keys.setdefault(layer, ChannelMoments()).add(k)
+        self.values.setdefault(layer, ChannelMoments()).add(v)
 
-    def smoothing(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(mu, sigma, nu): key mean and standard deviation per channel, value mean."""
-        k_sum, k_sq, v_sum = self.sums[layer]
-        n = self.count[layer]
-        mu = k_sum / n
-        sigma = (k_sq / n - mu * mu).clamp(min=1e-6).sqrt()
-        sigma = torch.maximum(sigma, 1e-2 * sigma.amax(-1, keepdim=True))  # a dead channel must not dominate
-        return mu, sigma, v_sum / n
+    def smoothing(self, layer: int) -> tuple[ChannelSmoothing, ChannelSmoothing]:
+        """The layer's key smoothing (μ, σ per channel) and the same fit of its values (ν, τ)."""
+        return self.keys[layer].fit(self.num_heads), self.values[layer].fit(self.num_heads)
 
 
 def scheme_fn(name: str, stats: Stats) -> Callable[[int, torch.Tensor, torch.Tensor],
                                                    tuple[torch.Tensor, torch.Tensor]]:
-    smoothing = {layer: stats.smoothing(layer) for layer in stats.sums}  # fitted once, not per write
+    smoothing = {layer: stats.smoothing(layer) for layer in stats.keys}  # fitted once, not per write
 
     def apply(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if name == "int8":
@@ -88,9 +94,14 @@ def scheme_fn(name: str, stats: Stats) -> Callable[[int, torch.Tensor, torch.Ten
             return k, fake_int8(v)
         if name.startswith("layer"):
             return (fake_int8(k) if layer == int(name[5:]) else k), v
-        mu, sigma, nu = smoothing[layer]
-        k = fake_int8((k - mu) / sigma) * sigma + mu
-        v = fake_int8(v - nu) + nu if name == "smooth+v" else fake_int8(v)
+        keys, values = smoothing[layer]
+        k = keys.restore(fake_int8(keys.normalize(k)))
+        if name == "smooth+v":
+            v = fake_int8(v - values.shift) + values.shift
+        elif name == "smooth+vs":
+            v = values.restore(fake_int8(values.normalize(v)))
+        else:
+            v = fake_int8(v)
         return k, v
     return apply
 
@@ -98,6 +109,12 @@ def scheme_fn(name: str, stats: Stats) -> Callable[[int, torch.Tensor, torch.Ten
 def main() -> None:
     args = parse_args()
     common.pin_threads(args.threads)
+    from tokenmill.engine.kv_calibration import (
+        CALIBRATION_SEQ_LEN,
+        CALIBRATION_TOKENS,
+        calibration_sequences,
+        calibration_text,
+    )
     from tokenmill.eval.engine_backend import EngineBackend
     from tokenmill.eval.metrics import top1, topk_kl
     from tokenmill.eval.tasks.base import score_texts
@@ -125,13 +142,22 @@ def main() -> None:
     scored = [backend.tokenize(t) for t in passages(corpus("heldout"), (args.passages + 1) // 2, 600)]
     scored += [backend.tokenize(t) for t in passages(corpus("code"), args.passages // 2, 600)]
     reference = score_texts(backend, scored, 20, Quiet())
-    stats = Stats()
-    state["fn"] = lambda layer, k, v: (stats.add(layer, k, v), (k, v))[1]
-    score_texts(backend, [backend.tokenize(t) for t in passages(corpus("docstrings"), args.calibration_passages,
-                                                               1200)], 20, Quiet())
+    stats = Stats(backend.llm.core.arch.num_heads)
+
+    def record(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        stats.add(layer, k, v)
+        return k, v
+
+    state["fn"] = record
+    if args.calibration == "engine":  # the text and the cut of engine/kv_calibration.py
+        calibration = calibration_sequences(backend.tokenize(calibration_text())[:CALIBRATION_TOKENS],
+                                            args.calibration_len or CALIBRATION_SEQ_LEN)
+    else:
+        calibration = [backend.tokenize(t) for t in passages(corpus("docstrings"), args.calibration_passages, 1200)]
+    score_texts(backend, calibration, 20, Quiet())
     names = args.schemes.split(",")
     if args.layers:
-        names += [f"layer{i}" for i in range(len(stats.sums))]
+        names += [f"layer{i}" for i in range(len(stats.keys))]
     rows, results = [], []
     for name in names:
         state["fn"] = scheme_fn(name, stats)

@@ -1,5 +1,5 @@
-"""The int8 KV cache's key smoothing fitted at load (engine/kv_calibration.py): the calibration keys are
-the model's own keys (after RoPE), every int8 layer cache gets its fit at load and the native stack
+"""The int8 KV cache's smoothing fitted at load (engine/kv_calibration.py): the calibration keys and values
+are the model's own (keys after RoPE), every int8 layer cache gets its fit at load and the native stack
 rebinds to it, nothing else is smoothed, and the calibration text shares nothing with the eval corpora."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from tests.engine.tiny import ARCH_NAMES, ArchName, make_core, random_prompts, t
 from tokenmill import LLM
 from tokenmill.engine.kv_calibration import (
     SMOOTHING_ENV,
-    calibrate_key_smoothing,
-    calibration_keys,
+    calibrate_kv_smoothing,
+    calibration_kv,
+    calibration_sequences,
     calibration_text,
     smoothing_skipped,
 )
@@ -25,18 +26,30 @@ from tokenmill.layers.kv_cache import DenseKVCache, Int8KVCache, kv_cache_spec
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)
 def test_calibration_keys_are_the_models_keys_after_rope(arch: ArchName) -> None:
-    """Read back from the temporary cache: transformers' own cached keys, position by position."""
+    """Read back from the temporary cache, sequence after sequence (each from position 0, in one
+    padded prefill): transformers' own cached keys, position by position."""
     model = tiny_model(arch)
     runner = make_core(model, num_blocks=32).runner
-    ids = random_prompts([45], seed=3)[0]
-    keys = calibration_keys(runner.model, ids, runner.block_size)
-    with torch.no_grad():
-        cache = model.hf(torch.tensor([ids]), use_cache=True).past_key_values
-    assert len(keys) == model.arch.num_layers
-    for layer, k in enumerate(keys):
-        reference = cache.layers[layer].keys[0].transpose(0, 1)  # [n, KVH, hd]; a sliding layer keeps its window
-        assert k.shape == (len(ids), model.arch.num_kv_heads, model.arch.head_dim)
-        torch.testing.assert_close(k[len(ids) - reference.shape[0]:], reference, rtol=1e-4, atol=1e-4)
+    sequences = random_prompts([45, 13, 30], seed=3)
+    rows = calibration_kv(runner.model, sequences, runner.block_size)
+    assert len(rows) == model.arch.num_layers
+    start = 0
+    for ids in sequences:
+        with torch.no_grad():
+            cache = model.hf(torch.tensor([ids]), use_cache=True).past_key_values
+        for layer, (k, v) in enumerate(rows):
+            ref_k = cache.layers[layer].keys[0].transpose(0, 1)  # [n, KVH, hd]; a sliding layer: its window
+            ref_v = cache.layers[layer].values[0].transpose(0, 1)
+            assert k.shape == v.shape == (sum(map(len, sequences)), model.arch.num_kv_heads, model.arch.head_dim)
+            end = start + len(ids)
+            torch.testing.assert_close(k[end - ref_k.shape[0]:end], ref_k, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(v[end - ref_v.shape[0]:end], ref_v, rtol=1e-4, atol=1e-4)
+        start += len(ids)
+
+
+def test_calibration_sequences_cut_the_text() -> None:
+    assert calibration_sequences(list(range(10)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert calibration_sequences(list(range(8)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_calibration_fits_each_int8_layer_and_rebinds() -> None:
@@ -44,13 +57,15 @@ def test_calibration_fits_each_int8_layer_and_rebinds() -> None:
     runner.kv_spec = kv_cache_spec("int8", torch.float32)
     runner.allocate_kv_cache(32)
     assert smoothing_skipped(runner) is None
-    fits = calibrate_key_smoothing(runner, random_prompts([60], seed=4)[0])
+    fits = calibrate_kv_smoothing(runner, random_prompts([60, 20], seed=4))
     assert len(fits) == len(runner.kv_caches) == runner.arch.num_layers
     for cache, fit in zip(runner.kv_caches, fits, strict=True):
-        assert isinstance(cache, Int8KVCache) and cache.smoothing is fit
-        assert fit.query_scale.shape == (runner.arch.num_heads, runner.arch.head_dim)
+        assert isinstance(cache, Int8KVCache) and cache.smoothing is fit and fit.values is not None
+        assert fit.keys.head_sigma.shape == fit.values.head_shift.shape == (runner.arch.num_heads,
+                                                                           runner.arch.head_dim)
+    assert all(f.values is None for f in calibrate_kv_smoothing(runner, random_prompts([30], seed=5), values=False))
     with pytest.raises(ValueError, match="calibration tokens"):
-        calibrate_key_smoothing(runner, [])
+        calibrate_kv_smoothing(runner, [[]])
 
 
 def _llm(path: Path, kv_cache_dtype: str) -> LLM:
@@ -61,8 +76,13 @@ def _llm(path: Path, kv_cache_dtype: str) -> LLM:
 def test_load_smooths_int8_caches_only(tiny_hf_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
     path = tiny_hf_dir("llama")
     int8 = _llm(path, "int8").core.runner
-    assert all(isinstance(c, Int8KVCache) and c.smoothing is not None for c in int8.kv_caches)
+    assert all(isinstance(c, Int8KVCache) and c.smoothing is not None and c.smoothing.values is not None
+               for c in int8.kv_caches)
     assert all(isinstance(c, DenseKVCache) for c in _llm(path, "fp32").core.runner.kv_caches)
+    monkeypatch.setenv(SMOOTHING_ENV, "keys")
+    keys = _llm(path, "int8").core.runner
+    assert all(isinstance(c, Int8KVCache) and c.smoothing is not None and c.smoothing.values is None
+               for c in keys.kv_caches)
     monkeypatch.setenv(SMOOTHING_ENV, "0")
     off = _llm(path, "int8").core.runner
     assert smoothing_skipped(off) == f"{SMOOTHING_ENV}=0"

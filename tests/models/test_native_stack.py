@@ -92,13 +92,14 @@ def test_decode_steps_equal_the_python_layers_exactly(arch: str, kv_cache_dtype:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_int8_key_smoothing_in_the_stack_equals_the_python_layers(arch: str, quant_gguf: Callable[[str], Path]) -> None:
-    """The load fits the int8 keys' smoothing (engine/kv_calibration.py); the stack binds it, writes keys
-    as (k − μ)·σ⁻¹ and scales its queries by σ exactly as the Python layers do: a stack without the
-    query scale (or writing other keys) would differ here."""
+    """The load fits the int8 keys' and values' smoothing (engine/kv_calibration.py); the stack binds it,
+    writes keys as (k − μ)·σ⁻¹ and values as (v − ν)·τ⁻¹, scales its queries by σ and maps its outputs
+    back exactly as the Python layers do: a stack without either (or writing other rows) would differ."""
     llm = _llm(quant_gguf(arch), kv_cache_dtype="int8")
     caches = llm.core.runner.kv_caches
-    assert all(isinstance(c, Int8KVCache) and c.smoothing is not None for c in caches)
-    assert any(c.smoothing is not None and not bool((c.smoothing.sigma == 1).all()) for c in caches)
+    assert all(isinstance(c, Int8KVCache) and c.smoothing is not None and c.smoothing.values is not None
+               for c in caches)
+    assert any(c.smoothing is not None and not bool((c.smoothing.keys.sigma == 1).all()) for c in caches)
     checked = _check(llm, _prompts([9, 30]), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert checked.native_steps >= 14
 

@@ -1,15 +1,23 @@
-"""The int8 KV cache's key smoothing, fitted once at load (layers/kv_smoothing.py; docs/quantization.md).
+"""The int8 KV cache's smoothing, fitted once at load (layers/kv_smoothing.py; docs/quantization.md).
 
-A fixed calibration text (kv_calibration.txt: prose, a dialogue, letters, code in a few languages,
-JSON; written for this and disjoint from the eval corpora, which are Python stdlib docstrings and
-code) runs as one prefill through the model into a temporary float32 cache; each layer's keys are
-read back from it (after RoPE, as the cache stores them) and give that layer's μ and σ per (kv head,
-channel). The fit is then attached to every int8 layer cache before it holds a token, and the
+A fixed calibration text (kv_calibration.txt: prose, a dialogue, letters, code in a few languages
+with docstrings, JSON; written for this and disjoint from the eval corpora, which are Python stdlib
+docstrings and code) runs as one prefill through the model into a temporary float32 cache, cut into
+sequences of CALIBRATION_SEQ_LEN tokens from position 0 each; each layer's keys (after RoPE, as the
+cache stores them) and values are read back from it and give that layer's μ, σ and ν, τ per (kv
+head, channel). The fit is then attached to every int8 layer cache before it holds a token, and the
 native decoder stack rebinds to pick it up.
+
+Why sequences and not one long one: a key channel pair whose RoPE frequency turns it slowly carries
+its bias at an angle that depends on the position, so μ and σ describe the positions they were
+fitted on. Short sequences fit the early positions every request has; at positions far beyond them
+a slowly turning biased channel drifts from μ by up to twice its bias, which widens that row's int8
+scale back towards what unsmoothed int8 would use (a graceful loss, never worse than no smoothing
+by more than the drift).
 
 Not fitted: caches that are not int8, models with an attention logit softcap (the shift q · μ is not
 softmax-invariant under cap · tanh(s / cap)), and `TOKENMILL_KV_SMOOTHING=0` (int8 as before, for
-A/B measurements).
+A/B measurements; `keys`: keys only).
 """
 
 from __future__ import annotations
@@ -27,16 +35,17 @@ from tokenmill.engine.model_input import build_model_input
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.request import Request, SamplingParams
 from tokenmill.layers.kv_cache import Int8KVCache, kv_cache_spec
-from tokenmill.layers.kv_smoothing import KeySmoothing, fit_key_smoothing
+from tokenmill.layers.kv_smoothing import KVSmoothing, fit_smoothing
 from tokenmill.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
 SMOOTHING_ENV = "TOKENMILL_KV_SMOOTHING"
-# The calibration prefill's length: the whole text is ~1,300-1,500 tokens in the catalog's tokenizers;
-# the prefix taken keeps load time and the temporary cache small (Qwen2.5-Coder-1.5B: ~56 KiB of fp32
-# keys and values per token).
-CALIBRATION_TOKENS = 1024
+# The calibration prefill: at most CALIBRATION_TOKENS tokens of the text (~2,250 in Qwen2.5's tokenizer),
+# which bounds load time and the temporary cache (Qwen2.5-Coder-1.5B: ~56 KiB of fp32 keys and values
+# per token), in sequences of CALIBRATION_SEQ_LEN.
+CALIBRATION_TOKENS = 2560
+CALIBRATION_SEQ_LEN = 512
 
 
 def calibration_text() -> str:
@@ -54,30 +63,45 @@ def smoothing_skipped(runner: ModelRunner) -> str | None:
     return None
 
 
+def calibration_sequences(token_ids: list[int], seq_len: int = CALIBRATION_SEQ_LEN) -> list[list[int]]:
+    """`token_ids` cut into sequences of `seq_len` tokens (the last one may be shorter)."""
+    return [token_ids[i:i + seq_len] for i in range(0, len(token_ids), seq_len)]
+
+
 @torch.inference_mode()
-def calibration_keys(model: LlamaForCausalLM, token_ids: list[int], block_size: int) -> list[torch.Tensor]:
-    """Each layer's keys [N, KVH, hd] (float32, after RoPE) for `token_ids` run as one prefill from
-    position 0 into a temporary float32 cache, read back from it."""
+def calibration_kv(model: LlamaForCausalLM, sequences: list[list[int]],
+                   block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's keys and values [N, KVH, hd] (float32, keys after RoPE; N the tokens of all
+    sequences, in order) for `sequences` run as one prefill, each from position 0, into a temporary
+    float32 cache and read back from it."""
     arch, device = model.arch, model.device
-    n = len(token_ids)
-    num_blocks = -(-n // block_size)
+    scheduled, slots, first = [], [], 0
+    for i, ids in enumerate(sequences):
+        n, num_blocks = len(ids), -(-len(ids) // block_size)
+        request = Request(f"kv-calibration-{i}", list(ids), SamplingParams(max_tokens=1))
+        scheduled.append(ScheduledRequest(request, 0, n, list(range(first, first + num_blocks))))
+        slots.append(torch.arange(first * block_size, first * block_size + n))  # its blocks are consecutive
+        first += num_blocks
     spec = kv_cache_spec("fp32", torch.float32)
-    caches = [spec.allocate(num_blocks, block_size, arch.num_kv_heads, arch.head_dim, device)
+    caches = [spec.allocate(first, block_size, arch.num_kv_heads, arch.head_dim, device)
               for _ in range(arch.num_layers)]
-    request = Request("kv-calibration", list(token_ids), SamplingParams(max_tokens=1))
-    blocks = list(range(num_blocks))  # block b holds positions [b * bs, (b + 1) * bs): slot = position
-    inp = build_model_input([ScheduledRequest(request, 0, n, blocks)], block_size, arch.sliding_window, device)
+    inp = build_model_input(scheduled, block_size, arch.sliding_window, device)
     model(inp.input_ids, inp.positions, caches, inp.meta)
-    return [cache.k.view(-1, arch.num_kv_heads, arch.head_dim)[:n] for cache in caches]
+    index = torch.cat(slots).to(device)
+    shape = (-1, arch.num_kv_heads, arch.head_dim)
+    return [(cache.k.view(shape).index_select(0, index), cache.v.view(shape).index_select(0, index))
+            for cache in caches]
 
 
-def calibrate_key_smoothing(runner: ModelRunner, token_ids: list[int]) -> list[KeySmoothing]:
-    """Fit each layer's smoothing on `token_ids` and attach it to the runner's int8 caches.
-    Call before the caches hold any token a request will read."""
-    if not token_ids:
-        raise ValueError("key smoothing needs calibration tokens")
-    keys = calibration_keys(runner.model, token_ids, runner.block_size)
-    fits = [fit_key_smoothing(k, runner.arch.num_heads) for k in keys]
+def calibrate_kv_smoothing(runner: ModelRunner, sequences: list[list[int]], values: bool = True) -> list[KVSmoothing]:
+    """Fit each layer's smoothing (keys, and values unless `values` is False) on the calibration
+    `sequences` and attach it to the runner's int8 caches. Call before the caches hold any token a
+    request will read."""
+    if not any(sequences):
+        raise ValueError("KV smoothing needs calibration tokens")
+    rows = calibration_kv(runner.model, [s for s in sequences if s], runner.block_size)
+    heads = runner.arch.num_heads
+    fits = [KVSmoothing(fit_smoothing(k, heads), fit_smoothing(v, heads) if values else None) for k, v in rows]
     for cache, fit in zip(runner.kv_caches, fits, strict=True):
         if isinstance(cache, Int8KVCache):
             cache.smoothing = fit
@@ -87,16 +111,19 @@ def calibrate_key_smoothing(runner: ModelRunner, token_ids: list[int]) -> list[K
 
 
 def fit_kv_smoothing(runner: ModelRunner, encode: Callable[[str], list[int]], max_tokens: int) -> bool:
-    """At load: smooth the int8 cache's keys from the calibration text (`encode`: the model's
+    """At load: smooth the int8 cache's keys and values from the calibration text (`encode`: the model's
     tokenizer). False, with the reason logged, where smoothing does not apply."""
     why = smoothing_skipped(runner)
     if why is not None:
         if why != "not an int8 cache":
-            log.info("KV cache: int8 keys not smoothed: %s", why)
+            log.info("KV cache: int8 keys and values not smoothed: %s", why)
         return False
     started = time.monotonic()
-    token_ids = encode(calibration_text())[:min(CALIBRATION_TOKENS, max_tokens)]
-    calibrate_key_smoothing(runner, token_ids)
-    log.info("KV cache: int8 keys smoothed per channel (mean and spread from %d calibration tokens, %.1f s)",
-             len(token_ids), time.monotonic() - started)
+    token_ids = encode(calibration_text())[:CALIBRATION_TOKENS]
+    sequences = calibration_sequences(token_ids, min(CALIBRATION_SEQ_LEN, max_tokens))
+    values = os.environ.get(SMOOTHING_ENV, "").strip() != "keys"
+    calibrate_kv_smoothing(runner, sequences, values)
+    log.info("KV cache: int8 %s smoothed per channel (mean and spread from %d calibration tokens in %d "
+             "sequences, %.1f s)", "keys and values" if values else "keys", len(token_ids), len(sequences),
+             time.monotonic() - started)
     return True

@@ -24,10 +24,12 @@ using Rope = void (*)(at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // cpu_kernels.cpp
 using KvWrite = void (*)(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& k,
                          const at::Tensor& v);
-// v2: the calibrated key smoothing (k_shift μ, k_inv_sigma σ⁻¹ [KVH, hd] float32, both or neither).
+// v3: the calibrated smoothing of keys and of values (shift, inverse spread [KVH, hd] float32, each pair
+// both or neither; layers/kv_smoothing.py).
 using KvWriteInt8 = void (*)(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_scale, at::Tensor v_scale,
                              const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v,
-                             const c10::optional<at::Tensor>& k_shift, const c10::optional<at::Tensor>& k_inv_sigma);
+                             const c10::optional<at::Tensor>& k_shift, const c10::optional<at::Tensor>& k_inv_sigma,
+                             const c10::optional<at::Tensor>& v_shift, const c10::optional<at::Tensor>& v_inv_sigma);
 using Decode = at::Tensor (*)(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                               at::Tensor seq_lens, double scale, int64_t window, double softcap);
 using DecodeInt8 = at::Tensor (*)(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_scale,

@@ -641,13 +641,15 @@ void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor&
 // s = fp16(max|x| / 127) (the scale every reader sees, so q is computed against the rounded scale),
 // exactly as kv_cache.quantize_int8 does in torch: the same fp32 operations in the same order, ties
 // to even, so both paths store the same bytes. k_scale, v_scale [num_blocks, block_size, KVH] fp16.
-// Key smoothing (layers/kv_smoothing.py): with k_shift μ and k_inv_sigma σ⁻¹ ([KVH, hd] float32, both
-// or neither) a key row is quantized as x_d = (k_d − μ_d) · σ⁻¹_d, the fp32 subtract then the fp32
-// multiply of KeySmoothing.normalize (no add follows the multiply, so nothing can contract into an
-// FMA on one path only); readers multiply the queries by σ. Values are stored as they come.
+// Smoothing (layers/kv_smoothing.py): with k_shift μ and k_inv_sigma σ⁻¹ ([KVH, hd] float32, both or
+// neither) a key row is quantized as x_d = (k_d − μ_d) · σ⁻¹_d, the fp32 subtract then the fp32
+// multiply of ChannelSmoothing.normalize (no add follows the multiply, so nothing can contract into
+// an FMA on one path only); readers multiply the queries by σ. Values likewise with v_shift ν and
+// v_inv_sigma τ⁻¹; readers map the attention output back as o · τ + ν.
 void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scale, torch::Tensor v_scale,
                    const torch::Tensor& slots, const torch::Tensor& k, const torch::Tensor& v,
-                   const c10::optional<torch::Tensor>& k_shift, const c10::optional<torch::Tensor>& k_inv_sigma) {
+                   const c10::optional<torch::Tensor>& k_shift, const c10::optional<torch::Tensor>& k_inv_sigma,
+                   const c10::optional<torch::Tensor>& v_shift, const c10::optional<torch::Tensor>& v_inv_sigma) {
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar,
               "kv_write_int8: contiguous int8 caches [num_blocks, block_size, KVH, hd] expected");
@@ -656,16 +658,21 @@ void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k
                   v_scale.sizes() == k_scale.sizes(),
               "kv_write_int8: contiguous fp16 scales [num_blocks, block_size, KVH] expected");
   const int64_t T = slots.numel(), kvh = k_cache.size(2), hd = k_cache.size(3);
-  TORCH_CHECK(k_shift.has_value() == k_inv_sigma.has_value(), "kv_write_int8: k_shift and k_inv_sigma go together");
-  const float* shift = nullptr;
-  const float* inv_sigma = nullptr;
-  if (k_shift.has_value()) {
-    for (const torch::Tensor* p : {&*k_shift, &*k_inv_sigma})
+  // Per pass (keys, values): the smoothing's shift and inverse spread, or null.
+  const float* shifts[2] = {nullptr, nullptr};
+  const float* inv_sigmas[2] = {nullptr, nullptr};
+  const c10::optional<torch::Tensor>* given[2][2] = {{&k_shift, &k_inv_sigma}, {&v_shift, &v_inv_sigma}};
+  for (int pass = 0; pass < 2; ++pass) {
+    const c10::optional<torch::Tensor>& sh = *given[pass][0];
+    const c10::optional<torch::Tensor>& inv = *given[pass][1];
+    TORCH_CHECK(sh.has_value() == inv.has_value(), "kv_write_int8: a shift and its inverse spread go together");
+    if (!sh.has_value()) continue;
+    for (const torch::Tensor* p : {&*sh, &*inv})
       TORCH_CHECK(p->scalar_type() == at::kFloat && p->is_contiguous() && p->dim() == 2 && p->size(0) == kvh &&
                       p->size(1) == hd && p->device() == k_cache.device(),
-                  "kv_write_int8: k_shift and k_inv_sigma must be contiguous float32 [KVH, hd]");
-    shift = k_shift->data_ptr<float>();
-    inv_sigma = k_inv_sigma->data_ptr<float>();
+                  "kv_write_int8: shifts and inverse spreads must be contiguous float32 [KVH, hd]");
+    shifts[pass] = sh->data_ptr<float>();
+    inv_sigmas[pass] = inv->data_ptr<float>();
   }
   const int64_t* sp = check_write_rows("kv_write_int8", k_cache, slots, k, v);
   with_float_type(k.scalar_type(), "k", [&](auto tx) {
@@ -676,7 +683,9 @@ void kv_write_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k
       const TX* src = x.data_ptr<TX>();
       int8_t* dst = (pass == 0 ? k_cache : v_cache).data_ptr<int8_t>();
       at::Half* scales = (pass == 0 ? k_scale : v_scale).data_ptr<at::Half>();
-      const bool smooth = pass == 0 && shift != nullptr;
+      const float* shift = shifts[pass];
+      const float* inv_sigma = inv_sigmas[pass];
+      const bool smooth = shift != nullptr;
       for (int64_t t = 0; t < T; ++t) {
         for (int64_t h = 0; h < kvh; ++h) {
           const TX* from = src + t * x.stride(0) + h * hd;
@@ -856,17 +865,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kv_write", &kv_write, "k, v [T, KVH, hd] into the paged caches at flat slots [T], dtype-converted (CPU)");
   m.def("kv_write_int8", &kv_write_int8,
         "k, v [T, KVH, hd] quantized to int8 with an fp16 scale per (token, head) into the int8 caches; keys "
-        "as (k - k_shift) * k_inv_sigma when given (CPU)",
+        "as (k - k_shift) * k_inv_sigma and values as (v - v_shift) * v_inv_sigma when given (CPU)",
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("k_scale"), pybind11::arg("v_scale"),
         pybind11::arg("slots"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("k_shift") = pybind11::none(),
-        pybind11::arg("k_inv_sigma") = pybind11::none());
+        pybind11::arg("k_inv_sigma") = pybind11::none(), pybind11::arg("v_shift") = pybind11::none(),
+        pybind11::arg("v_inv_sigma") = pybind11::none());
   m.def("silu_mul", &silu_mul, "silu(gate) * up from [..., 2I] = [gate | up], float32 (CPU)");
   m.def("skinny_linear", &skinny_linear, "y = x W^T + b for 1-4 rows of x, fp32, threads over W's rows (CPU)");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) for contiguous float32 [N, V], vectorised (CPU)");
   m.def("c_api", [] {
     pybind11::dict api;
     TM_CAPI_ENTRY(api, KvWrite, kv_write);
-    TM_CAPI_ENTRY_V(api, KvWriteInt8, kv_write_int8, 2);
+    TM_CAPI_ENTRY_V(api, KvWriteInt8, kv_write_int8, 3);
     TM_CAPI_ENTRY(api, Decode, paged_decode_attention);
     TM_CAPI_ENTRY(api, DecodeInt8, paged_decode_attention_int8);
     TM_CAPI_ENTRY(api, SiluMul, silu_mul);

@@ -12,7 +12,7 @@
 // 1 + k rows) and the residual stream r [T, D] (updated in place):
 //   h  = i == 0 ? rms_norm(r) : add_rms_norm(down_{i-1}, r)     (r += previous MLP output, fused)
 //   qkv = W_qkv h (+ bias);  RoPE on q and k in place;  k, v → cache slots
-//   a  = paged_decode(q, cache, block table, lengths)   (q · σ first under int8 key smoothing)
+//   a  = paged_decode(q, cache, block table, lengths)   (int8 smoothing: q · σ before, a · τ + ν after)
 //   h2 = add_rms_norm(W_o a, r);  down_i = W_down silu_mul(W_gate_up h2)
 // and the stack returns rms_norm_final(r + down_last). The residual adds land where the Python path
 // makes them (x + mlp(x) is the same float add as r += mlp), so the sums are the same floats.
@@ -63,10 +63,11 @@ struct Layer {
 
 struct Cache {  // one layer's KV storage (layers/kv_cache.py); scales undefined unless int8
   at::Tensor k, v, k_scale, v_scale;
-  // int8 key smoothing (layers/kv_smoothing.py), undefined without: μ and σ⁻¹ [KVH, hd] for the write,
-  // σ repeated over each GQA group [H, hd] for the queries.
-  c10::optional<at::Tensor> k_shift, k_inv_sigma;
-  at::Tensor query_scale;
+  // int8 smoothing (layers/kv_smoothing.py), undefined without: keys' μ and σ⁻¹ [KVH, hd] for the write
+  // and σ of each query head [H, hd] for the queries; values' ν and τ⁻¹ for the write and τ, ν of each
+  // query head for the output.
+  c10::optional<at::Tensor> k_shift, k_inv_sigma, v_shift, v_inv_sigma;
+  at::Tensor query_scale, out_scale, out_shift;
 };
 
 // A QuantPlan object, or a tuple (weight, bias or None) of a dense float32 matrix.
@@ -100,7 +101,7 @@ class DecodeStack {
                capi::import_fn<capi::AddRmsNorm>(glue, "add_rms_norm"),
                capi::import_fn<capi::Rope>(glue, "rope_"),
                capi::import_fn<capi::KvWrite>(attention, "kv_write"),
-               capi::import_fn<capi::KvWriteInt8>(attention, "kv_write_int8", 2),
+               capi::import_fn<capi::KvWriteInt8>(attention, "kv_write_int8", 3),
                capi::import_fn<capi::Decode>(attention, "paged_decode_attention"),
                capi::import_fn<capi::DecodeInt8>(attention, "paged_decode_attention_int8"),
                capi::import_fn<capi::SiluMul>(attention, "silu_mul"),
@@ -120,23 +121,26 @@ class DecodeStack {
     }
   }
 
-  // The KV caches, one (k, v, k_scale, v_scale, k_shift, k_inv_sigma, query_scale) per layer (scales
-  // None for dense caches, the last three None without key smoothing): bound once per cache
-  // allocation and smoothing fit, not passed every step.
+  // The KV caches, one (k, v, k_scale, v_scale, k_shift, k_inv_sigma, query_scale, v_shift, v_inv_sigma,
+  // out_scale, out_shift) per layer: scales None for dense caches, the keys' three None without key
+  // smoothing, the values' four None without value smoothing. Bound once per cache allocation and
+  // smoothing fit, not passed every step.
   void bind_caches(const std::vector<std::vector<c10::optional<at::Tensor>>>& caches) {
     TORCH_CHECK(caches.size() == layers_.size(), "one cache per layer");
     std::vector<Cache> bound;
     for (const auto& c : caches) {
-      TORCH_CHECK(c.size() == 7 && c[0].has_value() && c[1].has_value() && c[2].has_value() == c[3].has_value(),
-                  "a cache is (k, v, k_scale, v_scale, k_shift, k_inv_sigma, query_scale) with both scales or neither");
-      const bool smooth = c[4].has_value();
-      TORCH_CHECK(c[5].has_value() == smooth && c[6].has_value() == smooth && (!smooth || c[2].has_value()),
-                  "key smoothing is (k_shift, k_inv_sigma, query_scale) together, on an int8 cache");
-      if (smooth)
-        TORCH_CHECK(c[6]->scalar_type() == at::kFloat && c[6]->dim() == 2 && c[6]->size(0) == H_ && c[6]->size(1) == hd_,
-                    "query_scale must be float32 [H, hd]");
-      bound.push_back(Cache{*c[0], *c[1], c[2].value_or(at::Tensor()), c[3].value_or(at::Tensor()), c[4], c[5],
-                            c[6].value_or(at::Tensor())});
+      TORCH_CHECK(c.size() == 11 && c[0].has_value() && c[1].has_value() && c[2].has_value() == c[3].has_value(),
+                  "a cache is (k, v, k_scale, v_scale, 3 key and 4 value smoothing tensors), both scales or neither");
+      const bool keys = c[4].has_value(), values = c[7].has_value();
+      TORCH_CHECK(c[5].has_value() == keys && c[6].has_value() == keys && c[8].has_value() == values &&
+                      c[9].has_value() == values && c[10].has_value() == values && (!(keys || values) || c[2].has_value()),
+                  "smoothing tensors come together (keys: 3, values: 4), on an int8 cache");
+      for (int i : {6, 9, 10})
+        if (c[i].has_value())
+          TORCH_CHECK(c[i]->scalar_type() == at::kFloat && c[i]->dim() == 2 && c[i]->size(0) == H_ &&
+                          c[i]->size(1) == hd_, "per query head smoothing must be float32 [H, hd]");
+      bound.push_back(Cache{*c[0], *c[1], c[2].value_or(at::Tensor()), c[3].value_or(at::Tensor()), c[4], c[5], c[7],
+                            c[8], c[6].value_or(at::Tensor()), c[9].value_or(at::Tensor()), c[10].value_or(at::Tensor())});
     }
     caches_ = std::move(bound);
   }
@@ -160,12 +164,15 @@ class DecodeStack {
       const at::Tensor q = qkv.narrow(1, 0, H_), k = qkv.narrow(1, H_, KVH_), v = qkv.narrow(1, H_ + KVH_, KVH_);
       at::Tensor attn;
       if (C.k_scale.defined()) {
-        api_.kv_write_int8(C.k, C.v, C.k_scale, C.v_scale, slots, k, v, C.k_shift, C.k_inv_sigma);
-        // The keys are stored as (k − μ)·σ⁻¹: q·σ restores q·(k − μ), which differs from q·k by the same
-        // q·μ for every key of the query, so the softmax is unchanged. The same multiply as
-        // KeySmoothing.scale_queries, so the Python layers see the same bits.
+        api_.kv_write_int8(C.k, C.v, C.k_scale, C.v_scale, slots, k, v, C.k_shift, C.k_inv_sigma, C.v_shift,
+                           C.v_inv_sigma);
+        // Keys stored as (k − μ)·σ⁻¹: q·σ restores q·(k − μ), which differs from q·k by the same q·μ for
+        // every key of the query, so the softmax is unchanged. Values stored as (v − ν)·τ⁻¹: the weights
+        // sum to one, so a·τ + ν is the attention over v. The same multiply (and add) as
+        // ChannelSmoothing.scale_queries / restore_outputs, so the Python layers see the same bits.
         const at::Tensor qs = C.query_scale.defined() ? q * C.query_scale : q;
         attn = api_.decode_int8(qs, C.k, C.v, C.k_scale, C.v_scale, block_table, seq_lens, scale_, L.window, softcap_);
+        if (C.out_scale.defined()) attn = attn * C.out_scale + C.out_shift;
       } else {
         api_.kv_write(C.k, C.v, slots, k, v);
         attn = api_.decode(q, C.k, C.v, block_table, seq_lens, scale_, L.window, softcap_);
@@ -201,7 +208,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<const std::vector<pybind11::tuple>&, at::Tensor, double, int64_t, int64_t, int64_t, double,
                           double, const pybind11::dict&, const pybind11::dict&, const pybind11::dict&>())
       .def("bind_caches", &DecodeStack::bind_caches,
-           "one (k, v, k_scale, v_scale, k_shift, k_inv_sigma, query_scale) per layer")
+           "one (k, v, k_scale, v_scale, k_shift, k_inv_sigma, query_scale, v_shift, v_inv_sigma, out_scale, "
+           "out_shift) per layer")
       .def("__call__", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "the decoder stack over a decode step: x [T, D] (overwritten) → final-norm hidden [T, D]")
       .def_property_readonly("num_layers", &DecodeStack::num_layers);

@@ -117,12 +117,12 @@ class PagedAttention:
         q = cache.queries(q)  # int8 key smoothing: q · σ against keys stored as (k − μ)·σ⁻¹ (kv_smoothing.py)
         groups = [g for g in (meta.decode, meta.prefill) if g is not None]
         if len(groups) == 1:  # all decodes or all prefill: no scatter into a shared output
-            return self._group(q, cache, groups[0], is_sliding).reshape(q.shape[0], -1)
+            return cache.outputs(self._group(q, cache, groups[0], is_sliding)).reshape(q.shape[0], -1)
         out = torch.empty_like(q)
         for group in groups:
             sl = slice(group.token_start, group.token_start + group.num_tokens)
             out[sl] = self._group(q[sl], cache, group, is_sliding)
-        return out.view(q.shape[0], -1)
+        return cache.outputs(out).view(q.shape[0], -1)  # int8 value smoothing: o · τ + ν
 
     def _group(self, q: torch.Tensor, cache: LayerKVCache, group: GroupMetadata, is_sliding: bool) -> torch.Tensor:
         if self.decode_kernel is not None and group.max_query_len == 1:

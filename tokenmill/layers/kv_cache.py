@@ -28,7 +28,7 @@ import torch
 
 from tokenmill.kernels import cpu_kernels
 from tokenmill.layers import KV_CACHE_DTYPES
-from tokenmill.layers.kv_smoothing import KeySmoothing
+from tokenmill.layers.kv_smoothing import KVSmoothing
 
 _FP16_MAX = 65504.0
 
@@ -54,7 +54,8 @@ class NativeKVWriter(Protocol):
 
     def kv_write_int8(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
                       v_scale: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      k_shift: torch.Tensor | None = None, k_inv_sigma: torch.Tensor | None = None) -> None: ...
+                      k_shift: torch.Tensor | None = None, k_inv_sigma: torch.Tensor | None = None,
+                      v_shift: torch.Tensor | None = None, v_inv_sigma: torch.Tensor | None = None) -> None: ...
 
 
 class LayerKVCache(ABC):
@@ -83,6 +84,10 @@ class LayerKVCache(ABC):
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """The queries [T, H, hd] as every reader of this cache must see them (key smoothing scales them)."""
         return q
+
+    def outputs(self, o: torch.Tensor) -> torch.Tensor:
+        """The attention output [T, H, hd] of any reader mapped back (value smoothing scales and shifts it)."""
+        return o
 
     @property
     def nbytes(self) -> int:
@@ -124,19 +129,22 @@ class Int8KVCache(LayerKVCache):
                  writer: NativeKVWriter | None = None) -> None:
         self.k, self.v, self.k_scale, self.v_scale = k, v, k_scale, v_scale
         self.writer = writer
-        # Keys stored as (k − μ)·σ⁻¹ and queries scaled by σ (layers/kv_smoothing.py). Set once, before
-        # the cache holds any token (engine/kv_calibration.py): rows written before would mean other keys.
-        self.smoothing: KeySmoothing | None = None
+        # Keys stored as (k − μ)·σ⁻¹ with queries scaled by σ, values as (v − ν)·τ⁻¹ with outputs mapped
+        # back (layers/kv_smoothing.py). Set once, before the cache holds any token (engine/kv_calibration.py):
+        # rows written before would mean other keys and values.
+        self.smoothing: KVSmoothing | None = None
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        sm = self.smoothing
+        ks = self.smoothing.keys if self.smoothing is not None else None
+        vs = self.smoothing.values if self.smoothing is not None else None
         if self.writer is not None:
             self.writer.kv_write_int8(self.k, self.v, self.k_scale, self.v_scale, slots, k, v,
-                                      *((sm.shift, sm.inv_sigma) if sm is not None else ()))
+                                      *((ks.shift, ks.inv_sigma) if ks is not None else (None, None)),
+                                      *((vs.shift, vs.inv_sigma) if vs is not None else (None, None)))
             return
         kvh, hd = self.k.shape[2], self.k.shape[3]
-        for x, cache, scales in ((k if sm is None else sm.normalize(k), self.k, self.k_scale),
-                                 (v, self.v, self.v_scale)):
+        for x, cache, scales in ((k if ks is None else ks.normalize(k), self.k, self.k_scale),
+                                 (v if vs is None else vs.normalize(v), self.v, self.v_scale)):
             q, s = quantize_int8(x)
             cache.view(-1, kvh * hd).index_copy_(0, slots, q.reshape(-1, kvh * hd))
             scales.view(-1, kvh).index_copy_(0, slots, s.reshape(-1, kvh))
@@ -154,7 +162,11 @@ class Int8KVCache(LayerKVCache):
         return [self.k, self.v, self.k_scale, self.v_scale]
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
-        return q if self.smoothing is None else self.smoothing.scale_queries(q)
+        return q if self.smoothing is None else self.smoothing.keys.scale_queries(q)
+
+    def outputs(self, o: torch.Tensor) -> torch.Tensor:
+        values = self.smoothing.values if self.smoothing is not None else None
+        return o if values is None else values.restore_outputs(o)
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,17 +65,20 @@ class NativeDecodeStack:
         self._bound = None
 
     def _bind(self, kv_caches: list[LayerKVCache]) -> bool:
-        # Per layer (k, v, k_scale, v_scale, k_shift, k_inv_sigma, query_scale): scales for int8, the
-        # last three for int8 with key smoothing (layers/kv_smoothing.py), None where absent.
+        # Per layer (k, v, k_scale, v_scale, k_shift, k_inv_sigma, query_scale, v_shift, v_inv_sigma,
+        # out_scale, out_shift): scales for int8, then its key and value smoothing (layers/kv_smoothing.py),
+        # None where absent.
         caches: list[list[torch.Tensor | None]] = []
         for cache in kv_caches:
             if isinstance(cache, Int8KVCache) and cache.writer is not None:
                 sm = cache.smoothing
-                smoothing = [sm.shift, sm.inv_sigma, sm.query_scale] if sm is not None else [None] * 3
-                caches.append([cache.k, cache.v, cache.k_scale, cache.v_scale, *smoothing])
+                ks, vs = (sm.keys, sm.values) if sm is not None else (None, None)
+                keys = [ks.shift, ks.inv_sigma, ks.head_sigma] if ks is not None else [None] * 3
+                values = [vs.shift, vs.inv_sigma, vs.head_sigma, vs.head_shift] if vs is not None else [None] * 4
+                caches.append([cache.k, cache.v, cache.k_scale, cache.v_scale, *keys, *values])
             elif (isinstance(cache, DenseKVCache) and cache.writer is not None
                   and cache.k.dtype in (torch.float32, torch.bfloat16, torch.float16)):
-                caches.append([cache.k, cache.v, None, None, None, None, None])
+                caches.append([cache.k, cache.v, *([None] * 9)])
             else:
                 log.debug("native stack off: a KV cache without a native write (%s)", type(cache).__name__)
                 self.enabled = False
