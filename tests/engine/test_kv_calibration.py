@@ -4,6 +4,7 @@ rebinds to it, nothing else is smoothed, and the calibration text shares nothing
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -87,6 +88,38 @@ def test_load_smooths_int8_caches_only(tiny_hf_dir: Callable[[str], Path], monke
     off = _llm(path, "int8").core.runner
     assert smoothing_skipped(off) == f"{SMOOTHING_ENV}=0"
     assert all(isinstance(c, Int8KVCache) and c.smoothing is None for c in off.kv_caches)
+
+
+def test_the_fit_is_cached_on_disk(tiny_hf_dir: Callable[[str], Path], tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The first load fits and writes the fit; the next reads the same fit back (no prefill); a
+    damaged file is fitted again and rewritten, never a failed load."""
+    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path))
+    path = tiny_hf_dir("qwen2")
+    first = _llm(path, "int8").core.runner
+    files = list((tmp_path / "kv_smoothing").glob("*.pt"))
+    assert len(files) == 1
+    caplog.set_level(logging.INFO, logger="tokenmill.engine.kv_calibration")
+    second = _llm(path, "int8").core.runner
+    assert any("fit read from" in r.getMessage() for r in caplog.records)
+    for a, b in zip(first.kv_caches, second.kv_caches, strict=True):
+        assert isinstance(a, Int8KVCache) and isinstance(b, Int8KVCache)
+        assert a.smoothing is not None and b.smoothing is not None and b.smoothing.values is not None
+        assert a.smoothing.values is not None
+        for x, y in ((a.smoothing.keys, b.smoothing.keys), (a.smoothing.values, b.smoothing.values)):
+            assert all(torch.equal(getattr(x, f), getattr(y, f))
+                       for f in ("shift", "sigma", "inv_sigma", "head_sigma", "head_shift"))
+    files[0].write_bytes(b"garbage")
+    caplog.clear()
+    third = _llm(path, "int8").core.runner
+    assert any("unreadable" in r.getMessage() for r in caplog.records)
+    assert all(isinstance(c, Int8KVCache) and c.smoothing is not None for c in third.kv_caches)
+    assert files[0].stat().st_size > 100  # rewritten
+    stale = tmp_path / "kv_smoothing" / "gone-0.pt"
+    torch.save({"model": str(tmp_path / "deleted.gguf")}, stale)
+    monkeypatch.setenv("TOKENMILL_KV_SMOOTHING", "keys")  # another key: a new entry, written after a fit
+    _llm(path, "int8")
+    assert not stale.exists() and len(list((tmp_path / "kv_smoothing").glob("*.pt"))) == 2
 
 
 def test_no_smoothing_under_a_logit_softcap(tiny_hf_dir: Callable[[str], Path]) -> None:

@@ -15,6 +15,18 @@ a slowly turning biased channel drifts from μ by up to twice its bias, which wi
 scale back towards what unsmoothed int8 would use (a graceful loss, never worse than no smoothing
 by more than the drift).
 
+The fit is cached on disk, so only a model's first start pays for the prefill (Qwen2.5-Coder-0.5B:
+~20-40 s on 2 shared Zen 3 cores; SmolLM2-135M ~17 s):
+
+    $TOKENMILL_HOME/kv_smoothing/<model stem>-<key hash>.pt     μ, σ (and ν, τ) per layer, float32
+
+    key = the model files' identity (name, size, mtime, inode), the dtype and quantization mode, the
+          calibration text's hash, CALIBRATION_TOKENS and the sequence length, keys only or both,
+          FIT_VERSION
+
+A file that cannot be read or does not fit the model is ignored (and rewritten); `TOKENMILL_KV_SMOOTHING_CACHE=0`
+turns the cache off.
+
 Not fitted: caches that are not int8, models with an attention logit softcap (the shift q · μ is not
 softmax-invariant under cap · tanh(s / cap)), and `TOKENMILL_KV_SMOOTHING=0` (int8 as before, for
 A/B measurements; `keys`: keys only).
@@ -22,11 +34,14 @@ A/B measurements; `keys`: keys only).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import time
 from collections.abc import Callable
 from importlib import resources
+from pathlib import Path
 
 import torch
 
@@ -35,12 +50,14 @@ from tokenmill.engine.model_input import build_model_input
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.request import Request, SamplingParams
 from tokenmill.layers.kv_cache import Int8KVCache, kv_cache_spec
-from tokenmill.layers.kv_smoothing import KVSmoothing, fit_smoothing
+from tokenmill.layers.kv_smoothing import ChannelSmoothing, KVSmoothing, fit_smoothing
 from tokenmill.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
 SMOOTHING_ENV = "TOKENMILL_KV_SMOOTHING"
+CACHE_ENV = "TOKENMILL_KV_SMOOTHING_CACHE"
+FIT_VERSION = 1  # bump when the fit's math or the calibration prefill changes
 # The calibration prefill: at most CALIBRATION_TOKENS tokens of the text (~2,250 in Qwen2.5's tokenizer),
 # which bounds load time and the temporary cache (Qwen2.5-Coder-1.5B: ~56 KiB of fp32 keys and values
 # per token), in sequences of CALIBRATION_SEQ_LEN.
@@ -110,20 +127,107 @@ def calibrate_kv_smoothing(runner: ModelRunner, sequences: list[list[int]], valu
     return fits
 
 
-def fit_kv_smoothing(runner: ModelRunner, encode: Callable[[str], list[int]], max_tokens: int) -> bool:
+def fit_kv_smoothing(runner: ModelRunner, encode: Callable[[str], list[int]], max_tokens: int,
+                     cache_key: dict[str, object] | None = None) -> bool:
     """At load: smooth the int8 cache's keys and values from the calibration text (`encode`: the model's
-    tokenizer). False, with the reason logged, where smoothing does not apply."""
+    tokenizer). False, with the reason logged, where smoothing does not apply. `cache_key`: what
+    identifies the model and its numerics (`model_cache_key`); None: no disk cache."""
     why = smoothing_skipped(runner)
     if why is not None:
         if why != "not an int8 cache":
             log.info("KV cache: int8 keys and values not smoothed: %s", why)
         return False
     started = time.monotonic()
-    token_ids = encode(calibration_text())[:CALIBRATION_TOKENS]
-    sequences = calibration_sequences(token_ids, min(CALIBRATION_SEQ_LEN, max_tokens))
     values = os.environ.get(SMOOTHING_ENV, "").strip() != "keys"
-    calibrate_kv_smoothing(runner, sequences, values)
+    token_ids = encode(calibration_text())[:CALIBRATION_TOKENS]
+    seq_len = min(CALIBRATION_SEQ_LEN, max_tokens)
+    path = None
+    if cache_key is not None and os.environ.get(CACHE_ENV, "1").strip() != "0":
+        key = {**cache_key, "text": hashlib.sha256(calibration_text().encode()).hexdigest(), "tokens": len(token_ids),
+               "seq_len": seq_len, "values": values, "version": FIT_VERSION}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        path = _cache_dir() / f"{Path(str(cache_key.get('model', 'model'))).stem}-{digest}.pt"
+        fits = _read_fits(path, runner, values)
+        if fits is not None:
+            _attach(runner, fits)
+            log.info("KV cache: int8 %s smoothed per channel (fit read from %s)",
+                     "keys and values" if values else "keys", path)
+            return True
+    sequences = calibration_sequences(token_ids, seq_len)
+    fits = calibrate_kv_smoothing(runner, sequences, values)
+    if path is not None and cache_key is not None:
+        _write_fits(path, fits, str(cache_key.get("model", "")))
     log.info("KV cache: int8 %s smoothed per channel (mean and spread from %d calibration tokens in %d "
              "sequences, %.1f s)", "keys and values" if values else "keys", len(token_ids), len(sequences),
              time.monotonic() - started)
     return True
+
+
+def model_cache_key(path: Path, dtype: str, quantization: str) -> dict[str, object]:
+    """The identity of a model's files (a GGUF file, or a directory's *.safetensors) and its numerics."""
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    stamps = [[f.name, f.stat().st_size, f.stat().st_mtime_ns, f.stat().st_ino] for f in files]
+    return {"model": str(path), "files": stamps, "dtype": dtype, "quantization": quantization}
+
+
+def _cache_dir() -> Path:
+    from tokenmill.models.pull import tokenmill_home
+
+    return tokenmill_home() / "kv_smoothing"
+
+
+def _attach(runner: ModelRunner, fits: list[KVSmoothing]) -> None:
+    for cache, fit in zip(runner.kv_caches, fits, strict=True):
+        if isinstance(cache, Int8KVCache):
+            cache.smoothing = fit.to(cache.k.device)
+    if runner.model.native_stack is not None:
+        runner.model.native_stack.unbind()
+
+
+def _write_fits(path: Path, fits: list[KVSmoothing], model: str) -> None:
+    """Write the fit (and the model's path: entries whose model is gone are deleted on the next write)."""
+    tensors: dict[str, torch.Tensor | str] = {"model": model}
+    for i, fit in enumerate(fits):
+        for part, sm in (("keys", fit.keys), ("values", fit.values)):
+            if sm is not None:
+                tensors[f"{i}.{part}.shift"], tensors[f"{i}.{part}.sigma"] = sm.shift.cpu(), sm.sigma.cpu()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(".tmp")
+        torch.save(tensors, temporary)
+        temporary.replace(path)  # readers never see a half-written file
+    except OSError as e:
+        log.warning("KV smoothing fit not cached (%s): the next start fits it again", e)
+        return
+    for other in path.parent.glob("*.pt"):  # entries of deleted models (tests' temporary ones, say)
+        try:
+            owner = torch.load(other, map_location="cpu", weights_only=True)["model"]
+            gone = other != path and not Path(owner).exists()
+        except Exception:  # unreadable: rewritten by its own model's next load, or stale
+            gone = other != path
+        if gone:
+            other.unlink(missing_ok=True)
+
+
+def _read_fits(path: Path, runner: ModelRunner, values: bool) -> list[KVSmoothing] | None:
+    """The cached fit, or None where there is none or it does not fit this model (then it is rewritten)."""
+    arch = runner.arch
+    try:
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+        fits = []
+        for i in range(arch.num_layers):
+            parts: list[ChannelSmoothing | None] = []
+            for part in ("keys", "values") if values else ("keys",):
+                shift, sigma = tensors[f"{i}.{part}.shift"], tensors[f"{i}.{part}.sigma"]
+                if shift.shape != (arch.num_kv_heads, arch.head_dim) or sigma.shape != shift.shape:
+                    raise ValueError(f"layer {i} {part}: shape {tuple(shift.shape)}")
+                if not bool((torch.exp2(torch.round(torch.log2(sigma))) == sigma).all()):
+                    raise ValueError(f"layer {i} {part}: sigma not powers of two")
+                parts.append(ChannelSmoothing.from_sigma(shift, sigma, arch.num_heads))
+            fits.append(KVSmoothing(parts[0], parts[1] if values else None))  # type: ignore[arg-type]
+        return fits
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # a truncated or foreign file: fit again, never fail the load
+        log.warning("KV smoothing cache %s unreadable (%s): fitting again", path, e)
+        return None

@@ -11,7 +11,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.kv_calibration import fit_kv_smoothing
+from tokenmill.engine.kv_calibration import fit_kv_smoothing, model_cache_key
 from tokenmill.layers.weight_arena import release_free_memory
 from tokenmill.models.loading.tokenizer import Tokenizer
 from tokenmill.models.loading.weights import load_checkpoint
@@ -44,7 +44,8 @@ def load_engine(config: EngineConfig) -> LoadedEngine:
     gc.collect()
     # int8 KV cache: keys smoothed per channel, fitted on a calibration prefill (engine/kv_calibration.py);
     # before the release below, which returns its temporary cache too.
-    fit_kv_smoothing(core.runner, tokenizer.encode, core.max_model_len)
+    fit_kv_smoothing(core.runner, tokenizer.encode, core.max_model_len,
+                     model_cache_key(source.path, config.model.dtype, config.model.quantization))
     release_free_memory()
     if config.retain_freed_memory:  # before the engine thread starts: it then shares the main arena
         retain_freed_memory()

@@ -59,9 +59,15 @@ class ChannelSmoothing:
             raise ValueError(f"{num_heads} query heads do not group over {kvh} kv heads")
         std = std.double().clamp(min=1e-6)
         std = torch.maximum(std, _DEAD_CHANNEL * std.amax(-1, keepdim=True))
-        sigma = torch.exp2(torch.round(torch.log2(std))).float()
-        shift = mean.float()
-        group = num_heads // kvh
+        return cls.from_sigma(mean, torch.exp2(torch.round(torch.log2(std))), num_heads)
+
+    @classmethod
+    def from_sigma(cls, shift: torch.Tensor, sigma: torch.Tensor, num_heads: int) -> ChannelSmoothing:
+        """The smoothing of a fitted shift and power-of-two sigma [KVH, hd] (as `from_moments` made them)."""
+        kvh = shift.shape[0]
+        if num_heads % kvh:
+            raise ValueError(f"{num_heads} query heads do not group over {kvh} kv heads")
+        shift, sigma, group = shift.float(), sigma.float(), num_heads // kvh
         return cls(shift.contiguous(), sigma.contiguous(), (1.0 / sigma).contiguous(),
                    sigma.repeat_interleave(group, 0).contiguous(), shift.repeat_interleave(group, 0).contiguous())
 
