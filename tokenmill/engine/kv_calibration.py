@@ -12,8 +12,8 @@ Why sequences and not one long one: a key channel pair whose RoPE frequency turn
 its bias at an angle that depends on the position, so μ and σ describe the positions they were
 fitted on. Short sequences fit the early positions every request has; at positions far beyond them
 a slowly turning biased channel drifts from μ by up to twice its bias, which widens that row's int8
-scale back towards what unsmoothed int8 would use (a graceful loss, never worse than no smoothing
-by more than the drift).
+scale back towards what unsmoothed int8 would use: the loss grows towards the unsmoothed cache's
+(not measured at long context). Values are not rotated, so ν and τ carry no such caveat.
 
 The fit is cached on disk, so only a model's first start pays for the prefill (Qwen2.5-Coder-0.5B:
 ~20-40 s on 2 shared Zen 3 cores; SmolLM2-135M ~17 s):
@@ -24,8 +24,8 @@ The fit is cached on disk, so only a model's first start pays for the prefill (Q
           calibration text's hash, CALIBRATION_TOKENS and the sequence length, keys only or both,
           FIT_VERSION
 
-A file that cannot be read or does not fit the model is ignored (and rewritten); `TOKENMILL_KV_SMOOTHING_CACHE=0`
-turns the cache off.
+A file that cannot be read or does not fit the model is ignored (and rewritten); entries whose model
+file is gone are deleted when another is written; `TOKENMILL_KV_SMOOTHING_CACHE=0` turns the cache off.
 
 Not fitted: caches that are not int8, models with an attention logit softcap (the shift q · μ is not
 softmax-invariant under cap · tanh(s / cap)), and `TOKENMILL_KV_SMOOTHING=0` (int8 as before, for
