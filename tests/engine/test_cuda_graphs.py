@@ -117,3 +117,30 @@ def test_cuda_graph_replay_equals_eager_on_gpu(arch: ArchName) -> None:
     out = run_to_completion(graphed, PROMPTS, PARAMS)
     assert graphed.runner.graphs.replays > 0
     assert out == run_to_completion(core(eager=True), PROMPTS, PARAMS)
+
+
+@pytest.mark.parametrize(("method", "draft"), [("ngram", None), ("draft", "qwen2")])
+def test_speculative_verification_steps_replay_and_stay_token_identical(method: str, draft: ArchName | None) -> None:
+    """Verification rows (1 + k per request) and a draft's catch-up rows are one-token decodes each:
+    the graphs serve them too (`stage_rows`), and greedy output stays that of plain decoding."""
+    from tests.engine.test_speculative import _assert_greedy_identical, spec_core
+
+    core = spec_core(tiny_model("llama"), method, draft)
+    core.runner.enable_decode_graphs("eager", width_step_tokens=16)
+    graphs = core.runner.graphs
+    assert graphs is not None
+    staged_rows = 0
+    stage_rows = graphs.stage_rows
+
+    def counting(host):  # type: ignore[no-untyped-def]
+        nonlocal staged_rows
+        staged = stage_rows(host)
+        staged_rows += staged is not None
+        return staged
+
+    graphs.stage_rows = counting  # type: ignore[method-assign]
+    if draft is not None:
+        proposer = core.speculator.proposer  # type: ignore[union-attr]
+        proposer.runner.enable_decode_graphs("eager", width_step_tokens=16)  # type: ignore[attr-defined]
+    _, accepted = _assert_greedy_identical(core, "llama")
+    assert staged_rows > 0 and accepted > 0

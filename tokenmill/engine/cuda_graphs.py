@@ -16,8 +16,10 @@ them all with one call. It replays fixed addresses and shapes, so:
     that covers the step's longest context, so a short context's step does not pay the split
     attention of the longest one (kernels/triton_attention.py sizes its grid from the table width).
 
-Only plain decode steps replay; prefills, mixed steps, speculative verification and batches past
-the largest bucket run eagerly. `enforce_eager` (ModelConfig) turns graphs off. The logits and
+Plain decode steps replay, and so do steps whose every request brings at most MAX_DECODE_QUERY
+tokens (speculative verification, a draft catching up, short prompts), whose attention rows are
+one-token decodes too (`stage_rows`); steps with a prefill group and batches past the largest bucket
+run eagerly. `enforce_eager` (ModelConfig) turns graphs off. The logits and
 sampling stay outside the graph (they read only the rows that sample).
 
 Without CUDA, `mode="eager"` re-runs the forward over the same static buffers on every replay: the
@@ -33,6 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from tokenmill.engine.model_input import ModelInput, PlainDecodeArrays
@@ -117,9 +120,8 @@ class DecodeGraphs:
                                sliding_mask=None, token_start=0, num_tokens=batch, max_query_len=1, pad_index=None)
         return f[0, :batch], f[1, :batch], AttentionMetadata(slot_mapping=f[2, :batch], decode=decode, prefill=None)
 
-    def key_for(self, a: PlainDecodeArrays) -> tuple[int, int] | None:
-        """The (batch, width) graph that serves `a`, or None (eager)."""
-        n, needed = a.num_rows, a.table.shape[1]
+    def key_for(self, n: int, needed: int) -> tuple[int, int] | None:
+        """The (batch, width) graph for `n` attention rows over `needed` table columns, or None (eager)."""
         if n > self.max_batch or needed > self.table_width:
             return None
         return self.buckets[bisect.bisect_left(self.buckets, n)], self.widths[bisect.bisect_left(self.widths, needed)]
@@ -149,19 +151,54 @@ class DecodeGraphs:
         log.info("CUDA graphs: %d captured (batch %s x table width %s) in %.1f s", len(self._graphs),
                  self.buckets, self.widths, time.monotonic() - started)
 
-    def stage(self, a: PlainDecodeArrays, key: tuple[int, int]) -> ModelInput:
-        """Write `a` into the static buffers (padded to the bucket) and return a ModelInput over them."""
+    def stage(self, a: PlainDecodeArrays) -> ModelInput | None:
+        """Write a plain decode step into the static buffers (padded to its bucket) and return a
+        ModelInput over them, or None where no graph fits (the caller runs it eagerly)."""
+        key = self.key_for(a.num_rows, a.table.shape[1])
+        if key is None:
+            return None
+        self._write(key, a.input_ids, a.positions, a.slots, a.seq_lens, a.table)
+        sample_indices, sampled, prompt_offsets, every_row = a.sampling(self.device)
+        ids, positions, meta = self._views(*key)
         n = a.num_rows
+        return ModelInput(input_ids=ids[:n], positions=positions[:n], meta=meta, sample_indices=sample_indices,
+                          sampled=sampled, prompt_logprob_offsets=prompt_offsets, every_row_sampled=every_row,
+                          graph_key=key)
+
+    def stage_rows(self, host: ModelInput) -> ModelInput | None:
+        """A step built on the host (CPU tensors) whose tokens are all decode-group rows: speculative
+        verification (1 + k rows per request), a draft model catching up, prompts of a few tokens.
+        Each row is a one-token decode at its own position over its request's table, the same shape
+        as a plain decode, so the same graphs serve it. None where it has a prefill group or no
+        graph fits."""
+        meta, decode = host.meta, host.meta.decode
+        if meta.prefill is not None or decode is None or decode.max_query_len != 1 or decode.mask is not None:
+            return None
+        n = host.input_ids.shape[0]
+        key = self.key_for(n, decode.block_table.shape[1])
+        if key is None:
+            return None
+        self._write(key, host.input_ids.numpy(), host.positions.numpy(), meta.slot_mapping.numpy(),
+                    decode.seq_lens.numpy(), decode.block_table.numpy())
+        ids, positions, static = self._views(*key)
+        return ModelInput(input_ids=ids[:n], positions=positions[:n], meta=static,
+                          sample_indices=host.sample_indices.to(self.device), sampled=host.sampled,
+                          prompt_logprob_offsets=host.prompt_logprob_offsets,
+                          every_row_sampled=host.every_row_sampled, graph_key=key)
+
+    def _write(self, key: tuple[int, int], input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+               seq_lens: np.ndarray, rows: np.ndarray) -> None:
+        n = len(input_ids)
         batch, width = key
         if self._copied is not None:
             self._copied.synchronize()
         fields, table = self._host_fields, self._host_table
-        fields[0, :n] = a.input_ids
-        fields[1, :n] = a.positions
-        fields[2, :n] = a.slots
-        fields[3, :n] = a.seq_lens
-        used = a.table.shape[1]
-        table[:n, :used] = a.table
+        fields[0, :n] = input_ids
+        fields[1, :n] = positions
+        fields[2, :n] = slots
+        fields[3, :n] = seq_lens
+        used = rows.shape[1]
+        table[:n, :used] = rows
         table[:n, used:width] = self.pad_block  # never read (past seq_len); kept valid
         self._pad(n, batch)
         # Non-blocking from pinned memory; only the fields and the bucket's table rows travel.
@@ -169,11 +206,6 @@ class DecodeGraphs:
         self.dev[:prefix].copy_(self.host[:prefix], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        ids, positions, meta = self._views(batch, width)
-        sample_indices, sampled, prompt_offsets, every_row = a.sampling(self.device)
-        return ModelInput(input_ids=ids[:n], positions=positions[:n], meta=meta, sample_indices=sample_indices,
-                          sampled=sampled, prompt_logprob_offsets=prompt_offsets, every_row_sampled=every_row,
-                          graph_key=key)
 
     def replay(self, inp: ModelInput) -> torch.Tensor:
         """The final hidden states [n, hidden] of the staged step (a view of the graph's static output:

@@ -11,7 +11,13 @@ from tokenmill.config import CacheConfig, ModelConfig
 from tokenmill.engine.cuda_graphs import WIDTH_STEP_TOKENS, DecodeGraphs
 from tokenmill.engine.input_buffers import PersistentBlockTables
 from tokenmill.engine.interfaces import RunnerOutput, SampledTokens, ScheduledRequest, SchedulerOutput
-from tokenmill.engine.model_input import ModelInput, build_model_input, is_plain_decode, plain_decode_arrays
+from tokenmill.engine.model_input import (
+    MAX_DECODE_QUERY,
+    ModelInput,
+    build_model_input,
+    is_plain_decode,
+    plain_decode_arrays,
+)
 from tokenmill.engine.profiling import PhaseTimer, StepShape
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.engine.sampler import Sampler, token_logprobs
@@ -100,15 +106,25 @@ class ModelRunner:
 
     def _input(self, out: SchedulerOutput) -> ModelInput:
         fast = self.persistent_inputs and self.tables is not None
-        if self.graphs is not None and fast and is_plain_decode(out.scheduled):
-            assert self.tables is not None
-            arrays = plain_decode_arrays(out.scheduled, self.block_size, self.tables)
-            key = self.graphs.key_for(arrays)
-            if key is not None:
-                return self.graphs.stage(arrays, key)
+        if self.graphs is not None and fast:
+            staged = self._staged(out)
+            if staged is not None:
+                return staged
         return build_model_input(out.scheduled, self.block_size, self.arch.sliding_window, self.device,
                                  self.tables if fast else None,
                                  decode_mask=not fast or self.model.attn.decode_kernel is None)
+
+    def _staged(self, out: SchedulerOutput) -> ModelInput | None:
+        """The step in a graph's static buffers, or None (eager). Building the inputs updates the
+        persistent tables idempotently, so a fallback may build them again."""
+        assert self.graphs is not None and self.tables is not None
+        if is_plain_decode(out.scheduled):
+            return self.graphs.stage(plain_decode_arrays(out.scheduled, self.block_size, self.tables))
+        if all(s.num_new_tokens <= MAX_DECODE_QUERY for s in out.scheduled):
+            host = build_model_input(out.scheduled, self.block_size, self.arch.sliding_window, torch.device("cpu"),
+                                     self.tables, decode_mask=False)
+            return self.graphs.stage_rows(host)
+        return None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """`num_blocks` for the KV cache manager; with CUDA graphs one more, the padding rows' (never handed out)."""
