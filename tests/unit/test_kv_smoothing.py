@@ -267,3 +267,24 @@ def test_native_decode_and_sdpa_decode_agree_on_smoothed_keys(num_heads: int, nu
     torch.testing.assert_close(out_native, out_sdpa, rtol=1e-4, atol=1e-4)
     ref = paged_attention_reference(q, exact.k, exact.v, tables, lens, scale, 0, 0.0, dtype=torch.float64)
     assert _relative_error(out_native.double(), ref.reshape(num_seqs, -1)) < 0.02
+
+
+def test_the_triton_decode_path_reads_smoothed_rows_too() -> None:
+    """The CUDA decode kernel (kernels/triton_attention.py; here under Triton's interpreter) sits behind
+    the same `native_decode` and hooks: over a smoothed cache it agrees with the SDPA path."""
+    triton_attention = pytest.importorskip("tokenmill.kernels.triton_attention")
+    if not triton_attention.interpreting():
+        pytest.skip("needs Triton's interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1)")
+    g = torch.Generator().manual_seed(0)
+    h, kvh, hd, bs, num_blocks = 8, 2, 32, 16, 12
+    int8 = _int8(num_blocks, bs, kvh, hd, _smoothing(kvh, hd, h, g), native=False)
+    slots = torch.arange(num_blocks * bs)
+    k, v = _biased_keys(len(slots), kvh, hd, g), _biased_values(len(slots), kvh, hd, g)
+    int8.write(slots, k, v)
+    meta = _decode_meta(torch.tensor([40, 7, 25]), bs, torch.randperm(num_blocks, generator=g)[:9].view(3, 3))
+    q = torch.randn(3, h, hd, generator=g)
+    step_k, step_v = k[meta.slot_mapping], v[meta.slot_mapping]
+    triton = PagedAttention(h, kvh, hd, hd**-0.5, None, decode_kernel=triton_attention.TritonDecodeKernels())
+    sdpa = PagedAttention(h, kvh, hd, hd**-0.5, None)
+    torch.testing.assert_close(triton(q, step_k, step_v, int8, meta, False), sdpa(q, step_k, step_v, int8, meta, False),
+                               rtol=1e-4, atol=1e-4)
