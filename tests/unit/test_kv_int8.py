@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fixtures.attention import paged_attention_reference
+from tests.fixtures.attention import assert_writes_same_bytes, paged_attention_reference, prefill_metadata
 from tokenmill.config import CacheConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.kernels import cpu_kernels
-from tokenmill.layers.attention import AttentionMetadata, GroupMetadata, PagedAttention
+from tokenmill.layers.attention import GroupMetadata, PagedAttention
 from tokenmill.layers.kv_cache import (
     DenseKVCache,
     Int8KVCache,
@@ -63,11 +63,7 @@ def test_native_write_stores_the_same_bytes_as_the_torch_path(dtype: torch.dtype
     k = fused[:, : kvh * hd].view(T, kvh, hd)  # strided views, as qkv's split hands them over
     v = fused[:, kvh * hd: 2 * kvh * hd].view(T, kvh, hd)
     slots = torch.randperm(32, generator=g)[:T]
-    native.write(slots, k, v)
-    reference.write(slots, k, v)
-    for a, b in zip(native.tensors(), reference.tensors(), strict=True):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.int8 else a.view(torch.int16),
-                           b.view(torch.uint8) if b.dtype == torch.int8 else b.view(torch.int16))
+    assert_writes_same_bytes(native, reference, slots, k, v)
 
 
 @needs_kernel
@@ -199,20 +195,6 @@ def test_int8_kernel_checks_its_scales() -> None:
 
 # -- PagedAttention: write, then the SDPA path (gather + dequantize) and the native path -------------
 
-def _step_meta(prompt_lens: list[int], block_size: int, tables: torch.Tensor) -> tuple[AttentionMetadata, int]:
-    """One prefill step of several sequences (padded queries), as model_input.py builds it."""
-    lq = max(prompt_lens)
-    lk = tables.shape[1] * block_size
-    slots, pad_index = [], []
-    for s, n in enumerate(prompt_lens):
-        pos = torch.arange(n)
-        slots.append(tables[s, pos // block_size] * block_size + pos % block_size)
-        pad_index.append(s * lq + pos)
-    lens = torch.tensor(prompt_lens)
-    key, query = torch.arange(lk)[None, None, :], torch.arange(lq)[None, :, None]
-    mask = (key <= query) & (key < lens[:, None, None])  # causal from position 0, padding keys masked
-    group = GroupMetadata(tables, lens, mask.unsqueeze(1), None, 0, sum(prompt_lens), lq, torch.cat(pad_index))
-    return AttentionMetadata(torch.cat(slots), None, group), sum(prompt_lens)
 
 
 @pytest.mark.parametrize("softcap", [None, 20.0])
@@ -222,7 +204,7 @@ def test_sdpa_path_reads_int8_blocks_dequantized(softcap: float | None) -> None:
     g = torch.Generator().manual_seed(3)
     h, kvh, hd, bs = 8, 2, 32, 4
     tables = torch.randperm(12, generator=g)[:9].view(3, 3)
-    meta, t = _step_meta([11, 5, 8], bs, tables)
+    meta, t = prefill_metadata([11, 5, 8], bs, tables)
     q, k, v = torch.randn(t, h, hd, generator=g), torch.randn(t, kvh, hd, generator=g), torch.randn(t, kvh, hd,
                                                                                                    generator=g)
     attn = PagedAttention(h, kvh, hd, hd**-0.5, softcap)

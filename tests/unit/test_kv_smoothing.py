@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fixtures.attention import paged_attention_reference
+from tests.fixtures.attention import assert_writes_same_bytes, paged_attention_reference, prefill_metadata
 from tokenmill.kernels import cpu_kernels
 from tokenmill.layers.attention import AttentionMetadata, GroupMetadata, PagedAttention
 from tokenmill.layers.kv_cache import Int8KVCache, LayerKVCache, dequantize_int8, kv_cache_spec
@@ -122,11 +122,7 @@ def test_native_and_torch_writers_store_the_same_bytes_with_smoothing(dtype: tor
     k = fused[:, heads * hd: (heads + kvh) * hd].view(T, kvh, hd)
     v = fused[:, (heads + kvh) * hd:].view(T, kvh, hd)
     slots = torch.randperm(32, generator=g)[:T]
-    native.write(slots, k, v)
-    reference.write(slots, k, v)
-    for a, b in zip(native.tensors(), reference.tensors(), strict=True):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.int8 else a.view(torch.int16),
-                           b.view(torch.uint8) if b.dtype == torch.int8 else b.view(torch.int16))
+    assert_writes_same_bytes(native, reference, slots, k, v)
     # The keys hold (k − μ)·σ⁻¹, each within half a step of its row's scale (but the saturated row).
     rows = slots[torch.arange(T) != 7]
     stored = dequantize_int8(native.k, native.k_scale, torch.float32).view(-1, kvh, hd)[rows]
@@ -161,19 +157,6 @@ def test_native_writer_checks_the_smoothing() -> None:
 
 # -- the readers --------------------------------------------------------------------------------
 
-def _prefill_meta(prompt_lens: list[int], bs: int, tables: torch.Tensor) -> tuple[AttentionMetadata, int]:
-    """One prefill step of several sequences (padded queries), as model_input.py builds it."""
-    lq, lk = max(prompt_lens), tables.shape[1] * bs
-    slots, pad_index = [], []
-    for s, n in enumerate(prompt_lens):
-        pos = torch.arange(n)
-        slots.append(tables[s, pos // bs] * bs + pos % bs)
-        pad_index.append(s * lq + pos)
-    lens = torch.tensor(prompt_lens)
-    key, query = torch.arange(lk)[None, None, :], torch.arange(lq)[None, :, None]
-    mask = (key <= query) & (key < lens[:, None, None])
-    group = GroupMetadata(tables, lens, mask.unsqueeze(1), None, 0, sum(prompt_lens), lq, torch.cat(pad_index))
-    return AttentionMetadata(torch.cat(slots), None, group), sum(prompt_lens)
 
 
 def _decode_meta(lens: torch.Tensor, bs: int, tables: torch.Tensor) -> AttentionMetadata:
@@ -195,7 +178,7 @@ H, KVH, HD, BS = 8, 2, 32, 4
 def prefill() -> dict[str, torch.Tensor | AttentionMetadata | KVSmoothing]:
     g = torch.Generator().manual_seed(5)
     tables = torch.randperm(24, generator=g)[:18].view(3, 6)
-    meta, t = _prefill_meta([21, 9, 16], BS, tables)
+    meta, t = prefill_metadata([21, 9, 16], BS, tables)
     # Queries with large channels where the keys have their biases (as Qwen's do), so q · μ is large.
     q = torch.randn(t, H, HD, generator=g)
     q[..., :3] *= 4
