@@ -85,7 +85,7 @@ class ModelRunner:
         # False: the previous per-step path (tables rebuilt, masks for every group), for
         # benchmarks/host_overhead.py's before/after in one process.
         self.persistent_inputs = self.tables is not None
-        # Plain decode steps replay CUDA graphs (engine/cuda_graphs.py): on CUDA, with persistent
+        # Decode-group steps replay CUDA graphs (engine/cuda_graphs.py): on CUDA, with persistent
         # tables and the paged decode kernel, unless enforce_eager. Captured once the KV cache exists.
         self.graphs: DecodeGraphs | None = None
         self._graph_mode: str | None = None
@@ -139,7 +139,7 @@ class ModelRunner:
         self.graphs.capture()
 
     def enable_decode_graphs(self, mode: str, width_step_tokens: int = WIDTH_STEP_TOKENS) -> None:
-        """Replay plain decode steps from graphs from now on: "cuda", or "eager" (the same static
+        """Replay decode-group steps from graphs from now on: "cuda", or "eager" (the same static
         buffers re-run eagerly, how CPU tests exercise the staging). Reallocates the KV cache."""
         self._graph_mode = mode
         self._graph_width_step = width_step_tokens
@@ -231,6 +231,9 @@ class ModelRunner:
 
 
 def _shape(inp: ModelInput) -> StepShape:
+    if inp.graph_key is not None:  # the static metadata is the padded bucket's: count the real rows
+        rows = int(inp.input_ids.shape[0])
+        return StepShape(rows, 0, rows)
     meta = inp.meta
     num_decode = meta.decode.num_tokens if meta.decode is not None else 0
     num_prefill = meta.prefill.num_tokens if meta.prefill is not None else 0
