@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -49,7 +49,9 @@ WIDTH_STEP_TOKENS = 2048  # table-width buckets: this many tokens, x4, x16, ...,
 
 
 def batch_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 to 64, every 16 to 128, every 32 beyond: padding wastes at most ~20%."""
+    """1, 2, 4, 8, then every 8 to 64, every 16 to 128, every 32 beyond, and max_batch itself: a few
+    dozen captures, and from 8 rows up padding adds at most one step of rows (a replayed step's time
+    barely grows with its rows: 2.1 ms at 1 row, 2.7 ms at 128 for a 1.5B model on an H200)."""
     sizes = [1, 2, 4, *range(8, 65, 8), *range(80, 129, 16), *range(160, 1025, 32)]
     buckets = [b for b in sizes if b < max_batch]
     return [*buckets, max_batch]
@@ -218,6 +220,3 @@ class DecodeGraphs:
             return self.forward(ids, positions, meta)[:n]
         self._graphs[inp.graph_key].replay()
         return self._outputs[inp.graph_key][:n]
-
-    def keys(self) -> Sequence[tuple[int, int]]:
-        return [(b, w) for b in self.buckets for w in self.widths]
