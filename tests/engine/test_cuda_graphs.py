@@ -144,3 +144,33 @@ def test_speculative_verification_steps_replay_and_stay_token_identical(method: 
         proposer.runner.enable_decode_graphs("eager", width_step_tokens=16)  # type: ignore[attr-defined]
     _, accepted = _assert_greedy_identical(core, "llama")
     assert staged_rows > 0 and accepted > 0
+
+
+def test_short_prompts_with_prompt_logprobs_replay_with_the_same_logprobs() -> None:
+    """Prompts of at most 8 tokens are decode rows (`stage_rows`): their prompt logprobs read the
+    replayed hidden rows at the host-built offsets, and equal the eager engine's."""
+    model = tiny_model("qwen2")
+    prompts = random_prompts([3, 6, 8, 2], seed=11)
+    params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2, logprobs=1)
+
+    def run(core: EngineCore) -> list[tuple[list[int], list[tuple[int, float]]]]:
+        for i, prompt in enumerate(prompts):
+            core.add_request(str(i), prompt, params, ())
+        got: dict[str, tuple[list[int], list[tuple[int, float]]]] = {str(i): ([], []) for i in range(len(prompts))}
+        while core.has_unfinished:
+            for out in core.step().outputs:
+                tokens, prompt_lp = got[out.request_id]
+                tokens.extend(out.new_token_ids)
+                prompt_lp.extend((lp.token_id, round(lp.logprob, 4)) for lp in out.prompt_logprobs or [])
+        return [got[str(i)] for i in range(len(prompts))]
+
+    core = _graph_core(model, max_num_seqs=32)  # buckets to 32 rows: the 19 prompt rows fit one
+    graphs = core.runner.graphs
+    assert graphs is not None
+    stage_rows, staged = graphs.stage_rows, []
+    graphs.stage_rows = lambda host: staged.append(stage_rows(host)) or staged[-1]  # type: ignore[method-assign]
+    graphed = run(core)
+    assert staged and staged[0] is not None and staged[0].input_ids.shape[0] == 19  # the prompts, as rows
+    eager = run(make_core(model))
+    assert graphed == eager
+    assert all(len(lp) == len(p) - 1 for (_, lp), p in zip(graphed, prompts, strict=True))
