@@ -174,3 +174,18 @@ def test_short_prompts_with_prompt_logprobs_replay_with_the_same_logprobs() -> N
     eager = run(make_core(model))
     assert graphed == eager
     assert all(len(lp) == len(p) - 1 for (_, lp), p in zip(graphed, prompts, strict=True))
+
+
+def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    from tokenmill.engine.cuda_graphs import DecodeGraphs
+
+    def broken(self: DecodeGraphs) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeGraphs, "capture", broken)
+    model = tiny_model("llama")
+    core = _graph_core(model)
+    assert core.runner.graphs is None
+    assert "CUDA graph capture failed" in caplog.text
+    assert run_to_completion(core, PROMPTS, PARAMS) == run_to_completion(make_core(model), PROMPTS, PARAMS)

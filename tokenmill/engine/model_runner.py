@@ -133,10 +133,19 @@ class ModelRunner:
             return
         self.kv_caches = self._allocate_kv(num_blocks + 1)
         assert self.tables is not None
-        self.graphs = DecodeGraphs(self._forward_meta, self.device, self.tables.table.shape[0], self.tables.width,
-                                   self.block_size, pad_block=num_blocks, mode=self._graph_mode,
-                                   width_step_tokens=self._graph_width_step)
-        self.graphs.capture()
+        graphs = DecodeGraphs(self._forward_meta, self.device, self.tables.table.shape[0], self.tables.width,
+                              self.block_size, pad_block=num_blocks, mode=self._graph_mode,
+                              width_step_tokens=self._graph_width_step)
+        try:
+            graphs.capture()
+        except Exception as e:  # a capture that fails (an op this GPU/driver cannot capture) costs speed, not service
+            log.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly (as with --enforce-eager)",
+                        type(e).__name__, e)
+            self.graphs = None
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return
+        self.graphs = graphs
 
     def enable_decode_graphs(self, mode: str, width_step_tokens: int = WIDTH_STEP_TOKENS) -> None:
         """Replay decode-group steps from graphs from now on: "cuda", or "eager" (the same static
