@@ -134,7 +134,9 @@ def _decode_merge(acc_ptr, ml_ptr, out_ptr, stride_on, stride_oh, num_heads, num
     big = tl.max(m, 0)
     w = tl.exp(m - big)  # empty partitions: e^-inf = 0
     total = tl.sum(w * ls, 0)
-    acc = tl.load(acc_ptr + base[:, None] * HEAD_DIM_P + d[None, :], mask=s_ok[:, None], other=0.0)
+    # Columns past HEAD_DIM were never stored by the partial kernel: masked, not read as garbage.
+    acc = tl.load(acc_ptr + base[:, None] * HEAD_DIM_P + d[None, :], mask=s_ok[:, None] & (d[None, :] < HEAD_DIM),
+                  other=0.0)
     out = tl.sum(acc * w[:, None], 0) / total
     tl.store(out_ptr + n.to(tl.int64) * stride_on + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
