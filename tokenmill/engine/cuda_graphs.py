@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenmill.engine.interfaces import ScheduledRequest
 from tokenmill.engine.model_input import ModelInput, PlainDecodeArrays
 from tokenmill.layers.attention import AttentionMetadata, GroupMetadata
 
@@ -160,12 +161,7 @@ class DecodeGraphs:
         if key is None:
             return None
         self._write(key, a.input_ids, a.positions, a.slots, a.seq_lens, a.table)
-        sample_indices, sampled, prompt_offsets, every_row = a.sampling(self.device)
-        ids, positions, meta = self._views(*key)
-        n = a.num_rows
-        return ModelInput(input_ids=ids[:n], positions=positions[:n], meta=meta, sample_indices=sample_indices,
-                          sampled=sampled, prompt_logprob_offsets=prompt_offsets, every_row_sampled=every_row,
-                          graph_key=key)
+        return self._staged_input(key, a.num_rows, *a.sampling(self.device))
 
     def stage_rows(self, host: ModelInput) -> ModelInput | None:
         """A step built on the host (CPU tensors) whose tokens are all decode-group rows: speculative
@@ -182,11 +178,17 @@ class DecodeGraphs:
             return None
         self._write(key, host.input_ids.numpy(), host.positions.numpy(), meta.slot_mapping.numpy(),
                     decode.seq_lens.numpy(), decode.block_table.numpy())
-        ids, positions, static = self._views(*key)
-        return ModelInput(input_ids=ids[:n], positions=positions[:n], meta=static,
-                          sample_indices=host.sample_indices.to(self.device), sampled=host.sampled,
-                          prompt_logprob_offsets=host.prompt_logprob_offsets,
-                          every_row_sampled=host.every_row_sampled, graph_key=key)
+        return self._staged_input(key, n, host.sample_indices.to(self.device), host.sampled,
+                                  host.prompt_logprob_offsets, host.every_row_sampled)
+
+    def _staged_input(self, key: tuple[int, int], n: int, sample_indices: torch.Tensor,
+                      sampled: list[ScheduledRequest], prompt_offsets: list[tuple[ScheduledRequest, int]],
+                      every_row: bool) -> ModelInput:
+        """A ModelInput over the static buffers of graph `key`, its first `n` rows real."""
+        ids, positions, meta = self._views(*key)
+        return ModelInput(input_ids=ids[:n], positions=positions[:n], meta=meta, sample_indices=sample_indices,
+                          sampled=sampled, prompt_logprob_offsets=prompt_offsets, every_row_sampled=every_row,
+                          graph_key=key)
 
     def _write(self, key: tuple[int, int], input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
                seq_lens: np.ndarray, rows: np.ndarray) -> None:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.errors import TokenmillError
-from tokenmill.kernels import ATTENTION_BACKENDS, cpu_kernels
+from tokenmill.kernels import ATTENTION_BACKENDS, cpu_kernels, triton_available
 from tokenmill.layers.kv_cache import LayerKVCache, NativeDecodeKernels
 
 
@@ -79,13 +79,12 @@ def decode_kernel(backend: str, device: torch.device) -> NativeDecodeKernels | N
 
 
 def _triton_kernels(device: torch.device, required: bool) -> NativeDecodeKernels | None:
-    try:
-        from tokenmill.kernels.triton_attention import TritonDecodeKernels, interpreting
-    except ImportError as e:
+    if not triton_available():
         if required:
-            raise TokenmillError(f"attention backend 'triton' needs the triton package ({e}); "
-                                 "use --attention-backend sdpa") from e
+            raise TokenmillError("attention backend 'triton' needs the triton package; use --attention-backend sdpa")
         return None
+    from tokenmill.kernels.triton_attention import TritonDecodeKernels, interpreting
+
     if device.type != "cuda" and not interpreting():
         if required:
             raise TokenmillError("attention backend 'triton' runs on CUDA devices (on CPU only under "

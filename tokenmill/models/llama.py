@@ -77,25 +77,28 @@ class DecoderLayer(nn.Module):
     def norms(self) -> dict[str, RMSNorm]:
         return {"input_layernorm": self.input_layernorm, "post_attention_layernorm": self.post_attention_layernorm}
 
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused projection as [T, q heads + k heads + v heads, head_dim]."""
+        return self.qkv_proj(x).view(-1, self.arch.num_heads + 2 * self.arch.num_kv_heads, self.arch.head_dim)
+
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v before RoPE (views of the fused projection; q and k normed where the model norms them)."""
         num_heads, num_kv_heads = self.arch.num_heads, self.arch.num_kv_heads
-        heads = self.qkv_proj(x).view(-1, num_heads + 2 * num_kv_heads, self.arch.head_dim)
+        heads = self._heads(x)
         q, k = heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads]
         v = heads[:, num_heads + num_kv_heads:]
         return (*self.qk_norm(q, k), v) if self.has_qk_norm else (q, k, v)
 
     def qkv(self, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        num_heads, num_kv_heads = self.arch.num_heads, self.arch.num_kv_heads
-        heads = self.qkv_proj(x)
-        heads = heads.view(-1, num_heads + 2 * num_kv_heads, self.arch.head_dim)
-        v = heads[:, num_heads + num_kv_heads:]
+        """q, k, v with RoPE applied to q and k."""
         if self.has_qk_norm:
-            q, k = self.qk_norm(heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads])
+            q, k, v = self.project(x)
             return apply_rotary(q, *rope, self.rope_kernel), apply_rotary(k, *rope, self.rope_kernel), v
-        # q and k rotate together: one set of RoPE ops per layer instead of two.
+        # q and k rotate together, from the fused projection: one set of RoPE ops per layer instead of two.
+        num_heads, num_kv_heads = self.arch.num_heads, self.arch.num_kv_heads
+        heads = self._heads(x)
         qk = apply_rotary(heads[:, :num_heads + num_kv_heads], *rope, self.rope_kernel)
-        return qk[:, :num_heads], qk[:, num_heads:], v
+        return qk[:, :num_heads], qk[:, num_heads:], heads[:, num_heads + num_kv_heads:]
 
     has_qk_norm = False
 
