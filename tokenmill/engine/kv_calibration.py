@@ -119,12 +119,7 @@ def calibrate_kv_smoothing(runner: ModelRunner, sequences: list[list[int]], valu
     rows = calibration_kv(runner.model, [s for s in sequences if s], runner.block_size)
     heads = runner.arch.num_heads
     fits = [KVSmoothing(fit_smoothing(k, heads), fit_smoothing(v, heads) if values else None) for k, v in rows]
-    for cache, fit in zip(runner.kv_caches, fits, strict=True):
-        if isinstance(cache, Int8KVCache):
-            cache.smoothing = fit
-    if runner.model.native_stack is not None:
-        runner.model.native_stack.unbind()
-    return fits
+    return _attach(runner, fits)
 
 
 def fit_kv_smoothing(runner: ModelRunner, encode: Callable[[str], list[int]], max_tokens: int,
@@ -139,11 +134,12 @@ def fit_kv_smoothing(runner: ModelRunner, encode: Callable[[str], list[int]], ma
         return False
     started = time.monotonic()
     values = os.environ.get(SMOOTHING_ENV, "").strip() != "keys"
-    token_ids = encode(calibration_text())[:CALIBRATION_TOKENS]
+    text = calibration_text()
+    token_ids = encode(text)[:CALIBRATION_TOKENS]
     seq_len = min(CALIBRATION_SEQ_LEN, max_tokens)
     path = None
     if cache_key is not None and os.environ.get(CACHE_ENV, "1").strip() != "0":
-        key = {**cache_key, "text": hashlib.sha256(calibration_text().encode()).hexdigest(), "tokens": len(token_ids),
+        key = {**cache_key, "text": hashlib.sha256(text.encode()).hexdigest(), "tokens": len(token_ids),
                "seq_len": seq_len, "values": values, "version": FIT_VERSION}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
         path = _cache_dir() / f"{Path(str(cache_key.get('model', 'model'))).stem}-{digest}.pt"
@@ -176,12 +172,16 @@ def _cache_dir() -> Path:
     return tokenmill_home() / "kv_smoothing"
 
 
-def _attach(runner: ModelRunner, fits: list[KVSmoothing]) -> None:
-    for cache, fit in zip(runner.kv_caches, fits, strict=True):
+def _attach(runner: ModelRunner, fits: list[KVSmoothing]) -> list[KVSmoothing]:
+    """Give each int8 layer cache its fit, on the cache's device (fits are fitted on the CPU); the fits as
+    attached."""
+    attached = [fit.to(cache.k.device) for cache, fit in zip(runner.kv_caches, fits, strict=True)]
+    for cache, fit in zip(runner.kv_caches, attached, strict=True):
         if isinstance(cache, Int8KVCache):
-            cache.smoothing = fit.to(cache.k.device)
+            cache.smoothing = fit
     if runner.model.native_stack is not None:
         runner.model.native_stack.unbind()
+    return attached
 
 
 def _write_fits(path: Path, fits: list[KVSmoothing], model: str) -> None:
