@@ -13,6 +13,7 @@ from tokenmill.layers import KV_CACHE_DTYPES
 from tokenmill.platform import auto_dtype
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPILE_MODES = ("auto", "on", "off")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -45,8 +46,13 @@ class ModelConfig:
     amx_bf16: bool = False
     # True: no CUDA graphs; every decode step launches its kernels from Python (engine/cuda_graphs.py).
     enforce_eager: bool = False
+    # torch.compile of the decoder stack's glue around the native GEMM/attention ops (models/compiled.py):
+    # "on", "off", or "auto" = where it measured faster, which on CPU is nowhere yet (docs/performance.md).
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.compile in COMPILE_MODES,
+                 f"compile '{self.compile}' is not supported: use {', '.join(COMPILE_MODES)}")
         _require(self.quantization in QUANTIZATIONS,
                  f"quantization '{self.quantization}' is not supported: use {', '.join(QUANTIZATIONS)}")
         _require(self.gemm_backend in GEMM_BACKENDS,

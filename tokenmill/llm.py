@@ -31,14 +31,16 @@ class LLM:
                  enable_chunked_prefill: bool = True, seed: int = 0, num_threads: int | None = None,
                  gemm_backend: str = "auto", attention_backend: str = "auto", kv_cache_dtype: str = "auto",
                  quantization: str = DEFAULT_QUANTIZATION, amx_bf16: bool = False, enforce_eager: bool = False,
+                 compile: str | bool = "auto",
                  speculative: str | None = None,
                  draft_model: str | None = None,
                  num_speculative_tokens: int = 3, ngram_min: int = 1, ngram_max: int = 4,
                  profile: int | ProfileConfig | None = None) -> None:
-        """`profile`: N steps (or a ProfileConfig) to profile, written to ./tokenmill-profile (docs/performance.md)."""
+        """`profile`: N steps (or a ProfileConfig) to profile, written to ./tokenmill-profile (docs/performance.md).
+        `compile`: "auto", "on"/True, "off"/False: torch.compile of the decoder stack (models/compiled.py)."""
         self.config = EngineConfig(
             ModelConfig(model, dtype, device, max_model_len, seed, gemm_backend, attention_backend, quantization,
-                        amx_bf16, enforce_eager),
+                        amx_bf16, enforce_eager, _compile_mode(compile)),
             CacheConfig(block_size, num_kv_blocks, kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
                         kv_cache_dtype=kv_cache_dtype),
             SchedulerConfig(max_num_batched_tokens, max_num_seqs, policy, enable_chunked_prefill),
@@ -144,3 +146,9 @@ def _as_conversations(messages: Messages | Sequence[Messages]) -> list[Messages]
     if messages and isinstance(messages[0], dict):
         return [messages]  # type: ignore[list-item]  # one conversation
     return list(messages)  # type: ignore[arg-type]
+
+
+def _compile_mode(compile: str | bool) -> str:
+    if isinstance(compile, bool):
+        return "on" if compile else "off"
+    return compile

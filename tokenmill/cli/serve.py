@@ -90,6 +90,15 @@ def add_quantization_argument(parser: Any) -> None:
                              "release gate on Qwen2.5-Coder-1.5B; docs/quantization.md)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="CUDA: no CUDA graphs; every decode step launches its kernels from Python")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="CPU: torch.compile the decoder stack's glue around the native GEMM and attention "
+                             "ops (steps the native decode stack does not take); default: where it measured "
+                             "faster, which on CPU is nowhere yet (docs/performance.md)")
+
+
+def compile_mode(args: argparse.Namespace) -> str:
+    """ModelConfig.compile from --compile / --no-compile (neither: auto)."""
+    return "auto" if args.compile is None else "on" if args.compile else "off"
 
 
 def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,7 +132,8 @@ def run_serve(args: argparse.Namespace) -> int:
     model_name = _installed_model_name(args.model)
     engine_config = EngineConfig(
         ModelConfig(args.model, args.dtype, args.device, args.max_model_len, args.seed, args.gemm_backend,
-                    args.attention_backend, args.quantization, args.amx_bf16, args.enforce_eager),
+                    args.attention_backend, args.quantization, args.amx_bf16, args.enforce_eager,
+                    compile_mode(args)),
         CacheConfig(num_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype),
         SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy,
                         service_classes=service_class_config(args)),

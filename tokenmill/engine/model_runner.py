@@ -74,6 +74,7 @@ class ModelRunner:
         self.model.load_weights(tensors)
         if model_config.amx_bf16:
             self.model.set_quant_path(bf16=True)
+        self.model.set_compile(model_config.compile)
         self.kv_caches: list[LayerKVCache] = []
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)

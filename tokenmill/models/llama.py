@@ -26,6 +26,7 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
 from tokenmill.layers.weight_arena import WeightArena, relocate
 from tokenmill.models.arch import ArchConfig
+from tokenmill.models.compiled import CompiledStack, build_compiled_stack
 from tokenmill.models.loading.weights import LazyTensors
 from tokenmill.models.native_stack import NativeDecodeStack, build_native_stack
 
@@ -152,6 +153,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: Linear
         self.weight_arena: WeightArena | None = None  # the huge-page copy of the quantized weights
         self.native_stack: NativeDecodeStack | None = None  # decode steps in one native call (set by load)
+        self.compiled: CompiledStack | None = None  # the torch.compile'd stack (set_compile), for other steps
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, self.attention_scale(),
                                    arch.attn_logit_softcapping, arch.sliding_window,
                                    decode_kernel(attention_backend, device))
@@ -218,6 +220,11 @@ class LlamaForCausalLM(nn.Module):
         change to them: it holds their plans); None where some piece is not native."""
         self.native_stack = build_native_stack(self)
 
+    def set_compile(self, mode: str) -> None:
+        """Run steps the native stack does not take through the torch.compile'd stack (models/compiled.py)
+        where `mode` ("auto", "on", "off": ModelConfig.compile) asks for it and the model qualifies."""
+        self.compiled = build_compiled_stack(self, mode)
+
     def linears(self) -> dict[str, Linear]:
         """Every linear layer by name (lm_head included): for benchmarks and tests."""
         named = {"lm_head": self.lm_head}
@@ -242,6 +249,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)
         if self.native_stack is not None:
             hidden = self.native_stack(x, positions, kv_caches, meta)
+            if hidden is not None:
+                return hidden
+        if self.compiled is not None:
+            hidden = self.compiled(x, positions, kv_caches, meta)
             if hidden is not None:
                 return hidden
         rope_global = self.rope_global.tables(positions)  # gathered once per step, shared by layers
