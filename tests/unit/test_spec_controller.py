@@ -167,3 +167,55 @@ def test_not_speculating_the_probe_proposes_one_token() -> None:
         plans.append(max(ks))
         controller.observe(32 + sum(ks), 0.005 + 0.003 * (32 + sum(ks)))
     assert plans.count(0) >= 60 and set(plans) <= {0, 1} and plans.count(1) >= 1
+
+
+def test_the_acceptance_model_learns_position_by_position_with_a_prior() -> None:
+    from tokenmill.engine.spec.acceptance import AcceptanceModel
+
+    model = AcceptanceModel(max_tokens=3, prior=0.7)
+    assert model.gains(4, 2) == pytest.approx([0.7, 0.49])  # unseen: the prior, position after position
+    model.record(4, num_proposed=3, num_accepted=1)  # token 1 accepted, token 2 rejected, token 3 never scored
+    r1 = (1 + 2 * 0.7) / (1 + 2)
+    r2 = (0 + 2 * r1) / (1 + 2)
+    r3 = (0 + 2 * r2) / (0 + 2)  # no counts: the position before it
+    assert model.gains(4, 3) == pytest.approx([r1, r1 * r2, r1 * r2 * r3])
+    assert model.gains(1, 1) == pytest.approx([0.7])  # buckets are independent
+    for _ in range(200):
+        model.record(1, 3, 0)
+    assert model.gains(1, 1)[0] < 0.05 and model.rates()[1][0] < 0.05
+
+
+def _learned(controller: SpecController, bucket: int, accepted: int, drafts: int = 60) -> None:
+    for _ in range(drafts):
+        controller.acceptance.record(bucket, 3, accepted)
+
+
+def test_proposals_go_to_the_buckets_that_pay_and_requests_without_a_match_are_not_counted() -> None:
+    """Two requests at batch 2 on a CPU where rows cost: the one continuing a 4-token match (its
+    proposals accepted) proposes; the one with a 1-token match (its proposals rejected) does not, and
+    one with no match at all neither proposes nor counts towards the step's rows."""
+    controller = _controller(max_batch_size=64)
+    for n in (2, 3, 4, 5, 6, 7, 8) * 4:
+        controller.observe(n, 0.030 + 0.008 * n)
+    _learned(controller, 4, accepted=3)
+    _learned(controller, 1, accepted=0)
+    strong, weak, none = _requests(3, acceptance=0.6)
+    assert controller.plan([strong, weak], [4, 1]) == [3, 0]
+    assert controller.plan([weak, strong], [1, 4]) == [0, 3]
+    assert controller.plan([strong, none], [4, 0]) == [3, 0]
+    # Without buckets both requests look alike (recent acceptance 0.6) and get the same k.
+    ks = controller.plan([strong, weak])
+    assert ks[0] == ks[1]
+
+
+def test_a_verified_draft_is_scored_into_its_bucket_from_the_request_counters() -> None:
+    controller = _controller(max_batch_size=64)
+    [r] = _requests(1)
+    assert controller.plan([r], [2]) == [3]  # no fit yet: K
+    stats = r.spec_stats  # what Scheduler._record_spec does after verification: 3 proposed, 1 accepted
+    stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens = stats.num_drafts + 1, 3, 1
+    controller.plan([r], [3])
+    assert controller.acceptance.rates()[2][:2] == pytest.approx([(1 + 1.4) / 3, (0 + 2 * 0.8) / 3])
+    # A draft the step skipped (counters unchanged) teaches nothing.
+    controller.plan([r], [3])
+    assert 3 not in controller.acceptance.rates()

@@ -60,3 +60,17 @@ def test_forget_and_retain_drop_indexes() -> None:
     proposer.forget("a")
     proposer.retain(["b"])
     assert list(proposer._indexes) == ["b"]
+
+
+def test_the_bucket_is_the_matched_suffix_length_and_propose_reuses_the_match() -> None:
+    from tokenmill.engine.request import Request, SamplingParams
+
+    proposer = NgramProposer(1, 4)
+    a = Request("a", [5, 6, 7, 8, 9, 5, 6, 7, 8], SamplingParams())
+    b = Request("b", [1, 2, 3, 9, 2], SamplingParams())
+    c = Request("c", [1, 2, 3, 4], SamplingParams())
+    a.token_ids, b.token_ids, c.token_ids = list(a.prompt_token_ids), list(b.prompt_token_ids), list(c.prompt_token_ids)
+    assert proposer.buckets([a, b, c]) == [4, 1, 0]
+    assert proposer.propose([a, b, c], [2, 2, 2]) == [[9, 5], [3, 9], []]
+    a.token_ids.append(1)  # the context moved on: the cached match is stale and looked up again
+    assert proposer.propose([a], [2]) == [[]]

@@ -15,6 +15,12 @@ class Proposer(abc.ABC):
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
         """Proposals per request, request i at most num_tokens[i] long (empty: nothing to offer)."""
 
+    def buckets(self, requests: list[Request]) -> list[int | None]:
+        """Per request, the kind of proposal it would get now, by what the proposer knows of its
+        quality (acceptance.py): the controller learns each kind's acceptance position by position.
+        0: nothing to propose; None (the default): no kinds, one acceptance rate per request."""
+        return [None] * len(requests)
+
     def forget(self, request_id: str) -> None:  # noqa: B027 - stateless proposers keep nothing
         """Drop what the proposer keeps for a request that finished or was aborted."""
 

@@ -3,29 +3,37 @@
 Two rules, both about goodput (tokens emitted per second), not acceptance:
   * per request: a request whose recent acceptance (a moving average the scheduler keeps) falls
     below min_acceptance stops proposing; it probes again with one draft every probe_interval steps.
+    A request the proposer has nothing for (the n-gram proposer found no match) is not counted.
   * per step: emitted tokens per second with and without speculation, from the measured time of
     decode-only steps as a function of their token count T(n): a moving average per token count
     where that count was measured, interpolated between measured counts, and a linear fit
     T(n) = a + b n of all samples beyond them. (The linear fit alone misjudged: on a 2-core CPU with
     integer-quantized weights, 8 rows cost 3.2x 2 rows against the 2x the fit drew from batch-1
-    steps, and two requests speculating ran at 0.76x.) Request i
-    proposing k tokens at acceptance a_i emits E_i = (1 - a_i^(k + 1)) / (1 - a_i) tokens (accepted
-    run plus the target's own token); the step proposes the k in 0..K with the most
-        sum E_i / T(n + m k)        (n decoding requests, m of them proposing; k = 0: n / T(n))
+    steps, and two requests speculating ran at 0.76x.) Each request's j-th proposal is worth its
+    expected gain g_ij, the chance that verification gets to it and accepts it: from the proposer's
+    bucket for the request (acceptance.py: position by position, per kind of proposal, e.g. the
+    n-gram match length) or, for proposals without one (a draft model), a_i^j with a_i the
+    request's recent acceptance. Gains fall with j, so the R proposals worth most over the whole
+    batch are a prefix of each request's, and the step proposes the R in 0..sum of caps with the most
+        (n + sum of the R largest gains) / T(n + R)       (n decoding requests; R = 0: n / T(n))
     A memory-bound step (dense weights at batch 1 on CPU: every weight streamed once) has b ≈ 0 and
-    the largest k wins; where extra rows cost (integer-quantized weights, large batches) a smaller k
-    or none. Until the fit has seen a spread of token counts, the step proposes K iff
-    n <= max_batch_size. Every _EXPLORE_EVERY plans, the option not chosen (plain if speculating,
-    k = 1 if not) runs once when its token count has few measurements or none recent, so both sides of
-    the comparison stay measured as the batch and its contexts change.
+    proposals are nearly free; where extra rows cost (integer-quantized weights, large batches) only
+    the likeliest proposals pay, or none. Until the fit has seen a spread of token counts, the step
+    proposes K iff n <= max_batch_size. Every _EXPLORE_EVERY plans, the option not chosen (plain if
+    speculating, one proposal a request if not) runs once when its token count has few measurements
+    or none recent, so both sides of the comparison stay measured as the batch and its contexts change.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import Request
+from tokenmill.engine.spec.acceptance import AcceptanceModel
 
 _MIN_DRAFTS_TO_JUDGE = 4  # drafts before a request's acceptance is trusted
 _MIN_SAMPLES = 16  # steps before the cost fit is trusted
@@ -42,14 +50,26 @@ def expected_emitted(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
+@dataclass(slots=True)
+class _Pending:
+    """A request's draft planned this step: its bucket and its counters before verification."""
+
+    bucket: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
 class SpecController:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.samples: deque[tuple[int, float]] = deque(maxlen=256)  # (tokens in the step, step time s)
         # tokens → (moving average of step time s, samples, the plan count at the latest sample)
         self.by_count: dict[int, tuple[float, int, int]] = {}
+        self.acceptance = AcceptanceModel(config.num_speculative_tokens)
         self.is_on = True  # the last step's decision, for the stats
         self._cooldown: dict[str, int] = {}
+        self._pending: dict[str, _Pending] = {}
         self._num_plans = 0
 
     def observe(self, num_tokens: int, step_time_s: float) -> None:
@@ -67,28 +87,35 @@ class SpecController:
         """Step time for `num_tokens`: measured there, else between the nearest measured counts,
         else the fit's slope from the nearest measured count (the fit itself when none is).
         `measured`: self.measured(), when the caller predicts several counts at once."""
-        a, b = fit
-        measured = self.measured() if measured is None else measured
-        if num_tokens in measured:
-            return measured[num_tokens]
-        below = max((n for n in measured if n < num_tokens), default=None)
-        above = min((n for n in measured if n > num_tokens), default=None)
-        if below is not None and above is not None:
-            w = (num_tokens - below) / (above - below)
-            return (1 - w) * measured[below] + w * measured[above]
-        if below is not None:
-            return measured[below] + b * (num_tokens - below)
-        if above is not None:
-            return max(measured[above] - b * (above - num_tokens), 0.0)
-        return a + b * num_tokens
+        return _Predictor(fit, self.measured() if measured is None else measured)(num_tokens)
 
-    def plan(self, requests: list[Request]) -> list[int]:
+    def plan(self, requests: list[Request], buckets: Sequence[int | None] | None = None) -> list[int]:
+        """Proposals per request. `buckets`: the proposer's kind of proposal per request (None: none;
+        0: the proposer has nothing to offer it), see acceptance.py."""
+        buckets = list(buckets) if buckets is not None else [None] * len(requests)
+        self._learn(requests)
         if not self.config.adaptive:
-            return [self.config.num_speculative_tokens] * len(requests)
-        ks = [self._k_for(r) for r in requests]
-        best = self._best_k(requests, ks) if any(ks) else 0
-        self.is_on = best > 0
-        return [min(k, best) for k in ks]
+            ks = [0 if b == 0 else self.config.num_speculative_tokens for b in buckets]
+        else:
+            caps = [0 if b == 0 else self._k_for(r) for r, b in zip(requests, buckets, strict=True)]
+            ks = self._allocate(requests, buckets, caps) if any(caps) else caps
+            self.is_on = any(ks)
+        for request, bucket, k in zip(requests, buckets, ks, strict=True):
+            if k and bucket is not None:
+                stats = request.spec_stats
+                self._pending[request.request_id] = _Pending(bucket, stats.num_drafts, stats.num_draft_tokens,
+                                                             stats.num_accepted_tokens)
+        return ks
+
+    def _learn(self, requests: list[Request]) -> None:
+        """Score last step's drafts into the acceptance model, from the requests' counters: a draft
+        the step did not verify (the request was skipped or preempted) teaches nothing."""
+        for request in requests:
+            pending = self._pending.pop(request.request_id, None)
+            stats = request.spec_stats
+            if pending is not None and stats.num_drafts == pending.num_drafts + 1:
+                self.acceptance.record(pending.bucket, stats.num_draft_tokens - pending.num_draft_tokens,
+                                       stats.num_accepted_tokens - pending.num_accepted_tokens)
 
     def _k_for(self, request: Request) -> int:
         stats, rid = request.spec_stats, request.request_id
@@ -102,35 +129,49 @@ class SpecController:
         self._cooldown[rid] = left - 1
         return 0
 
-    def _best_k(self, requests: list[Request], ks: list[int]) -> int:
-        """The number of proposals per proposing request that maximises emitted tokens per second."""
+    def _gains(self, request: Request, bucket: int | None, k: int) -> list[float]:
+        if bucket is None:
+            alpha = request.spec_stats.recent_acceptance
+            return [alpha ** j for j in range(1, k + 1)]
+        return self.acceptance.gains(bucket, k)
+
+    def _allocate(self, requests: list[Request], buckets: list[int | None], caps: list[int]) -> list[int]:
+        """Proposals per request (each at most its cap) that maximise emitted tokens per second."""
         n = len(requests)
         fit = self.cost_fit()
+        self._num_plans += 1
         if fit is None:
             # A draft model always proposes K, so step sizes never vary and the fit never forms:
             # cycle through the smaller k now and then to measure what they cost.
-            self._num_plans += 1
-            if n <= self.config.max_batch_size and self._num_plans % _EXPLORE_EVERY == 0:
-                return (self._num_plans // _EXPLORE_EVERY) % self.config.num_speculative_tokens
-            return self.config.num_speculative_tokens if n <= self.config.max_batch_size else 0
-        proposing = [r.spec_stats.recent_acceptance for r, k in zip(requests, ks, strict=True) if k]
-        measured = self.measured()
-        best_k, best_rate = 0, n / max(self.predict(n, fit, measured), 1e-9)
-        for k in range(1, self.config.num_speculative_tokens + 1):
-            emitted = n - len(proposing) + sum(expected_emitted(alpha, k) for alpha in proposing)
-            rate = emitted / max(self.predict(n + k * len(proposing), fit, measured), 1e-9)
+            if n > self.config.max_batch_size:
+                return [0] * n
+            k = self.config.num_speculative_tokens
+            if self._num_plans % _EXPLORE_EVERY == 0:
+                k = (self._num_plans // _EXPLORE_EVERY) % self.config.num_speculative_tokens
+            return [min(cap, k) for cap in caps]
+        # Every request's proposal j by its gain; a request's gains fall with j, so the R best over the
+        # batch take a prefix of each request's (the sort is stable, so equal gains keep j's order).
+        ranked = sorted(((g, i) for i, (r, b, cap) in enumerate(zip(requests, buckets, caps, strict=True))
+                         for g in self._gains(r, b, cap)), key=lambda e: -e[0])
+        predict = _Predictor(fit, self.measured())
+        best_r, best_rate, emitted = 0, n / max(predict(n), 1e-9), float(n)
+        for rows, (gain, _) in enumerate(ranked, start=1):
+            emitted += gain
+            rate = emitted / max(predict(n + rows), 1e-9)
             if rate > best_rate:
-                best_k, best_rate = k, rate
-        self._num_plans += 1
+                best_r, best_rate = rows, rate
+        ks = [0] * n
+        for _, i in ranked[:best_r]:
+            ks[i] += 1
         if self._num_plans % _EXPLORE_EVERY == 0:
-            # Not speculating, probe with one proposal: the nearest token count above the plain step,
-            # which is what decides whether any k pays, at a third of K = 3's cost when it does not
-            # (a batch-32 probe with K = 3 cost 2.7x a plain step for 2x its tokens, measured).
-            other = 0 if best_k else 1
-            _, seen, latest = self.by_count.get(n + other * len(proposing), (0.0, 0, 0))
+            # Not speculating, probe with one proposal a request: the nearest token count above the
+            # plain step, which is what decides whether any pays, at a third of K = 3's cost when it
+            # does not (a batch-32 probe with K = 3 cost 2.7x a plain step for 2x its tokens, measured).
+            other = [0] * n if best_r else [min(cap, 1) for cap in caps]
+            _, seen, latest = self.by_count.get(n + sum(other), (0.0, 0, 0))
             if seen < 2 * _MIN_COUNT_SAMPLES or self._num_plans - latest > _STALE_PLANS:
                 return other
-        return best_k
+        return ks
 
     def cost_fit(self) -> tuple[float, float] | None:
         """Least-squares (a, b) of step time = a + b * tokens; None until the samples spread."""
@@ -147,3 +188,29 @@ class SpecController:
 
     def forget(self, request_id: str) -> None:
         self._cooldown.pop(request_id, None)
+        self._pending.pop(request_id, None)
+
+
+class _Predictor:
+    """SpecController.predict over one snapshot of the measured counts, by bisection: a plan asks it for
+    every row count up to the batch's proposals (hundreds at batch 64)."""
+
+    def __init__(self, fit: tuple[float, float], measured: dict[int, float]) -> None:
+        self.a, self.b = fit
+        self.counts = sorted(measured)
+        self.times = [measured[n] for n in self.counts]
+
+    def __call__(self, num_tokens: int) -> float:
+        counts, times = self.counts, self.times
+        i = bisect.bisect_left(counts, num_tokens)
+        if i < len(counts) and counts[i] == num_tokens:
+            return times[i]
+        if 0 < i < len(counts):
+            below, above = counts[i - 1], counts[i]
+            w = (num_tokens - below) / (above - below)
+            return (1 - w) * times[i - 1] + w * times[i]
+        if i > 0:
+            return times[-1] + self.b * (num_tokens - counts[-1])
+        if counts:
+            return max(times[0] - self.b * (counts[0] - num_tokens), 0.0)
+        return self.a + self.b * num_tokens

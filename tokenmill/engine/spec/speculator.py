@@ -37,7 +37,8 @@ class Speculator:
             request.spec_token_ids = []  # a request the budget skipped last step keeps no stale guesses
         if not decoding:
             return
-        ks = [min(k, self._room(r)) for r, k in zip(decoding, self.controller.plan(decoding), strict=True)]
+        plan = self.controller.plan(decoding, self.proposer.buckets(decoding))
+        ks = [min(k, self._room(r)) for r, k in zip(decoding, plan, strict=True)]
         chosen = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
         if not chosen:
             return
