@@ -74,7 +74,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ngram-model", default="qwen2.5-coder-0.5b")
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    p.add_argument("--k", type=int, default=0, help="num_speculative_tokens (0: the method's default)")
     p.add_argument("--ngram-tokens", type=int, default=96, help="max_tokens per request (ngram)")
     p.add_argument("--draft-tokens", type=int, default=32, help="max_tokens per request (draft; the 1.5B is slow)")
     p.add_argument("--ngram-min", type=int, default=1)

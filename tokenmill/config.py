@@ -184,6 +184,7 @@ class SchedulerConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft")
+DEFAULT_SPECULATIVE_TOKENS = {"ngram": 5, "draft": 3}
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +192,10 @@ class SpeculativeConfig:
     """Speculative decoding (engine/spec/). Off unless `method` is set."""
 
     method: str | None = None  # None: off; "ngram" (prompt lookup) or "draft" (a smaller model)
-    num_speculative_tokens: int = 3  # k: proposals per request per step (1 + k = 4 rows: the skinny GEMM kernel)
+    # K: at most this many proposals per request per step (the controller picks k <= K each step).
+    # 0 = the method's default: n-gram 5 (the controller gives rows only to likely proposals, and
+    # long copied spans pay on hosts with cheap extra rows), draft 3 (each draft token is a draft forward).
+    num_speculative_tokens: int = 0
     ngram_min: int = 1  # n-gram lookup tries suffixes of ngram_max..ngram_min tokens
     ngram_max: int = 4
     draft_model: str | None = None  # catalog name or path of the draft (same tokenizer as the target)
@@ -206,6 +210,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         _require(self.method is None or self.method in SPECULATIVE_METHODS,
                  f"speculative method '{self.method}' is not supported: use {', '.join(SPECULATIVE_METHODS)}")
+        if self.num_speculative_tokens == 0:
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_SPECULATIVE_TOKENS.get(self.method or "", 3))
         _require(1 <= self.num_speculative_tokens <= 32, "num_speculative_tokens must be in 1..32")
         _require(1 <= self.ngram_min <= self.ngram_max, "ngram_min and ngram_max must satisfy 1 <= min <= max")
         _require(self.method != "draft" or bool(self.draft_model),

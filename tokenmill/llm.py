@@ -34,7 +34,7 @@ class LLM:
                  compile: str | bool = "auto",
                  speculative: str | None = None,
                  draft_model: str | None = None,
-                 num_speculative_tokens: int = 3, ngram_min: int = 1, ngram_max: int = 4,
+                 num_speculative_tokens: int = 0, ngram_min: int = 1, ngram_max: int = 4,
                  profile: int | ProfileConfig | None = None) -> None:
         """`profile`: N steps (or a ProfileConfig) to profile, written to ./tokenmill-profile (docs/performance.md).
         `compile`: "auto", "on"/True, "off"/False: torch.compile of the decoder stack (models/compiled.py)."""

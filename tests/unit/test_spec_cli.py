@@ -17,19 +17,26 @@ def test_flags_parse_on_generate_and_serve() -> None:
     assert speculative_kwargs(args) == {"speculative": "ngram", "draft_model": None, "num_speculative_tokens": 6,
                                         "ngram_min": 2, "ngram_max": 5}
     args = parser.parse_args(["serve", "m", "--speculative", "draft", "--draft-model", "d"])
-    assert (args.speculative, args.draft_model, args.num_speculative_tokens) == ("draft", "d", 3)
+    assert (args.speculative, args.draft_model, args.num_speculative_tokens) == ("draft", "d", 0)  # the method's
     assert parser.parse_args(["serve"]).speculative is None  # off unless asked
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"method": "draft"}, "needs a draft model"),
     ({"method": "eagle"}, "not supported"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": -1}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 33}, "num_speculative_tokens"),
     ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, "ngram_min"),
 ])
 def test_config_rejects_bad_settings(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(TokenmillError, match=message):
         SpeculativeConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_default_k_is_the_methods() -> None:
+    assert SpeculativeConfig("ngram").num_speculative_tokens == 5
+    assert SpeculativeConfig("draft", draft_model="d").num_speculative_tokens == 3
+    assert SpeculativeConfig("ngram", 2).num_speculative_tokens == 2
 
 
 def test_draft_without_a_model_is_a_one_line_cli_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -46,7 +46,8 @@ def add_speculative_arguments(parser: Any) -> None:
                         help="speculative decoding: ngram = prompt lookup, draft = a smaller model (--draft-model)")
     parser.add_argument("--draft-model", default=None,
                         help="draft model sharing the target's tokenizer (catalog name or path)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=3, help="tokens proposed per request per step")
+    parser.add_argument("--num-speculative-tokens", type=int, default=0,
+                        help="most tokens proposed per request per step (default: ngram 5, draft 3)")
     parser.add_argument("--ngram-min", type=int, default=1, help="shortest suffix the n-gram lookup matches")
     parser.add_argument("--ngram-max", type=int, default=4, help="longest suffix the n-gram lookup matches")
 
