@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.engine.tiny import ArchName, greedy, random_prompts, run_to_completion, tiny_model
+from tests.fixtures.engine_logits import core_prompt_logits
 from tokenmill.cli.serve import compile_mode
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenmill.engine.core import EngineCore
@@ -54,15 +55,6 @@ def _compiled(core: EngineCore) -> CompiledStack:
     return compiled
 
 
-def _prompt_logits(core: EngineCore, prompt: list[int]) -> torch.Tensor:
-    request = Request("logits", prompt, SamplingParams(max_tokens=1))
-    assert core.kv.allocate(request, len(prompt))
-    scheduled = ScheduledRequest(request, 0, len(prompt), core.kv.block_tables["logits"])
-    logits = core.runner.logits_for(SchedulerOutput([scheduled]))
-    core.kv.free(request)
-    return logits
-
-
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_compiled_matches_eager_and_graph_replay(arch: ArchName) -> None:
     eager = _core(arch, "off")
@@ -72,7 +64,7 @@ def test_compiled_matches_eager_and_graph_replay(arch: ArchName) -> None:
     compiled = _compiled(core)
     assert run_to_completion(core, PROMPTS, PARAMS) == expected
     assert compiled.calls > 0 and not compiled.failed
-    torch.testing.assert_close(_prompt_logits(core, LOGIT_PROMPT), _prompt_logits(eager, LOGIT_PROMPT),
+    torch.testing.assert_close(core_prompt_logits(core, LOGIT_PROMPT), core_prompt_logits(eager, LOGIT_PROMPT),
                                rtol=1e-4, atol=1e-4)
     # Decode steps replayed from the static graph buffers, through the same compiled stack.
     core.runner.enable_decode_graphs("eager", width_step_tokens=16)
