@@ -219,3 +219,17 @@ def test_a_verified_draft_is_scored_into_its_bucket_from_the_request_counters() 
     # A draft the step skipped (counters unchanged) teaches nothing.
     controller.plan([r], [3])
     assert 3 not in controller.acceptance.rates()
+
+
+@pytest.mark.parametrize(("base_s", "speculates"), [(0.005, False), (0.05, True)])
+def test_a_gain_within_the_estimates_noise_does_not_speculate(base_s: float, speculates: bool) -> None:
+    """Batch 32, every row costs 3 ms, proposals ~98% accepted: with 5 ms of fixed cost a step the best
+    plan (3 proposals each) gains 2.4% by the estimates, inside their noise, so nothing is proposed;
+    with 50 ms, 20%."""
+    controller = _controller(max_batch_size=64)
+    for n in (32, 48, 64) * 8:
+        controller.observe(n, base_s + 0.003 * n)
+    for _ in range(100):
+        controller.acceptance.record(4, 1, 1)
+    ks = controller.plan(_requests(32), [4] * 32)
+    assert any(ks) is speculates
