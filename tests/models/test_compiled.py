@@ -28,6 +28,7 @@ from tokenmill.engine.request import Request, SamplingParams
 from tokenmill.errors import TokenmillError
 from tokenmill.layers import custom_ops
 from tokenmill.layers.linear import DenseLinear
+from tokenmill.llm import _compile_mode
 from tokenmill.models.compiled import CompiledStack, compile_enabled
 
 # 16-token steps: the 30- and 17-token prompts are chunked while the short ones already decode.
@@ -145,3 +146,4 @@ def test_compile_modes() -> None:
     with pytest.raises(TokenmillError, match="compile 'yes' is not supported"):
         ModelConfig("m", compile="yes")
     assert [compile_mode(argparse.Namespace(compile=c)) for c in (None, True, False)] == ["auto", "on", "off"]
+    assert [_compile_mode(c) for c in (True, False, "auto")] == ["on", "off", "auto"]  # LLM(compile=...)

@@ -45,8 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 COMPILE_AUTO_DEFAULT = False  # what "auto" means on CPU (the only device the compiled stack serves)
-_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 def compile_enabled(mode: str, device: torch.device) -> bool:
@@ -73,7 +71,6 @@ class CompiledStack:
         self.model = model
         self.gemma = [isinstance(layer, Gemma3DecoderLayer) for layer in model.layers]
         self.sliding = [bool(layer.is_sliding) for layer in model.layers]
-        self.act = _ACTS[model.arch.hidden_act]
         # Handles into the op registries, per layer (qkv, o, gate_up, down), then the attention site.
         self.linear_handles = [tuple(custom_ops.register_linear(lin) for lin in _layer(layer).linears().values())
                                for layer in model.layers]
@@ -134,14 +131,14 @@ class CompiledStack:
             custom_ops.paged_attention(q, k, v, cache, slot_mapping, self.site_handle, i), h_o)
         if self.gemma[i]:  # sandwich norms around attention and MLP (models/gemma3.py)
             h = x + _norm(norms["post_attention_layernorm"], attended)
-            mlp = self._mlp(_norm(norms["pre_feedforward_layernorm"], h), h_gate_up, h_down)
+            mlp = self._mlp(layer, _norm(norms["pre_feedforward_layernorm"], h), h_gate_up, h_down)
             return h + _norm(norms["post_feedforward_layernorm"], mlp)
         h = x + attended
-        return h + self._mlp(_norm(norms["post_attention_layernorm"], h), h_gate_up, h_down)
+        return h + self._mlp(layer, _norm(norms["post_attention_layernorm"], h), h_gate_up, h_down)
 
-    def _mlp(self, x: torch.Tensor, h_gate_up: int, h_down: int) -> torch.Tensor:
+    def _mlp(self, layer: DecoderLayer, x: torch.Tensor, h_gate_up: int, h_down: int) -> torch.Tensor:
         gate, up = custom_ops.linear(x, h_gate_up).chunk(2, dim=-1)
-        return custom_ops.linear(self.act(gate) * up, h_down)
+        return custom_ops.linear(layer.act(gate) * up, h_down)  # the layer's own activation, traced
 
 
 def _own_code(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -176,8 +173,6 @@ def _ineligible(model: LlamaForCausalLM) -> str | None:
 
     if model.device.type != "cpu":
         return f"the compiled stack serves CPU only (device {model.device.type}; CUDA has graphs and Triton glue)"
-    if model.arch.hidden_act not in _ACTS:
-        return f"activation {model.arch.hidden_act}"
     for layer in model.layers:
         if type(layer) not in (DecoderLayer, Gemma3DecoderLayer):
             return f"layer type {type(layer).__name__}"
