@@ -16,6 +16,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 COMPILE_MODES = ("auto", "on", "off")
 
 
+def compile_mode(value: str | bool | None) -> str:
+    """ModelConfig.compile from what a user passes: --compile / --no-compile / neither (True, False,
+    None) or LLM(compile=True/False/"auto"/"on"/"off")."""
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise TokenmillError(message)

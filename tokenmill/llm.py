@@ -9,7 +9,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ProfileConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ProfileConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    compile_mode,
+)
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.inputs import fan_out
 from tokenmill.engine.llm_engine import LLMEngine
@@ -40,7 +48,7 @@ class LLM:
         `compile`: "auto", "on"/True, "off"/False: torch.compile of the decoder stack (models/compiled.py)."""
         self.config = EngineConfig(
             ModelConfig(model, dtype, device, max_model_len, seed, gemm_backend, attention_backend, quantization,
-                        amx_bf16, enforce_eager, _compile_mode(compile)),
+                        amx_bf16, enforce_eager, compile_mode(compile)),
             CacheConfig(block_size, num_kv_blocks, kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
                         kv_cache_dtype=kv_cache_dtype),
             SchedulerConfig(max_num_batched_tokens, max_num_seqs, policy, enable_chunked_prefill),
@@ -146,9 +154,3 @@ def _as_conversations(messages: Messages | Sequence[Messages]) -> list[Messages]
     if messages and isinstance(messages[0], dict):
         return [messages]  # type: ignore[list-item]  # one conversation
     return list(messages)  # type: ignore[arg-type]
-
-
-def _compile_mode(compile: str | bool) -> str:
-    if isinstance(compile, bool):
-        return "on" if compile else "off"
-    return compile

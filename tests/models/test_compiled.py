@@ -12,7 +12,6 @@ The first compile of each model takes ~30-50 s on a 2-core CPU; Inductor's cache
 
 from __future__ import annotations
 
-import argparse
 import logging
 
 import pytest
@@ -20,15 +19,13 @@ import torch
 
 from tests.engine.tiny import ArchName, greedy, random_prompts, run_to_completion, tiny_model
 from tests.fixtures.engine_logits import core_prompt_logits
-from tokenmill.cli.serve import compile_mode
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, compile_mode
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.interfaces import ScheduledRequest, SchedulerOutput
 from tokenmill.engine.request import Request, SamplingParams
 from tokenmill.errors import TokenmillError
 from tokenmill.layers import custom_ops
 from tokenmill.layers.linear import DenseLinear
-from tokenmill.llm import _compile_mode
 from tokenmill.models.compiled import CompiledStack, compile_enabled
 
 # 16-token steps: the 30- and 17-token prompts are chunked while the short ones already decode.
@@ -145,5 +142,5 @@ def test_compile_modes() -> None:
     assert not compile_enabled("auto", cpu)  # measured no faster on CPU (docs/performance.md)
     with pytest.raises(TokenmillError, match="compile 'yes' is not supported"):
         ModelConfig("m", compile="yes")
-    assert [compile_mode(argparse.Namespace(compile=c)) for c in (None, True, False)] == ["auto", "on", "off"]
-    assert [_compile_mode(c) for c in (True, False, "auto")] == ["on", "off", "auto"]  # LLM(compile=...)
+    assert [compile_mode(c) for c in (None, True, False)] == ["auto", "on", "off"]
+    assert [compile_mode(c) for c in (True, False, "auto")] == ["on", "off", "auto"]  # LLM(compile=...)

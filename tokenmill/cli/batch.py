@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tokenmill.cli.serve import add_kv_cache_argument, add_quantization_argument, compile_mode
+from tokenmill.cli.serve import add_kv_cache_argument, add_quantization_argument
+from tokenmill.config import compile_mode
 from tokenmill.errors import TokenmillError
 from tokenmill.models.catalog import DEFAULT_MODEL
 
@@ -51,7 +52,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = {k: v for k, v in optional.items() if v is not None}
     return {"dtype": args.dtype, "device": args.device, "seed": args.seed, "kv_cache_dtype": args.kv_cache_dtype,
             "quantization": args.quantization, "amx_bf16": args.amx_bf16,
-            "enforce_eager": args.enforce_eager, "compile": compile_mode(args),
+            "enforce_eager": args.enforce_eager, "compile": compile_mode(args.compile),
             "enable_prefix_caching": not args.no_prefix_caching, **kwargs}
 
 

@@ -11,9 +11,9 @@ from tokenmill.cli.serve import (
     add_kernel_arguments,
     add_kv_cache_argument,
     add_speculative_arguments,
-    compile_mode,
     speculative_kwargs,
 )
+from tokenmill.config import compile_mode
 from tokenmill.engine.request import SamplingParams
 from tokenmill.models.catalog import DEFAULT_MODEL
 
@@ -54,7 +54,7 @@ def run_generate(args: argparse.Namespace) -> int:
     llm = LLM(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               num_threads=args.threads, gemm_backend=args.gemm_backend, attention_backend=args.attention_backend,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-              amx_bf16=args.amx_bf16, enforce_eager=args.enforce_eager, compile=compile_mode(args),
+              amx_bf16=args.amx_bf16, enforce_eager=args.enforce_eager, compile=compile_mode(args.compile),
               **speculative_kwargs(args))
     tokens: str | list[int] = prompt
     if args.chat:

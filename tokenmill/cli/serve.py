@@ -97,11 +97,6 @@ def add_quantization_argument(parser: Any) -> None:
                              "faster, which on CPU is nowhere yet (docs/performance.md)")
 
 
-def compile_mode(args: argparse.Namespace) -> str:
-    """ModelConfig.compile from --compile / --no-compile (neither: auto)."""
-    return "auto" if args.compile is None else "on" if args.compile else "off"
-
-
 def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-requests", type=int, default=256,
                         help="requests waiting for their first token before new ones get 429")
@@ -125,6 +120,7 @@ def run_serve(args: argparse.Namespace) -> int:
         SchedulerConfig,
         ServerConfig,
         SpeculativeConfig,
+        compile_mode,
     )
     from tokenmill.server.request_log import configure_logging
     from tokenmill.server.serve import run_server
@@ -134,7 +130,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_config = EngineConfig(
         ModelConfig(args.model, args.dtype, args.device, args.max_model_len, args.seed, args.gemm_backend,
                     args.attention_backend, args.quantization, args.amx_bf16, args.enforce_eager,
-                    compile_mode(args)),
+                    compile_mode(args.compile)),
         CacheConfig(num_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype),
         SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy,
                         service_classes=service_class_config(args)),

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from tokenmill.config import COMPILE_MODES
 from tokenmill.layers import custom_ops
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.kv_cache import LayerKVCache
@@ -48,9 +47,7 @@ COMPILE_AUTO_DEFAULT = False  # what "auto" means on CPU (the only device the co
 
 
 def compile_enabled(mode: str, device: torch.device) -> bool:
-    """Whether `mode` (ModelConfig.compile) asks for the compiled stack on `device`."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile mode '{mode}' is not supported: use {', '.join(COMPILE_MODES)}")
+    """Whether `mode` (ModelConfig.compile, validated there) asks for the compiled stack on `device`."""
     return mode == "on" or (mode == "auto" and device.type == "cpu" and COMPILE_AUTO_DEFAULT)
 
 
