@@ -9,7 +9,7 @@ import pytest
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import Request, SamplingParams
-from tokenmill.engine.spec.controller import SpecController, expected_emitted
+from tokenmill.engine.spec.controller import SpecController, geometric_gains
 
 
 def _requests(n: int, acceptance: float = 0.8, drafts: int = 10, prefix: str = "r") -> list[Request]:
@@ -27,6 +27,9 @@ def _controller(**kwargs: object) -> SpecController:
 
 
 def test_expected_emitted_tokens() -> None:
+    def expected_emitted(acceptance: float, k: int) -> float:  # the target's own token plus the gains
+        return 1 + sum(geometric_gains(acceptance, k))
+
     assert expected_emitted(1.0, 3) == 4.0
     assert expected_emitted(0.0, 3) == 1.0
     assert expected_emitted(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)

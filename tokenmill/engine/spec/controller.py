@@ -47,11 +47,10 @@ _STALE_PLANS = 64  # a count last measured this many plans ago is measured again
 _MIN_GAIN = 0.05
 
 
-def expected_emitted(acceptance: float, k: int) -> float:
-    """Tokens one verification emits when each of k proposals is accepted with probability `acceptance`."""
-    if acceptance >= 1.0:
-        return k + 1.0
-    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+def geometric_gains(acceptance: float, k: int) -> list[float]:
+    """Gains of proposals 1..k when each is accepted with probability `acceptance` independently of
+    the others (no bucket: a request's recent acceptance); a verification emits 1 + their sum."""
+    return [acceptance ** j for j in range(1, k + 1)]
 
 
 @dataclass(slots=True)
@@ -135,8 +134,7 @@ class SpecController:
 
     def _gains(self, request: Request, bucket: int | None, k: int) -> list[float]:
         if bucket is None:
-            alpha = request.spec_stats.recent_acceptance
-            return [alpha ** j for j in range(1, k + 1)]
+            return geometric_gains(request.spec_stats.recent_acceptance, k)
         return self.acceptance.gains(bucket, k)
 
     def _allocate(self, requests: list[Request], buckets: list[int | None], caps: list[int]) -> list[int]:
