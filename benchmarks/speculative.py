@@ -74,6 +74,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ngram-model", default="qwen2.5-coder-0.5b")
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    p.add_argument("--draft-quantization", default=None, help="the draft's weight path (default: the target's)")
     p.add_argument("--k", type=int, default=0, help="num_speculative_tokens (0: the method's default)")
     p.add_argument("--ngram-tokens", type=int, default=96, help="max_tokens per request (ngram)")
     p.add_argument("--draft-tokens", type=int, default=32, help="max_tokens per request (draft; the 1.5B is slow)")
@@ -173,11 +174,13 @@ def run_draft(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tokenmill import LLM
 
     llm = LLM(args.target, speculative="draft", draft_model=args.draft, num_speculative_tokens=args.k,
+              draft_quantization=args.draft_quantization,
               num_kv_blocks=128, max_model_len=1024, num_threads=args.threads, quantization=args.quantization)
     rows = []
     for name, messages in (("code-edit", [edit_prompt(0)]), ("chat", [[{"role": "user", "content": CHAT}]])):
         result = measure(llm, messages, args.draft_tokens, args.rounds)
         rows.append({"method": "draft", "model": f"{args.target} <- {args.draft}", "prompt": name,
+                     "draft_quantization": args.draft_quantization or args.quantization,
                      "concurrency": 1, **result})
         print(f"draft {name}: {result['spec_tok_s']:.2f} vs {result['plain_tok_s']:.2f} tok/s = "
               f"{result['ratio']:.2f}x, acceptance {result['acceptance_rate']:.2f}", flush=True)

@@ -209,6 +209,9 @@ class SpeculativeConfig:
     ngram_min: int = 1  # n-gram lookup tries suffixes of ngram_max..ngram_min tokens
     ngram_max: int = 4
     draft_model: str | None = None  # catalog name or path of the draft (same tokenizer as the target)
+    # The draft's weight format (ModelConfig.quantization's values); None: the target's. Its tokens
+    # are only guesses that verification checks, so its rounding changes speed, never the output.
+    draft_quantization: str | None = None
     # Controller (spec/controller.py): requests below this recent acceptance stop proposing and
     # probe again every probe_interval steps; until step times have been measured over a spread of
     # batch sizes, steps with more than max_batch_size decoding requests do not speculate.
@@ -226,6 +229,8 @@ class SpeculativeConfig:
         _require(1 <= self.ngram_min <= self.ngram_max, "ngram_min and ngram_max must satisfy 1 <= min <= max")
         _require(self.method != "draft" or bool(self.draft_model),
                  "speculative method 'draft' needs a draft model: pass --draft-model NAME")
+        _require(self.draft_quantization is None or self.draft_quantization in QUANTIZATIONS,
+                 f"draft quantization '{self.draft_quantization}' is not supported: use {', '.join(QUANTIZATIONS)}")
         _require(0.0 <= self.min_acceptance <= 1.0, "min_acceptance must be in [0, 1]")
         _require(self.probe_interval >= 1, "probe_interval must be positive")
         _require(self.max_batch_size >= 1, "max_batch_size must be positive")

@@ -39,12 +39,12 @@ PARAMS = [greedy(6 + (7 * i) % 19) for i in range(len(PROMPTS))]  # 6..24 new to
 
 def spec_core(model: TinyModel, method: str, draft: ArchName | None = None, *, k: int = 3, block_size: int = 4,
               num_blocks: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-              seed: int = 0) -> EngineCore:
+              seed: int = 0, adaptive: bool = False) -> EngineCore:
     config = EngineConfig(
         ModelConfig("tiny", dtype="float32", device="cpu", seed=seed),
         CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching),
         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens),
-        speculative=SpeculativeConfig(method, k, ngram_min=1, ngram_max=3, draft_model=draft, adaptive=False),
+        speculative=SpeculativeConfig(method, k, ngram_min=1, ngram_max=3, draft_model=draft, adaptive=adaptive),
     )
     weights = None if draft is None else (tiny_model(draft).arch, tiny_model(draft).state_dict)
     return EngineCore(config, model.arch, model.state_dict, weights)
@@ -94,6 +94,89 @@ def test_draft_model_greedy_is_token_identical(arch: ArchName) -> None:
     assert accepted > 0
     other: ArchName = "qwen2" if arch != "qwen2" else "llama"
     _assert_greedy_identical(spec_core(tiny_model(arch), "draft", other), arch)  # mostly rejected
+
+
+class _RandomGate:
+    """Keeps each guess with probability `p` (seeded), recording what it was asked."""
+
+    def __init__(self, rng: random.Random, p: float) -> None:
+        self.rng, self.p = rng, p
+        self.kept = self.dropped = 0
+        self.confidences: list[float] = []
+
+    def keep(self, request_id: str, confidence: float) -> bool:
+        self.confidences.append(confidence)
+        keep = self.rng.random() < self.p
+        self.kept += keep
+        self.dropped += not keep
+        return keep
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_draft_greedy_is_token_identical_when_a_gate_cuts_proposals_short(arch: ArchName,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adaptive controller's gate ends a request's proposal at a guess it drops (the guess is
+    popped from the draft's sequence before any KV is computed for it): with guesses dropped at
+    random, the tokens are still exactly those without speculation, and the draft stays in step."""
+    from tokenmill.engine.spec.controller import SpecController
+
+    gate = _RandomGate(random.Random(7), 0.6)
+    monkeypatch.setattr(SpecController, "gate", lambda self, n: gate)
+    core = spec_core(tiny_model(arch), "draft", arch, k=4, adaptive=True)
+    _, accepted = _assert_greedy_identical(core, arch)
+    assert gate.kept > 0 and gate.dropped > 0 and accepted > 0
+    assert all(0.0 < c <= 1.0 for c in gate.confidences)
+
+
+def test_the_draft_runs_on_its_own_quantization() -> None:
+    """--draft-quantization q8: the draft's matrices are packed q8 blocks on the integer kernels while
+    the target stays dense (the draft only guesses: its rounding moves speed, never the tokens)."""
+    from dataclasses import replace
+
+    from tokenmill.engine.spec.speculator import build_speculator
+    from tokenmill.layers.linear import DenseLinear, QuantLinear
+
+    target, draft = tiny_model("llama"), tiny_model("qwen2")
+    config = SpeculativeConfig("draft", 3, draft_model="tiny-draft", draft_quantization="q8")
+    dense = ModelConfig("tiny", dtype="float32", device="cpu", quantization="none")
+    weights = (draft.arch, draft.state_dict)
+    speculator = build_speculator(config, dense, target.arch, 4, 64, 256, weights)
+    assert speculator is not None and isinstance(speculator.proposer, DraftModelProposer)
+    linears = speculator.proposer.runner.model.linears()
+    assert all(isinstance(lin, QuantLinear) and lin.method == "q8" for lin in linears.values())
+    plain = build_speculator(replace(config, draft_quantization=None), dense, target.arch, 4, 64, 256, weights)
+    assert plain is not None and isinstance(plain.proposer, DraftModelProposer)
+    assert all(isinstance(lin, DenseLinear) for lin in plain.proposer.runner.model.linears().values())
+
+
+def test_a_dropped_guess_ends_the_proposal_and_its_forwards() -> None:
+    """A gate that keeps only the first guess: proposals of one token, after two forwards (the
+    second drafted the dropped guess); one that keeps nothing: no proposal, one forward."""
+    model = tiny_model("llama")
+    core = spec_core(model, "draft", "llama", k=4)
+    proposer = core.speculator.proposer  # type: ignore[union-attr]
+    assert isinstance(proposer, DraftModelProposer)
+    request = Request("a", random_prompts((9,), seed=3)[0], greedy(8))
+
+    class FirstOnly:
+        def __init__(self) -> None:
+            self.seen: dict[str, int] = {}
+
+        def keep(self, request_id: str, confidence: float) -> bool:
+            self.seen[request_id] = self.seen.get(request_id, 0) + 1
+            return self.seen[request_id] == 1
+
+    [one] = proposer.propose([request], [4], FirstOnly())
+    assert len(one) == 1 and proposer.last_forwards == 2
+    [full] = proposer.propose([request], [4])
+    assert full[:1] == one and len(full) == 4 and proposer.last_forwards == 4
+
+    class Never:
+        def keep(self, request_id: str, confidence: float) -> bool:
+            return False
+
+    assert proposer.propose([request], [4], Never()) == [[]] and proposer.last_forwards == 1
+    assert proposer.propose([request], [4]) == [full]  # its KV is still in step with the request
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])

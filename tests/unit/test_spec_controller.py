@@ -102,7 +102,9 @@ def test_only_decode_only_steps_feed_the_cost_fit() -> None:
     assert r.spec_token_ids == [3, 1, 2]
     speculator.observe(4, 0.05)  # the decode token and its three proposals
     speculator.observe(40, 0.2)  # a prefill chunk joined the step
-    assert list(speculator.controller.samples) == [(4, 0.05)]
+    [(tokens, seconds)] = speculator.controller.samples
+    # The proposer's time is taken out: T(n) is the time of scoring n rows (drafts are priced apart).
+    assert tokens == 4 and seconds == pytest.approx(0.05 - speculator._propose_s) and seconds < 0.05
 
 
 def test_without_a_fit_smaller_k_are_tried_now_and_then_so_step_sizes_spread() -> None:
@@ -236,3 +238,80 @@ def test_a_gain_within_the_estimates_noise_does_not_speculate(base_s: float, spe
         controller.acceptance.record(4, 1, 1)
     ks = controller.plan(_requests(32), [4] * 32)
     assert any(ks) is speculates
+
+
+def _draft_controller(**kwargs: object) -> SpecController:
+    return SpecController(SpeculativeConfig("draft", 3, draft_model="d", **kwargs))  # type: ignore[arg-type]
+
+
+def test_without_measurements_the_gate_keeps_guesses_while_their_gain_is_half() -> None:
+    """Priors: a guess at confidence p is accepted about p of the time (its bin's middle); a guess is
+    kept while the product of its request's kept guesses' rates is >= 0.5."""
+    gate = _draft_controller().gate(1)
+    assert gate.keep("a", 0.99)  # 0.975
+    assert gate.keep("a", 0.85)  # 0.975 * 0.85 = 0.83
+    assert gate.keep("a", 0.75)  # 0.62
+    assert not gate.keep("a", 0.75)  # 0.47
+    assert not gate.keep("b", 0.45)  # 0.4: a request's first guess may be dropped too
+    assert gate.keep("c", 0.55) and gate.rows == 4  # 0.55, its own chain
+
+
+@pytest.mark.parametrize(("row_s", "kept"), [(0.05, [True, True, False]), (0.001, [True, True, True])])
+def test_the_gate_keeps_a_guess_while_it_pays_for_its_row(row_s: float, kept: list[bool]) -> None:
+    """Measured scoring times T(n) = 50 ms + row_s * n. Expensive rows (50 ms, as much as a decode):
+    the guesses at 0.99 and 0.85 pay (gains 0.975, 0.83 against a break-even of 0.5 and 0.66), one at
+    0.45 (gain 0.33) does not; where rows cost 1 ms every one pays."""
+    controller = _draft_controller()
+    for n in (1, 2, 3, 4) * 8:
+        controller.observe(n, 0.05 + row_s * n)
+    gate = controller.gate(1)
+    assert [gate.keep("a", p) for p in (0.99, 0.85, 0.45)] == kept
+
+
+def test_kept_guesses_are_scored_into_their_confidence_bins_once_verified() -> None:
+    """Three guesses kept (bins of 0.99, 0.85, 0.2), the first accepted: bin 7 reached and accepted,
+    bin 5 reached and rejected, bin 0 never reached (nothing learnt about it)."""
+    controller = _draft_controller()
+    [r] = _requests(1, acceptance=0.9)
+    assert controller.plan([r]) == [3]
+    gate = controller.gate(1)
+    with pytest.MonkeyPatch.context() as mp:  # keep the third guess too, whatever its gain
+        mp.setattr("tokenmill.engine.spec.controller._KEEP_GAIN_UNFITTED", 0.0)
+        assert [gate.keep(r.request_id, p) for p in (0.99, 0.85, 0.2)] == [True, True, True]
+    stats = r.spec_stats  # what Scheduler._record_spec does after verification: 3 proposed, 1 accepted
+    stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens = stats.num_drafts + 1, 13, 1
+    controller.plan([r])
+    assert controller.confidence_rate(7) == pytest.approx((1 + 2 * 0.975) / 3)  # prior: 2 drafts at 0.975
+    assert controller.confidence_rate(5) == pytest.approx((0 + 2 * 0.85) / 3)
+    assert sorted(controller.confidence.rates()) == [5, 7]
+
+
+def test_draft_forwards_are_priced_into_the_plan() -> None:
+    """Scoring rows is cheap (2 ms a row on 60 ms), acceptance 0.7: free drafts pay for K = 3; drafts
+    costing 40 ms a forward (k forwards for k guesses) do not pay for any."""
+    controller = _draft_controller()
+    for n in (1, 2, 3, 4) * 8:
+        controller.observe(n, 0.06 + 0.002 * n)
+    assert controller.plan(_requests(1, acceptance=0.7, prefix="free")) == [3]
+    controller.observe_draft(2, 0.08)
+    assert controller.draft_forward_s == pytest.approx(0.04)
+    assert controller.plan(_requests(1, acceptance=0.7, prefix="dear")) == [0]
+
+
+def test_a_request_whose_guesses_were_all_dropped_counts_a_draft_with_none_accepted() -> None:
+    from tokenmill.engine.request import RequestStatus
+    from tokenmill.engine.spec.base import Proposer
+    from tokenmill.engine.spec.speculator import Speculator
+
+    class Dropping(Proposer):
+        def propose(self, requests, num_tokens, gate=None):  # type: ignore[no-untyped-def]
+            self.last_forwards = 1
+            return [[] for _ in requests]
+
+    speculator = Speculator(SpeculativeConfig("draft", 3, draft_model="d"), Dropping(), max_model_len=100)
+    [r] = _requests(1, acceptance=1.0, drafts=0)
+    r.token_ids = [1, 2, 3, 1, 2]
+    r.num_computed_tokens, r.status = 4, RequestStatus.RUNNING
+    speculator.propose([r])
+    assert r.spec_token_ids == [] and r.spec_stats.recent_acceptance == pytest.approx(0.7)
+    assert speculator.controller.draft_forward_s is not None

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.cli.service_classes import add_service_class_arguments, api_key_classes, service_class_config
 from tokenmill.models.catalog import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from tokenmill.config import SpeculativeConfig
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
 
@@ -42,10 +45,14 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_speculative_arguments(parser: Any) -> None:
+    from tokenmill.kernels import QUANTIZATIONS
+
     parser.add_argument("--speculative", default=None, choices=["ngram", "draft"],
                         help="speculative decoding: ngram = prompt lookup, draft = a smaller model (--draft-model)")
     parser.add_argument("--draft-model", default=None,
                         help="draft model sharing the target's tokenizer (catalog name or path)")
+    parser.add_argument("--draft-quantization", default=None, choices=list(QUANTIZATIONS),
+                        help="the draft's weight format (default: the target's --quantization)")
     parser.add_argument("--num-speculative-tokens", type=int, default=0,
                         help="most tokens proposed per request per step (default: ngram 5, draft 3)")
     parser.add_argument("--ngram-min", type=int, default=1, help="shortest suffix the n-gram lookup matches")
@@ -55,8 +62,17 @@ def add_speculative_arguments(parser: Any) -> None:
 def speculative_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The speculative flags as LLM(...) / SpeculativeConfig keyword arguments."""
     return {"speculative": args.speculative, "draft_model": args.draft_model,
+            "draft_quantization": args.draft_quantization,
             "num_speculative_tokens": args.num_speculative_tokens, "ngram_min": args.ngram_min,
             "ngram_max": args.ngram_max}
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
+    """SpeculativeConfig from the flags."""
+    from tokenmill.config import SpeculativeConfig
+
+    kwargs = speculative_kwargs(args)
+    return SpeculativeConfig(kwargs.pop("speculative"), **kwargs)
 
 
 def add_kv_cache_argument(parser: Any) -> None:
@@ -119,7 +135,6 @@ def run_serve(args: argparse.Namespace) -> int:
         ProfileConfig,
         SchedulerConfig,
         ServerConfig,
-        SpeculativeConfig,
         compile_mode,
     )
     from tokenmill.server.request_log import configure_logging
@@ -135,8 +150,7 @@ def run_serve(args: argparse.Namespace) -> int:
         SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy,
                         service_classes=service_class_config(args)),
         num_threads=args.threads,
-        speculative=SpeculativeConfig(args.speculative, args.num_speculative_tokens, args.ngram_min, args.ngram_max,
-                                      args.draft_model),
+        speculative=speculative_config(args),
         profile=ProfileConfig(num_steps=args.profile_steps, output_dir=args.profile_dir),
     )
     server_config = ServerConfig(

@@ -110,6 +110,11 @@ class SpecRequestStats:
     num_accepted_tokens: int = 0
     recent_acceptance: float = 1.0  # moving average of accepted / proposed per draft (the controller's input)
 
+    def note_acceptance(self, fraction: float) -> None:
+        """One more draft's accepted fraction into recent_acceptance (0: a draft whose every guess a
+        gate dropped, so drafting for this request yielded nothing)."""
+        self.recent_acceptance = 0.7 * self.recent_acceptance + 0.3 * fraction
+
     @property
     def mean_accepted_length(self) -> float:
         """Tokens emitted per verified draft: accepted ones plus the one the target always adds."""

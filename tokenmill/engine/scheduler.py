@@ -287,7 +287,7 @@ class Scheduler(ClassScheduling):
         stats.num_drafts += 1
         stats.num_draft_tokens += num_proposed
         stats.num_accepted_tokens += num_accepted
-        stats.recent_acceptance = 0.7 * stats.recent_acceptance + 0.3 * num_accepted / num_proposed
+        stats.note_acceptance(num_accepted / num_proposed)
         step.num_drafts += 1
         step.num_draft_tokens += num_proposed
         step.num_accepted_tokens += num_accepted

@@ -52,11 +52,12 @@ class AcceptanceModel:
             counts[j].reached += 1.0
             counts[j].accepted += 1.0 if j < num_accepted else 0.0
 
-    def gains(self, bucket: int, k: int) -> list[float]:
-        """gain(bucket, j) for j = 1..k: the chance that proposal j is verified and accepted."""
+    def gains(self, bucket: int, k: int, prior: float | None = None) -> list[float]:
+        """gain(bucket, j) for j = 1..k: the chance that proposal j is verified and accepted.
+        `prior`: this bucket's own prior at position 1 (default: the model's)."""
         counts = self._counts.get(bucket)
         out: list[float] = []
-        survival, previous = 1.0, self.prior
+        survival, previous = 1.0, self.prior if prior is None else prior
         for j in range(min(k, self.max_tokens)):
             c = counts[j] if counts is not None else _Counts()
             rate = (c.accepted + _PRIOR_WEIGHT * previous) / (c.reached + _PRIOR_WEIGHT)

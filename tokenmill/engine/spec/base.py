@@ -4,16 +4,32 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from tokenmill.engine.request import Request
+
+
+class ProposalGate(Protocol):
+    """Asked by a proposer that knows how sure it is of each guess (a draft model: its top-1
+    probability), guess by guess, whether the guess is worth a verification row; at the first no the
+    request's proposal ends there (controller.DraftGate)."""
+
+    def keep(self, request_id: str, confidence: float) -> bool: ...
 
 
 class Proposer(abc.ABC):
     """Guesses up to k tokens to follow each request's token_ids. Never changes a request."""
 
+    # Model forwards the last propose() ran (a draft model's; 0 for proposers without a model): the
+    # controller prices a draft forward from it.
+    last_forwards: int = 0
+
     @abc.abstractmethod
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
-        """Proposals per request, request i at most num_tokens[i] long (empty: nothing to offer)."""
+    def propose(self, requests: list[Request], num_tokens: list[int],
+                gate: ProposalGate | None = None) -> list[list[int]]:
+        """Proposals per request, request i at most num_tokens[i] long (empty: nothing to offer).
+        `gate`: where given, a proposer with a confidence per guess ends a proposal at its first
+        guess the gate does not keep (the n-gram proposer has none and ignores it)."""
 
     def buckets(self, requests: list[Request]) -> list[int | None]:
         """Per request, the kind of proposal it would get now, by what the proposer knows of its

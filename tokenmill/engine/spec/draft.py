@@ -5,6 +5,9 @@ through an ordinary ModelRunner, batched across requests:
     forward 1     every request's tokens the draft has not computed yet (the prompt on first use,
                   then the tokens the target accepted last step), logits of the last → d_1
     forward 2..k  one token per request (d_{j-1}) → d_j
+With a gate (the controller's DraftGate), each guess goes with the draft's probability of it, and a
+request's proposal ends at the first guess the gate does not keep: that guess is dropped and the
+request takes no more forwards this step (a step's loop ends when no request is left drafting).
 Staying in step with the target: the draft's KV was computed over `shadow.token_ids`, which is the
 target's token_ids up to `base` followed by the previous proposals. Next time, the KV stays valid
 up to the common prefix of the two sequences (the accepted proposals); past it, it is recomputed,
@@ -23,12 +26,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
+
 from tokenmill.engine.interfaces import ScheduledRequest, SchedulerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenmill.engine.request import Request, SamplingParams
 from tokenmill.engine.sampler import argmax_rows
-from tokenmill.engine.spec.base import Proposer, register_proposer
+from tokenmill.engine.spec.base import ProposalGate, Proposer, register_proposer
 
 
 @dataclass(slots=True)
@@ -65,22 +70,39 @@ class DraftModelProposer(Proposer):
     def set_max_model_len(self, max_model_len: int) -> None:
         self.max_model_len = min(max_model_len, self.runner.arch.max_position_embeddings)
 
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+    def propose(self, requests: list[Request], num_tokens: list[int],
+                gate: ProposalGate | None = None) -> list[list[int]]:
         active: list[tuple[_DraftSeq, int]] = []
         for request, k in zip(requests, num_tokens, strict=True):
             k = min(k, self.max_model_len - request.num_tokens)
             seq = self._sync(request) if k > 0 else None
             if seq is not None and self._allocate(seq, k):
                 active.append((seq, k))
+        self.last_forwards = 0
         if not active:
             return [[] for _ in requests]
-        self._forward([s for s, _ in active])  # catch up, then d_1
-        for s, _ in active:
-            self.kv.commit_computed(s.shadow, limit=s.base)  # the target's tokens only (module docstring)
-        for j in range(2, max(k for _, k in active) + 1):
-            self._forward([s for s, k in active if k >= j])
+        live, j = active, 1
+        while live:
+            self.last_forwards += 1
+            confidence = self._forward([s for s, _ in live], gate is not None)  # forward 1 catches up, then d_j
+            if j == 1:
+                for s, _ in active:
+                    self.kv.commit_computed(s.shadow, limit=s.base)  # the target's tokens only (module docstring)
+            if gate is not None:
+                live = [(s, k) for s, k in live if self._kept(s, gate, confidence[s.shadow.request_id])]
+            j += 1
+            live = [(s, k) for s, k in live if k >= j]
         drafts = {s.shadow.request_id: s.shadow.token_ids[s.base:] for s, _ in active}
         return [drafts.get(r.request_id, []) for r in requests]
+
+    @staticmethod
+    def _kept(seq: _DraftSeq, gate: ProposalGate, confidence: float) -> bool:
+        """Whether the gate keeps the guess just drafted; if not it is dropped (it has no KV yet: a
+        guess is computed only by the forward after it) and the request's proposal ends."""
+        if gate.keep(seq.shadow.request_id, confidence):
+            return True
+        seq.shadow.token_ids.pop()
+        return False
 
     def _sync(self, request: Request) -> _DraftSeq:
         """Bring the shadow sequence to the target's tokens, keeping the KV of the common prefix."""
@@ -116,16 +138,26 @@ class DraftModelProposer(Proposer):
         self.forget(shadow.request_id)  # no room: this request proposes nothing, and keeps nothing
         return False
 
-    def _forward(self, seqs: list[_DraftSeq]) -> None:
-        """One batched draft forward: each sequence's uncomputed tokens; append its greedy next token."""
+    def _forward(self, seqs: list[_DraftSeq], confidence: bool = False) -> dict[str, float]:
+        """One batched draft forward: each sequence's uncomputed tokens; append its greedy next token.
+        With `confidence`: request → the draft's probability of the token it appended."""
         scheduled = [ScheduledRequest(s.shadow, s.shadow.num_computed_tokens,
                                       s.shadow.num_tokens - s.shadow.num_computed_tokens,
                                       self.kv.block_tables[s.shadow.request_id]) for s in seqs]
         order, logits = self.runner.sample_logits(SchedulerOutput(scheduled))
-        for s, token in zip(order, argmax_rows(logits).tolist(), strict=True):
+        tokens = argmax_rows(logits)
+        probs: list[float] = []
+        if confidence:  # p(argmax) = exp(max logit - logsumexp)
+            top = logits.gather(1, tokens.view(-1, 1).to(torch.int64)).squeeze(1)
+            probs = torch.exp(top - torch.logsumexp(logits, dim=-1)).tolist()
+        out = {}
+        for i, (s, token) in enumerate(zip(order, tokens.tolist(), strict=True)):
             shadow = s.request
             shadow.num_computed_tokens = shadow.num_tokens
             shadow.token_ids.append(token)
+            if probs:
+                out[shadow.request_id] = probs[i]
+        return out
 
     def forget(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)

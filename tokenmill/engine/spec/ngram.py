@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tokenmill.engine.request import Request
-from tokenmill.engine.spec.base import Proposer, register_proposer
+from tokenmill.engine.spec.base import ProposalGate, Proposer, register_proposer
 
 
 @dataclass(slots=True)
@@ -38,7 +38,8 @@ class NgramProposer(Proposer):
         self._indexes: dict[str, _NgramIndex] = {}
         self._matches: dict[str, tuple[int, int]] = {}  # request → (context length, match start) of `buckets`
 
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[list[int]]:
+    def propose(self, requests: list[Request], num_tokens: list[int],
+                gate: ProposalGate | None = None) -> list[list[int]]:
         return [self.propose_one(r.request_id, r.token_ids, k) for r, k in zip(requests, num_tokens, strict=True)]
 
     def buckets(self, requests: list[Request]) -> list[int | None]:

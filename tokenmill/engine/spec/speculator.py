@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
@@ -25,6 +26,7 @@ class Speculator:
         self.controller = SpecController(config)
         self.max_model_len = max_model_len
         self._decode_tokens = 0  # tokens the last step needed for its decoding requests and proposals
+        self._propose_s = 0.0  # time the last propose() spent in the proposer (draft forwards)
 
     def propose(self, running: Iterable[Request]) -> None:
         """Proposals for every running request about to decode (its next step scores one token)."""
@@ -33,6 +35,7 @@ class Speculator:
         decoding = [r for r in running
                     if r.status is RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1]
         self._decode_tokens = len(decoding)
+        self._propose_s = 0.0
         for request in decoding:
             request.spec_token_ids = []  # a request the budget skipped last step keeps no stale guesses
         if not decoding:
@@ -42,10 +45,18 @@ class Speculator:
         chosen = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
         if not chosen:
             return
-        proposals = self.proposer.propose([r for r, _ in chosen], [k for _, k in chosen])
+        gate = self.controller.gate(len(decoding)) if self.config.adaptive else None
+        started = time.monotonic()
+        proposals = self.proposer.propose([r for r, _ in chosen], [k for _, k in chosen], gate)
+        self._propose_s = time.monotonic() - started
+        self.controller.observe_draft(self.proposer.last_forwards, self._propose_s)
         for (request, k), tokens in zip(chosen, proposals, strict=True):
             request.spec_token_ids = tokens[:k]
             self._decode_tokens += len(request.spec_token_ids)
+            if gate is not None and not tokens:
+                # Drafting for it cost a forward and the gate kept nothing: to the controller's
+                # per-request rule that is a draft with nothing accepted (verification never sees it).
+                request.spec_stats.note_acceptance(0.0)
 
     def _room(self, request: Request) -> int:
         """Proposals that could still be used: the step emits up to k + 1 tokens."""
@@ -56,9 +67,10 @@ class Speculator:
 
     def observe(self, num_tokens: int, step_time_s: float) -> None:
         """Feed the controller's cost fit with decode-only steps: a prefill chunk's tokens cost far
-        less each than decode rows, and would bend the fit."""
+        less each than decode rows, and would bend the fit. The draft forwards' time is taken out
+        (the controller prices them apart, observe_draft): T(n) is the time of scoring n rows."""
         if num_tokens == self._decode_tokens:
-            self.controller.observe(num_tokens, step_time_s)
+            self.controller.observe(num_tokens, step_time_s - self._propose_s)
 
     def forget(self, request_id: str) -> None:
         self.proposer.forget(request_id)
@@ -111,7 +123,8 @@ def build_speculator(config: SpeculativeConfig, model_config: ModelConfig, targe
             raise TokenmillError(f"draft model '{config.draft_model}' has a vocabulary of {arch.vocab_size} "
                                  f"tokens but the target has {target_arch.vocab_size}: a draft must share the "
                                  "target's tokenizer")
-        draft_config = replace(model_config, model=config.draft_model or "draft")
+        draft_config = replace(model_config, model=config.draft_model or "draft",
+                               quantization=config.draft_quantization or model_config.quantization)
         runner = ModelRunner(draft_config, arch, tensors, max_model_len, block_size, None,  # KV: the proposer's
                              max_num_seqs=max_num_seqs)
         proposer = PROPOSERS["draft"](runner, num_blocks, block_size, max_model_len,  # type: ignore[call-arg]
