@@ -39,12 +39,15 @@ PARAMS = [greedy(6 + (7 * i) % 19) for i in range(len(PROMPTS))]  # 6..24 new to
 
 def spec_core(model: TinyModel, method: str, draft: ArchName | None = None, *, k: int = 3, block_size: int = 4,
               num_blocks: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-              seed: int = 0, adaptive: bool = False) -> EngineCore:
+              seed: int = 0, adaptive: bool = False, draft_quantization: str = "auto") -> EngineCore:
+    """`draft_quantization` "auto" keeps a float checkpoint's draft dense, so a model drafting for
+    itself guesses exactly its own tokens (the tests of the draft's KV rely on it)."""
     config = EngineConfig(
         ModelConfig("tiny", dtype="float32", device="cpu", seed=seed),
         CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching),
         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens),
-        speculative=SpeculativeConfig(method, k, ngram_min=1, ngram_max=3, draft_model=draft, adaptive=adaptive),
+        speculative=SpeculativeConfig(method, k, ngram_min=1, ngram_max=3, draft_model=draft, adaptive=adaptive,
+                                      draft_quantization=draft_quantization),
     )
     weights = None if draft is None else (tiny_model(draft).arch, tiny_model(draft).state_dict)
     return EngineCore(config, model.arch, model.state_dict, weights)
@@ -130,7 +133,8 @@ def test_draft_greedy_is_token_identical_when_a_gate_cuts_proposals_short(arch: 
 
 def test_the_draft_runs_on_its_own_quantization() -> None:
     """--draft-quantization q8: the draft's matrices are packed q8 blocks on the integer kernels while
-    the target stays dense (the draft only guesses: its rounding moves speed, never the tokens)."""
+    the target stays dense (the draft only guesses: its rounding moves speed, never the tokens). By
+    default a draft is q4, except next to a target on the float reference path ("none")."""
     from dataclasses import replace
 
     from tokenmill.engine.spec.speculator import build_speculator
@@ -147,6 +151,10 @@ def test_the_draft_runs_on_its_own_quantization() -> None:
     plain = build_speculator(replace(config, draft_quantization=None), dense, target.arch, 4, 64, 256, weights)
     assert plain is not None and isinstance(plain.proposer, DraftModelProposer)
     assert all(isinstance(lin, DenseLinear) for lin in plain.proposer.runner.model.linears().values())
+    auto = build_speculator(replace(config, draft_quantization=None), replace(dense, quantization="auto"),
+                            target.arch, 4, 64, 256, weights)
+    assert auto is not None and isinstance(auto.proposer, DraftModelProposer)
+    assert {lin.method for lin in auto.proposer.runner.model.linears().values()} == {"q4"}
 
 
 def test_a_dropped_guess_ends_the_proposal_and_its_forwards() -> None:

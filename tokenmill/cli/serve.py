@@ -52,7 +52,7 @@ def add_speculative_arguments(parser: Any) -> None:
     parser.add_argument("--draft-model", default=None,
                         help="draft model sharing the target's tokenizer (catalog name or path)")
     parser.add_argument("--draft-quantization", default=None, choices=list(QUANTIZATIONS),
-                        help="the draft's weight format (default: the target's --quantization)")
+                        help="the draft's weight format (default: q4, or none when --quantization is none)")
     parser.add_argument("--num-speculative-tokens", type=int, default=0,
                         help="most tokens proposed per request per step (default: ngram 5, draft 3)")
     parser.add_argument("--ngram-min", type=int, default=1, help="shortest suffix the n-gram lookup matches")

@@ -124,7 +124,7 @@ def build_speculator(config: SpeculativeConfig, model_config: ModelConfig, targe
                                  f"tokens but the target has {target_arch.vocab_size}: a draft must share the "
                                  "target's tokenizer")
         draft_config = replace(model_config, model=config.draft_model or "draft",
-                               quantization=config.draft_quantization or model_config.quantization)
+                               quantization=config.draft_weights(model_config.quantization))
         runner = ModelRunner(draft_config, arch, tensors, max_model_len, block_size, None,  # KV: the proposer's
                              max_num_seqs=max_num_seqs)
         proposer = PROPOSERS["draft"](runner, num_blocks, block_size, max_model_len,  # type: ignore[call-arg]
