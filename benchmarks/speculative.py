@@ -151,7 +151,8 @@ def measure(llm: Any, messages: list[list[dict[str, str]]], max_tokens: int, rou
         "mean_accepted_length": 1 + stats["accepted"] / max(stats["drafts"], 1),
         "greedy_identical": tokens["spec"] == tokens["plain"], **stats,
         # the controller's learned acceptance per proposal bucket (n-gram: match length) and position
-        "acceptance_by_bucket": {str(b): r for b, r in speculator.controller.acceptance.rates().items()},
+        "acceptance_by_bucket": {str(b): r for b, r in speculator.controller.acceptance.rates(
+            speculator.controller.bucket_prior).items()},
     }
 
 

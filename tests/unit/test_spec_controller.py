@@ -315,3 +315,18 @@ def test_a_request_whose_guesses_were_all_dropped_counts_a_draft_with_none_accep
     speculator.propose([r])
     assert r.spec_token_ids == [] and r.spec_stats.recent_acceptance == pytest.approx(0.7)
     assert speculator.controller.draft_forward_s is not None
+
+
+def test_a_fresh_controller_takes_the_ngram_proposers_priors_by_match_length() -> None:
+    """Before any draft is verified: a 4-token match is worth proposing on a CPU where rows cost, a
+    1-token match is not (prior 0.4); with one flat prior (0.7) both looked alike and split the rows."""
+    from tokenmill.engine.spec.ngram import NgramProposer
+
+    proposer = NgramProposer(1, 4)
+    assert [proposer.bucket_prior(n) for n in (0, 1, 2, 3, 4, 7)] == [None, 0.4, 0.55, 0.7, 0.9, 0.9]
+    for prior, expected in ((proposer.bucket_prior, [3, 0]), (None, [2, 2])):
+        controller = SpecController(SpeculativeConfig("ngram", 3, max_batch_size=64), prior)
+        for n in (2, 3, 4, 5, 6, 7, 8) * 4:
+            controller.observe(n, 0.030 + 0.008 * n)
+        long_match, short_match = _requests(2, acceptance=0.6)
+        assert controller.plan([long_match, short_match], [4, 1]) == expected

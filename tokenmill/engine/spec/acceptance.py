@@ -22,6 +22,7 @@ rate of the positions measured before it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _PRIOR_WEIGHT = 2.0  # pseudo-drafts of the prior in each estimate
@@ -66,10 +67,11 @@ class AcceptanceModel:
             previous = rate
         return out
 
-    def rates(self) -> dict[int, list[float]]:
-        """Per bucket, the acceptance estimate at each position (for logs and tests)."""
+    def rates(self, prior_of: Callable[[int], float | None] | None = None) -> dict[int, list[float]]:
+        """Per bucket, the acceptance estimate at each position (for logs and tests); `prior_of`:
+        each bucket's position-1 prior, as the caller of gains() passes it."""
         out = {}
         for bucket in sorted(self._counts):
-            gains = self.gains(bucket, self.max_tokens)
+            gains = self.gains(bucket, self.max_tokens, None if prior_of is None else prior_of(bucket))
             out[bucket] = [g / p if p else 0.0 for g, p in zip(gains, [1.0, *gains], strict=False)]
         return out

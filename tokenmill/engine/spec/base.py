@@ -37,6 +37,11 @@ class Proposer(abc.ABC):
         0: nothing to propose; None (the default): no kinds, one acceptance rate per request."""
         return [None] * len(requests)
 
+    def bucket_prior(self, bucket: int) -> float | None:
+        """What the proposer knows beforehand of a bucket's acceptance at position 1 (the controller's
+        prior until the bucket's own drafts outweigh it); None: the controller's default."""
+        return None
+
     def forget(self, request_id: str) -> None:  # noqa: B027 - stateless proposers keep nothing
         """Drop what the proposer keeps for a request that finished or was aborted."""
 

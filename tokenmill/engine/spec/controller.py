@@ -40,7 +40,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.config import SpeculativeConfig
@@ -90,8 +90,11 @@ class _Pending:
 
 
 class SpecController:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig,
+                 bucket_prior: Callable[[int], float | None] | None = None) -> None:
+        """`bucket_prior`: the proposer's prior acceptance of a bucket (Proposer.bucket_prior)."""
         self.config = config
+        self.bucket_prior = bucket_prior
         self.samples: deque[tuple[int, float]] = deque(maxlen=256)  # (tokens in the step, step time s)
         # tokens → (moving average of step time s, samples, the plan count at the latest sample)
         self.by_count: dict[int, tuple[float, int, int]] = {}
@@ -177,7 +180,7 @@ class SpecController:
     def _gains(self, request: Request, bucket: int | None, k: int) -> list[float]:
         if bucket is None:
             return geometric_gains(request.spec_stats.recent_acceptance, k)
-        return self.acceptance.gains(bucket, k)
+        return self.acceptance.gains(bucket, k, None if self.bucket_prior is None else self.bucket_prior(bucket))
 
     def _allocate(self, requests: list[Request], buckets: list[int | None], caps: list[int]) -> list[int]:
         """Proposals per request (each at most its cap) that maximise emitted tokens per second."""

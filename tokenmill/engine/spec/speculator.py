@@ -23,7 +23,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
         self.config = config
         self.proposer = proposer
-        self.controller = SpecController(config)
+        self.controller = SpecController(config, proposer.bucket_prior)
         self.max_model_len = max_model_len
         self._decode_tokens = 0  # tokens the last step needed for its decoding requests and proposals
         self._propose_s = 0.0  # time the last propose() spent in the proposer (draft forwards)
@@ -79,7 +79,7 @@ class Speculator:
     def reset(self) -> None:
         """Forget every request (the engine dropped them all)."""
         self.proposer.retain(())
-        self.controller = SpecController(self.config)
+        self.controller = SpecController(self.config, self.proposer.bucket_prior)
 
     @property
     def is_on(self) -> bool:
