@@ -18,10 +18,7 @@ import math
 from typing import Any
 
 import common  # type: ignore[import-not-found]
-from speculative import CHAT, edit_prompt  # type: ignore[import-not-found]
-
-CHATS = [CHAT, "Write a short story about a robot learning to paint.",
-         "What are the main differences between TCP and UDP?"]
+from speculative import CHATS, edit_prompt  # type: ignore[import-not-found]
 
 
 def parse_args() -> argparse.Namespace:

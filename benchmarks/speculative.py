@@ -6,8 +6,8 @@
   ngram  Qwen2.5-Coder-0.5B (--ngram-model), code-editing prompts ("rewrite this function with
          type hints": the answer copies most of the prompt), at each --concurrency (1 .. 32); a PNG
          of the speed-up against concurrency
-  draft  Qwen2.5-Coder-1.5B (--target) with Qwen2.5-Coder-0.5B (--draft) proposing, batch 1, a
-         code-editing and a chat prompt
+  draft  Qwen2.5-Coder-1.5B (--target) with Qwen2.5-Coder-0.5B (--draft) proposing, batch 1, code
+         edits and chat prompts (--draft-edits, --draft-chats), each prompt alone
   llama  the same prompts through llama-server (when built: benchmarks/llama_server.py), with and
          without its own speculation (--spec-type ngram-simple; -md for the draft), batch 1
 
@@ -66,6 +66,8 @@ FUNCTIONS = [
 ''',
 ]
 CHAT = "Explain in three short paragraphs how a hash map handles collisions."
+CHATS = [CHAT, "Write a short story about a robot learning to paint.",
+         "What are the main differences between TCP and UDP?"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -75,6 +77,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b")
     p.add_argument("--draft-quantization", default=None, help="the draft's weight path (default: the target's)")
+    p.add_argument("--draft-edits", type=int, default=2, help="draft: code-edit prompts, each run alone")
+    p.add_argument("--draft-chats", type=int, default=len(CHATS), help="draft: chat prompts, each run alone")
     p.add_argument("--k", type=int, default=0, help="num_speculative_tokens (0: the method's default)")
     p.add_argument("--ngram-tokens", type=int, default=96, help="max_tokens per request (ngram)")
     p.add_argument("--draft-tokens", type=int, default=32, help="max_tokens per request (draft; the 1.5B is slow)")
@@ -178,10 +182,12 @@ def run_draft(args: argparse.Namespace) -> list[dict[str, Any]]:
               draft_quantization=args.draft_quantization,
               num_kv_blocks=128, max_model_len=1024, num_threads=args.threads, quantization=args.quantization)
     rows = []
-    for name, messages in (("code-edit", [edit_prompt(0)]), ("chat", [[{"role": "user", "content": CHAT}]])):
-        result = measure(llm, messages, args.draft_tokens, args.rounds)
+    prompts = [(f"code-edit-{i + 1}", edit_prompt(i)) for i in range(args.draft_edits)]
+    prompts += [(f"chat-{i + 1}", [{"role": "user", "content": c}]) for i, c in enumerate(CHATS[:args.draft_chats])]
+    for name, messages in prompts:  # one at a time: batch 1
+        result = measure(llm, [messages], args.draft_tokens, args.rounds)
         rows.append({"method": "draft", "model": f"{args.target} <- {args.draft}", "prompt": name,
-                     "draft_quantization": args.draft_quantization or args.quantization,
+                     "draft_quantization": llm.config.speculative.draft_weights(args.quantization),
                      "concurrency": 1, **result})
         print(f"draft {name}: {result['spec_tok_s']:.2f} vs {result['plain_tok_s']:.2f} tok/s = "
               f"{result['ratio']:.2f}x, acceptance {result['acceptance_rate']:.2f}", flush=True)
