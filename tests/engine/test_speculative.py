@@ -176,8 +176,11 @@ def test_a_dropped_guess_ends_the_proposal_and_its_forwards() -> None:
 
     [one] = proposer.propose([request], [4], FirstOnly())
     assert len(one) == 1 and proposer.last_forwards == 2
+    # The first forward read the 9-token prompt (a catch-up, not timed as a draft forward's price).
+    assert len(proposer.last_decode_forward_s) == 1
     [full] = proposer.propose([request], [4])
     assert full[:1] == one and len(full) == 4 and proposer.last_forwards == 4
+    assert len(proposer.last_decode_forward_s) == 4  # a one-token catch-up, then three guesses
 
     class Never:
         def keep(self, request_id: str, confidence: float) -> bool:

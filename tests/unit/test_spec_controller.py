@@ -293,7 +293,7 @@ def test_draft_forwards_are_priced_into_the_plan() -> None:
     for n in (1, 2, 3, 4) * 8:
         controller.observe(n, 0.06 + 0.002 * n)
     assert controller.plan(_requests(1, acceptance=0.7, prefix="free")) == [3]
-    controller.observe_draft(2, 0.08)
+    controller.observe_draft(0.04)
     assert controller.draft_forward_s == pytest.approx(0.04)
     assert controller.plan(_requests(1, acceptance=0.7, prefix="dear")) == [0]
 
@@ -305,7 +305,7 @@ def test_a_request_whose_guesses_were_all_dropped_counts_a_draft_with_none_accep
 
     class Dropping(Proposer):
         def propose(self, requests, num_tokens, gate=None):  # type: ignore[no-untyped-def]
-            self.last_forwards = 1
+            self.last_forwards, self.last_decode_forward_s = 1, (0.02,)
             return [[] for _ in requests]
 
     speculator = Speculator(SpeculativeConfig("draft", 3, draft_model="d"), Dropping(), max_model_len=100)
@@ -314,7 +314,7 @@ def test_a_request_whose_guesses_were_all_dropped_counts_a_draft_with_none_accep
     r.num_computed_tokens, r.status = 4, RequestStatus.RUNNING
     speculator.propose([r])
     assert r.spec_token_ids == [] and r.spec_stats.recent_acceptance == pytest.approx(0.7)
-    assert speculator.controller.draft_forward_s is not None
+    assert speculator.controller.draft_forward_s == pytest.approx(0.02)
 
 
 def test_a_fresh_controller_takes_the_ngram_proposers_priors_by_match_length() -> None:

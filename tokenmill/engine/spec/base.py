@@ -20,9 +20,12 @@ class ProposalGate(Protocol):
 class Proposer(abc.ABC):
     """Guesses up to k tokens to follow each request's token_ids. Never changes a request."""
 
-    # Model forwards the last propose() ran (a draft model's; 0 for proposers without a model): the
-    # controller prices a draft forward from it.
+    # Model forwards the last propose() ran (a draft model's; 0 for proposers without a model), and
+    # the wall times of those that were decode-like (no sequence computing more than a few tokens: a
+    # catch-up over a new prompt or a long gap costs like a prefill and says nothing of the next
+    # guess's price). The controller prices a draft forward from the second.
     last_forwards: int = 0
+    last_decode_forward_s: tuple[float, ...] = ()
 
     @abc.abstractmethod
     def propose(self, requests: list[Request], num_tokens: list[int],

@@ -23,7 +23,9 @@ Two rules, both about goodput (tokens emitted per second), not acceptance:
     speculating, one proposal a request if not) runs once when its token count has few measurements
     or none recent, so both sides of the comparison stay measured as the batch and its contexts change.
   * a draft model's forwards are priced apart: T(n) is measured without the proposer's time, and
-    a plan of R proposals costs T(n + R) + (its longest proposal) x the mean draft-forward time.
+    a plan of R proposals costs T(n + R) + (its longest proposal) x the mean time of a decode-like
+    draft forward (one over a new prompt, or after a long gap, costs like a prefill: not counted;
+    counted, one such catch-up priced every later guess as a prefill and kept drafting off).
   * while a draft model drafts (DraftGate): each guess comes with the draft's top-1 probability p, and
     the acceptance of guesses in p's bin is learned like a bucket's (prior: the bin's middle, a
     calibrated draft). A guess is kept while its gain (the product of its request's kept guesses'
@@ -113,12 +115,10 @@ class SpecController:
             self.by_count[num_tokens] = ((1 - _EWMA) * mean + _EWMA * step_time_s if seen else step_time_s,
                                          seen + 1, self._num_plans)
 
-    def observe_draft(self, forwards: int, seconds: float) -> None:
-        """A propose() that ran `forwards` draft-model forwards in `seconds` (none: nothing learnt)."""
-        if forwards > 0:
-            per = seconds / forwards
-            mean = self.draft_forward_s
-            self.draft_forward_s = per if mean is None else (1 - _EWMA) * mean + _EWMA * per
+    def observe_draft(self, seconds: float) -> None:
+        """One decode-like draft-model forward took `seconds` (Proposer.last_decode_forward_s)."""
+        mean = self.draft_forward_s
+        self.draft_forward_s = seconds if mean is None else (1 - _EWMA) * mean + _EWMA * seconds
 
     def measured(self) -> dict[int, float]:
         """Token counts measured often enough to trust → their moving-average step time."""

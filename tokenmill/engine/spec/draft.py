@@ -23,6 +23,7 @@ published under the hash of tokens it no longer holds would hand wrong KV to the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -34,6 +35,10 @@ from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenmill.engine.request import Request, SamplingParams
 from tokenmill.engine.sampler import argmax_rows
 from tokenmill.engine.spec.base import ProposalGate, Proposer, register_proposer
+
+# A draft forward in which no sequence computes more than this many tokens (the guesses accepted last
+# step and the correction) costs about what one more guess will: its time prices draft forwards.
+_DECODE_LIKE_TOKENS = 8
 
 
 @dataclass(slots=True)
@@ -78,13 +83,18 @@ class DraftModelProposer(Proposer):
             seq = self._sync(request) if k > 0 else None
             if seq is not None and self._allocate(seq, k):
                 active.append((seq, k))
-        self.last_forwards = 0
+        self.last_forwards, decode_like = 0, []
         if not active:
+            self.last_decode_forward_s = ()
             return [[] for _ in requests]
         live, j = active, 1
         while live:
             self.last_forwards += 1
+            widest = max(s.shadow.num_tokens - s.shadow.num_computed_tokens for s, _ in live)
+            started = time.monotonic()
             confidence = self._forward([s for s, _ in live], gate is not None)  # forward 1 catches up, then d_j
+            if widest <= _DECODE_LIKE_TOKENS:
+                decode_like.append(time.monotonic() - started)
             if j == 1:
                 for s, _ in active:
                     self.kv.commit_computed(s.shadow, limit=s.base)  # the target's tokens only (module docstring)
@@ -92,6 +102,7 @@ class DraftModelProposer(Proposer):
                 live = [(s, k) for s, k in live if self._kept(s, gate, confidence[s.shadow.request_id])]
             j += 1
             live = [(s, k) for s, k in live if k >= j]
+        self.last_decode_forward_s = tuple(decode_like)
         drafts = {s.shadow.request_id: s.shadow.token_ids[s.base:] for s, _ in active}
         return [drafts.get(r.request_id, []) for r in requests]
 

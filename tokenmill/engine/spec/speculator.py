@@ -49,7 +49,8 @@ class Speculator:
         started = time.monotonic()
         proposals = self.proposer.propose([r for r, _ in chosen], [k for _, k in chosen], gate)
         self._propose_s = time.monotonic() - started
-        self.controller.observe_draft(self.proposer.last_forwards, self._propose_s)
+        for seconds in self.proposer.last_decode_forward_s:
+            self.controller.observe_draft(seconds)
         for (request, k), tokens in zip(chosen, proposals, strict=True):
             request.spec_token_ids = tokens[:k]
             self._decode_tokens += len(request.spec_token_ids)
