@@ -298,7 +298,7 @@ def test_draft_forwards_are_priced_into_the_plan() -> None:
     assert controller.plan(_requests(1, acceptance=0.7, prefix="dear")) == [0]
 
 
-def test_a_request_whose_guesses_were_all_dropped_counts_a_draft_with_none_accepted() -> None:
+def test_a_request_whose_guesses_were_all_dropped_is_planned_at_its_kept_rate() -> None:
     from tokenmill.engine.request import RequestStatus
     from tokenmill.engine.spec.base import Proposer
     from tokenmill.engine.spec.speculator import Speculator
@@ -313,8 +313,11 @@ def test_a_request_whose_guesses_were_all_dropped_counts_a_draft_with_none_accep
     r.token_ids = [1, 2, 3, 1, 2]
     r.num_computed_tokens, r.status = 4, RequestStatus.RUNNING
     speculator.propose([r])
-    assert r.spec_token_ids == [] and r.spec_stats.recent_acceptance == pytest.approx(0.7)
+    assert r.spec_token_ids == [] and r.spec_stats.recent_kept == pytest.approx(0.7)
+    assert r.spec_stats.recent_acceptance == 1.0  # no guess was verified: nothing to say of acceptance
     assert speculator.controller.draft_forward_s == pytest.approx(0.02)
+    r.spec_stats.recent_acceptance = 0.9
+    assert speculator.controller._gains(r, None, 2) == pytest.approx([0.7 * 0.9, 0.7 * 0.81])
 
 
 def test_a_fresh_controller_takes_the_ngram_proposers_priors_by_match_length() -> None:

@@ -110,10 +110,17 @@ class SpecRequestStats:
     num_accepted_tokens: int = 0
     recent_acceptance: float = 1.0  # moving average of accepted / proposed per draft (the controller's input)
 
+    # Moving average of whether a drafting attempt kept any guess (a draft gate may drop the first):
+    # the share of draft forwards that reach verification at all.
+    recent_kept: float = 1.0
+
     def note_acceptance(self, fraction: float) -> None:
-        """One more draft's accepted fraction into recent_acceptance (0: a draft whose every guess a
-        gate dropped, so drafting for this request yielded nothing)."""
+        """One more verified draft's accepted fraction into recent_acceptance."""
         self.recent_acceptance = 0.7 * self.recent_acceptance + 0.3 * fraction
+
+    def note_kept(self, kept: bool) -> None:
+        """One more drafting attempt into recent_kept."""
+        self.recent_kept = 0.7 * self.recent_kept + (0.3 if kept else 0.0)
 
     @property
     def mean_accepted_length(self) -> float:

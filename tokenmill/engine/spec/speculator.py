@@ -54,10 +54,8 @@ class Speculator:
         for (request, k), tokens in zip(chosen, proposals, strict=True):
             request.spec_token_ids = tokens[:k]
             self._decode_tokens += len(request.spec_token_ids)
-            if gate is not None and not tokens:
-                # Drafting for it cost a forward and the gate kept nothing: to the controller's
-                # per-request rule that is a draft with nothing accepted (verification never sees it).
-                request.spec_stats.note_acceptance(0.0)
+            if gate is not None:  # how often drafting for it gets past the gate (controller._gains)
+                request.spec_stats.note_kept(bool(tokens))
 
     def _room(self, request: Request) -> int:
         """Proposals that could still be used: the step emits up to k + 1 tokens."""
