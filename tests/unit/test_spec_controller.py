@@ -304,6 +304,8 @@ def test_a_request_whose_guesses_were_all_dropped_is_planned_at_its_kept_rate() 
     from tokenmill.engine.spec.speculator import Speculator
 
     class Dropping(Proposer):
+        takes_gate = True
+
         def propose(self, requests, num_tokens, gate=None):  # type: ignore[no-untyped-def]
             self.last_forwards, self.last_decode_forward_s = 1, (0.02,)
             return [[] for _ in requests]

@@ -26,6 +26,9 @@ class Proposer(abc.ABC):
     # guess's price). The controller prices a draft forward from the second.
     last_forwards: int = 0
     last_decode_forward_s: tuple[float, ...] = ()
+    # Whether propose() consults a ProposalGate (one knowing its confidence per guess): the speculator
+    # builds a gate only for those.
+    takes_gate: bool = False
 
     @abc.abstractmethod
     def propose(self, requests: list[Request], num_tokens: list[int],

@@ -50,6 +50,8 @@ class _DraftSeq:
 
 @register_proposer("draft")
 class DraftModelProposer(Proposer):
+    takes_gate = True
+
     def __init__(self, runner: ModelRunner, num_blocks: int | None, block_size: int, max_model_len: int,
                  enable_prefix_caching: bool = True) -> None:
         """`num_blocks` None: the weights are in, the KV pool comes later (`allocate_kv`), once the

@@ -45,7 +45,7 @@ class Speculator:
         chosen = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
         if not chosen:
             return
-        gate = self.controller.gate(len(decoding)) if self.config.adaptive else None
+        gate = self.controller.gate(len(decoding)) if self.config.adaptive and self.proposer.takes_gate else None
         started = time.monotonic()
         proposals = self.proposer.propose([r for r, _ in chosen], [k for _, k in chosen], gate)
         self._propose_s = time.monotonic() - started
