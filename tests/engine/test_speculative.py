@@ -100,17 +100,17 @@ def test_draft_model_greedy_is_token_identical(arch: ArchName) -> None:
 
 
 class _RandomGate:
-    """Keeps each guess with probability `p` (seeded), recording what it was asked."""
+    """Keeps each guess with probability `p` (seeded). One per step, as the controller's; `totals`
+    (shared by a test's gates) adds up what all of them were asked."""
 
-    def __init__(self, rng: random.Random, p: float) -> None:
-        self.rng, self.p = rng, p
-        self.kept = self.dropped = 0
-        self.confidences: list[float] = []
+    def __init__(self, rng: random.Random, p: float, totals: dict[str, list[float]]) -> None:
+        self.rng, self.p, self.totals = rng, p, totals
+        self.dropped = 0
 
     def keep(self, request_id: str, confidence: float) -> bool:
-        self.confidences.append(confidence)
+        self.totals["confidences"].append(confidence)
         keep = self.rng.random() < self.p
-        self.kept += keep
+        self.totals["kept" if keep else "dropped"].append(1)
         self.dropped += not keep
         return keep
 
@@ -123,12 +123,21 @@ def test_draft_greedy_is_token_identical_when_a_gate_cuts_proposals_short(arch: 
     random, the tokens are still exactly those without speculation, and the draft stays in step."""
     from tokenmill.engine.spec.controller import SpecController
 
-    gate = _RandomGate(random.Random(7), 0.6)
-    monkeypatch.setattr(SpecController, "gate", lambda self, n: gate)
+    rng, totals = random.Random(7), {"confidences": [], "kept": [], "dropped": []}
+    monkeypatch.setattr(SpecController, "gate", lambda self, n: _RandomGate(rng, 0.6, totals))
     core = spec_core(tiny_model(arch), "draft", arch, k=4, adaptive=True)
+    gated, step = [], core.step
+
+    def counting_step():  # type: ignore[no-untyped-def]
+        result = step()
+        gated.append(result.stats.spec_num_gated_tokens)
+        return result
+
+    core.step = counting_step  # type: ignore[method-assign]
     _, accepted = _assert_greedy_identical(core, arch)
-    assert gate.kept > 0 and gate.dropped > 0 and accepted > 0
-    assert all(0.0 < c <= 1.0 for c in gate.confidences)
+    assert totals["kept"] and totals["dropped"] and accepted > 0
+    assert sum(gated) == len(totals["dropped"])  # the step stats (tokenmill:spec_decode_num_gated_tokens) count them
+    assert all(0.0 < c <= 1.0 for c in totals["confidences"])
 
 
 def test_the_draft_runs_on_its_own_quantization() -> None:

@@ -184,6 +184,8 @@ class ServerMetrics:
         self.spec_accepted_per_pos = Counter(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
             (*LABELS, "position"), registry=self.registry)
+        self.spec_num_gated_tokens = self._counter(
+            "spec_decode_num_gated_tokens", "Draft tokens the confidence gate dropped before verification.")
         self.spec_enabled = self._gauge(
             "spec_decode_enabled", "1 while the speculation controller lets requests propose, else 0.")
 
@@ -227,6 +229,7 @@ class ServerMetrics:
         self.spec_num_drafts.labels(model).inc(stats.spec_num_drafts)
         self.spec_num_draft_tokens.labels(model).inc(stats.spec_num_draft_tokens)
         self.spec_num_accepted_tokens.labels(model).inc(stats.spec_num_accepted_tokens)
+        self.spec_num_gated_tokens.labels(model).inc(stats.spec_num_gated_tokens)
         for position, count in enumerate(stats.spec_accepted_per_position):
             self.spec_accepted_per_pos.labels(model, str(position)).inc(count)
 

@@ -279,6 +279,7 @@ class DraftGate:
         self.predict = predict
         self.num_decoding = num_decoding
         self.rows = 0
+        self.dropped = 0  # guesses not kept (each cost a draft forward, none is verified)
         self.emitted = float(num_decoding)
         self._gains: dict[str, float] = {}  # request → gain of its last kept guess
 
@@ -296,6 +297,8 @@ class DraftGate:
             self.emitted += gain
             self._gains[request_id] = gain
             self.controller.note_kept(request_id, b)
+        else:
+            self.dropped += 1
         return worth
 
 

@@ -27,6 +27,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self._decode_tokens = 0  # tokens the last step needed for its decoding requests and proposals
         self._propose_s = 0.0  # time the last propose() spent in the proposer (draft forwards)
+        self.last_gated = 0  # guesses the last propose()'s gate dropped
 
     def propose(self, running: Iterable[Request]) -> None:
         """Proposals for every running request about to decode (its next step scores one token)."""
@@ -36,6 +37,7 @@ class Speculator:
                     if r.status is RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1]
         self._decode_tokens = len(decoding)
         self._propose_s = 0.0
+        self.last_gated = 0
         for request in decoding:
             request.spec_token_ids = []  # a request the budget skipped last step keeps no stale guesses
         if not decoding:
@@ -49,6 +51,7 @@ class Speculator:
         started = time.monotonic()
         proposals = self.proposer.propose([r for r, _ in chosen], [k for _, k in chosen], gate)
         self._propose_s = time.monotonic() - started
+        self.last_gated = gate.dropped if gate is not None else 0
         for seconds in self.proposer.last_decode_forward_s:
             self.controller.observe_draft(seconds)
         for (request, k), tokens in zip(chosen, proposals, strict=True):
