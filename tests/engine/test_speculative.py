@@ -185,8 +185,12 @@ def test_a_dropped_guess_ends_the_proposal_and_its_forwards() -> None:
 
     [one] = proposer.propose([request], [4], FirstOnly())
     assert len(one) == 1 and proposer.last_forwards == 2
-    # The first forward read the 9-token prompt (a catch-up, not timed as a draft forward's price).
-    assert len(proposer.last_decode_forward_s) == 1
+    # The first forward read the 9-token prompt: a catch-up (8 tokens beyond one), priced apart.
+    assert len(proposer.last_decode_forward_s) == 1 and [e for e, _ in proposer.last_catch_ups] == [8]
+    assert proposer.catch_up_tokens([request]) == [0]  # in step: it proposed at the request's length
+    request.token_ids.extend([1, 2, 3])
+    assert proposer.catch_up_tokens([request, Request("new", [1, 2], greedy(2))]) == [3, 0]
+    del request.token_ids[-3:]
     [full] = proposer.propose([request], [4])
     assert full[:1] == one and len(full) == 4 and proposer.last_forwards == 4
     assert len(proposer.last_decode_forward_s) == 4  # a one-token catch-up, then three guesses

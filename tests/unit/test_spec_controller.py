@@ -335,3 +335,28 @@ def test_a_fresh_controller_takes_the_ngram_proposers_priors_by_match_length() -
             controller.observe(n, 0.030 + 0.008 * n)
         long_match, short_match = _requests(2, acceptance=0.6)
         assert controller.plan([long_match, short_match], [4, 1]) == expected
+
+
+def test_a_draft_far_behind_pays_its_catch_up_before_it_proposes() -> None:
+    """Cheap rows (2 ms on 60 ms), 10 ms draft forwards, acceptance 0.7: a request whose draft is in
+    step proposes K; one whose draft sat out 28 tokens (20 beyond a decode-like forward, 5 ms each)
+    would pay 100 ms to catch up first, more than its guesses are worth, and proposes nothing."""
+    controller = _draft_controller()
+    for n in (1, 2, 3, 4) * 8:
+        controller.observe(n, 0.06 + 0.002 * n)
+    controller.observe_draft(0.01)
+    controller.observe_catch_up(20, 0.11)
+    assert controller.draft_token_s == pytest.approx(0.005)
+    assert controller.plan(_requests(1, acceptance=0.7, prefix="in-step"), catch_up=[2]) == [3]
+    assert controller.plan(_requests(1, acceptance=0.7, prefix="behind"), catch_up=[28]) == [0]
+
+
+def test_the_probe_while_off_leaves_out_drafts_far_behind() -> None:
+    """Rows as dear as decodes: nothing is proposed, and the 16th plan probes one guess a request to
+    re-measure, but not for a request whose draft would first have to catch up 30 tokens."""
+    controller = _draft_controller()
+    for n in (1, 2, 4, 5) * 4:  # 3 tokens (the probe's count) never measured
+        controller.observe(n, 0.05 * n)
+    reqs = _requests(2, acceptance=0.5)
+    plans = [controller.plan(reqs, catch_up=[1, 30]) for _ in range(16)]
+    assert plans[:15] == [[0, 0]] * 15 and plans[15] == [1, 0]

@@ -26,6 +26,8 @@ class Proposer(abc.ABC):
     # guess's price). The controller prices a draft forward from the second.
     last_forwards: int = 0
     last_decode_forward_s: tuple[float, ...] = ()
+    # (tokens beyond one per sequence, seconds) of the last propose()'s other forwards (catch-ups).
+    last_catch_ups: tuple[tuple[int, float], ...] = ()
     # Whether propose() consults a ProposalGate (one knowing its confidence per guess): the speculator
     # builds a gate only for those.
     takes_gate: bool = False
@@ -42,6 +44,11 @@ class Proposer(abc.ABC):
         quality (acceptance.py): the controller learns each kind's acceptance position by position.
         0: nothing to propose; None (the default): no kinds, one acceptance rate per request."""
         return [None] * len(requests)
+
+    def catch_up_tokens(self, requests: list[Request]) -> list[int]:
+        """Per request, the tokens the proposer must compute before it can guess (a draft model that
+        sat out steps is behind by the tokens emitted since); 0 for proposers without a model."""
+        return [0] * len(requests)
 
     def bucket_prior(self, bucket: int) -> float | None:
         """What the proposer knows beforehand of a bucket's acceptance at position 1 (the controller's

@@ -68,6 +68,10 @@ _CONFIDENCE_PRIORS = (0.15, 0.4, 0.55, 0.65, 0.75, 0.85, 0.925, 0.975)
 # Before step times are measured over a spread of sizes, a draft guess is kept while its gain is at
 # least this (on the Zen 3 host's measured costs the best fixed cut was 0.5-0.6, docs/speculative.md).
 _KEEP_GAIN_UNFITTED = 0.5
+# A draft forward in which no sequence computes more than this many tokens (the guesses accepted last
+# step and the correction) costs about what one more guess will; tokens a draft is behind beyond it
+# are a catch-up, priced per token.
+DECODE_LIKE_TOKENS = 8
 
 
 def confidence_bin(confidence: float) -> int:
@@ -105,6 +109,11 @@ class SpecController:
         self.acceptance = AcceptanceModel(config.num_speculative_tokens)
         self.confidence = AcceptanceModel(1)  # per confidence bin, position-free: P(accepted | reached)
         self.draft_forward_s: float | None = None  # moving average of one draft-model forward
+        # Moving average of what each token a draft forward computes beyond one per sequence costs
+        # (a catch-up: a long one runs at prefill speed, ~4.7 ms a token for the q4 0.5B on Zen 3
+        # against 13 ms for a whole one-token forward); 0 until measured.
+        self.draft_token_s = 0.0
+        self._draft_token_seen = False
         self.is_on = True  # the last step's decision, for the stats
         self._cooldown: dict[str, int] = {}
         self._pending: dict[str, _Pending] = {}
@@ -122,6 +131,15 @@ class SpecController:
         mean = self.draft_forward_s
         self.draft_forward_s = seconds if mean is None else (1 - _EWMA) * mean + _EWMA * seconds
 
+    def observe_catch_up(self, extra_tokens: int, seconds: float) -> None:
+        """A draft forward computed `extra_tokens` beyond one per sequence in `seconds`
+        (Proposer.last_catch_ups); priced once a decode-like forward's time is known."""
+        if extra_tokens <= 0 or self.draft_forward_s is None:
+            return
+        per = max(seconds - self.draft_forward_s, 0.0) / extra_tokens
+        self.draft_token_s = per if not self._draft_token_seen else (1 - _EWMA) * self.draft_token_s + _EWMA * per
+        self._draft_token_seen = True
+
     def measured(self) -> dict[int, float]:
         """Token counts measured often enough to trust → their moving-average step time."""
         return {n: t for n, (t, seen, _) in self.by_count.items() if seen >= _MIN_COUNT_SAMPLES}
@@ -132,16 +150,19 @@ class SpecController:
         `measured`: self.measured(), when the caller predicts several counts at once."""
         return _Predictor(fit, self.measured() if measured is None else measured)(num_tokens)
 
-    def plan(self, requests: list[Request], buckets: Sequence[int | None] | None = None) -> list[int]:
+    def plan(self, requests: list[Request], buckets: Sequence[int | None] | None = None,
+             catch_up: Sequence[int] | None = None) -> list[int]:
         """Proposals per request. `buckets`: the proposer's kind of proposal per request (None: none;
-        0: the proposer has nothing to offer it), see acceptance.py."""
+        0: the proposer has nothing to offer it), see acceptance.py. `catch_up`: tokens a draft model
+        must compute for each before its first guess (Proposer.catch_up_tokens)."""
         buckets = list(buckets) if buckets is not None else [None] * len(requests)
+        catch_up = list(catch_up) if catch_up is not None else [0] * len(requests)
         self._learn(requests)
         if not self.config.adaptive:
             ks = [0 if b == 0 else self.config.num_speculative_tokens for b in buckets]
         else:
             caps = [0 if b == 0 else self._k_for(r) for r, b in zip(requests, buckets, strict=True)]
-            ks = self._allocate(requests, buckets, caps) if any(caps) else caps
+            ks = self._allocate(requests, buckets, caps, catch_up) if any(caps) else caps
             self.is_on = any(ks)
         for request, bucket, k in zip(requests, buckets, ks, strict=True):
             if k:
@@ -185,7 +206,8 @@ class SpecController:
             return [stats.recent_kept * g for g in geometric_gains(stats.recent_acceptance, k)]
         return self.acceptance.gains(bucket, k, None if self.bucket_prior is None else self.bucket_prior(bucket))
 
-    def _allocate(self, requests: list[Request], buckets: list[int | None], caps: list[int]) -> list[int]:
+    def _allocate(self, requests: list[Request], buckets: list[int | None], caps: list[int],
+                  catch_up: list[int]) -> list[int]:
         """Proposals per request (each at most its cap) that maximise emitted tokens per second."""
         n = len(requests)
         fit = self.cost_fit()
@@ -206,13 +228,17 @@ class SpecController:
         predict = _Predictor(fit, self.measured())
         plain_rate = n / max(predict(n), 1e-9)
         best_r, best_rate, emitted = 0, plain_rate, float(n)
-        # A draft model's forwards: as many as the longest proposal, each draft_forward_s.
+        # A draft model's forwards: as many as the longest proposal, each draft_forward_s, plus for
+        # each request that proposes the tokens its draft is behind by beyond a decode-like forward's.
         forward_s, proposed, longest = self.draft_forward_s or 0.0, [0] * n, 0
+        behind_s = [self.draft_token_s * max(0, c - DECODE_LIKE_TOKENS) for c in catch_up]
+        catching_up = 0.0
         for rows, (gain, i) in enumerate(ranked, start=1):
             emitted += gain
             proposed[i] += 1
+            catching_up += behind_s[i] if proposed[i] == 1 else 0.0
             longest = max(longest, proposed[i])
-            rate = emitted / max(predict(n + rows) + forward_s * longest, 1e-9)
+            rate = emitted / max(predict(n + rows) + forward_s * longest + catching_up, 1e-9)
             if rate > best_rate:
                 best_r, best_rate = rows, rate
         if best_rate < plain_rate * (1 + _MIN_GAIN):
@@ -224,7 +250,10 @@ class SpecController:
             # Not speculating, probe with one proposal a request: the nearest token count above the
             # plain step, which is what decides whether any pays, at a third of K = 3's cost when it
             # does not (a batch-32 probe with K = 3 cost 2.7x a plain step for 2x its tokens, measured).
-            other = [0] * n if best_r else [min(cap, 1) for cap in caps]
+            # A request whose draft is far behind is left out: its catch-up would cost more than the
+            # probe measures (and is what keeps a draft that does not pay from costing while off).
+            other = [0] * n if best_r else [min(cap, 1) if c <= DECODE_LIKE_TOKENS else 0
+                                            for cap, c in zip(caps, catch_up, strict=True)]
             _, seen, latest = self.by_count.get(n + sum(other), (0.0, 0, 0))
             if seen < 2 * _MIN_COUNT_SAMPLES or self._num_plans - latest > _STALE_PLANS:
                 return other

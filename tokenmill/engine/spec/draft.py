@@ -35,10 +35,7 @@ from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenmill.engine.request import Request, SamplingParams
 from tokenmill.engine.sampler import argmax_rows
 from tokenmill.engine.spec.base import ProposalGate, Proposer, register_proposer
-
-# A draft forward in which no sequence computes more than this many tokens (the guesses accepted last
-# step and the correction) costs about what one more guess will: its time prices draft forwards.
-_DECODE_LIKE_TOKENS = 8
+from tokenmill.engine.spec.controller import DECODE_LIKE_TOKENS
 
 
 @dataclass(slots=True)
@@ -85,18 +82,20 @@ class DraftModelProposer(Proposer):
             seq = self._sync(request) if k > 0 else None
             if seq is not None and self._allocate(seq, k):
                 active.append((seq, k))
-        self.last_forwards, decode_like = 0, []
+        self.last_forwards, decode_like, catch_ups = 0, [], []
         if not active:
-            self.last_decode_forward_s = ()
+            self.last_decode_forward_s, self.last_catch_ups = (), ()
             return [[] for _ in requests]
         live, j = active, 1
         while live:
             self.last_forwards += 1
-            widest = max(s.shadow.num_tokens - s.shadow.num_computed_tokens for s, _ in live)
+            new = [s.shadow.num_tokens - s.shadow.num_computed_tokens for s, _ in live]
             started = time.monotonic()
             confidence = self._forward([s for s, _ in live], gate is not None)  # forward 1 catches up, then d_j
-            if widest <= _DECODE_LIKE_TOKENS:
+            if max(new) <= DECODE_LIKE_TOKENS:
                 decode_like.append(time.monotonic() - started)
+            else:
+                catch_ups.append((sum(new) - len(new), time.monotonic() - started))
             if j == 1:
                 for s, _ in active:
                     self.kv.commit_computed(s.shadow, limit=s.base)  # the target's tokens only (module docstring)
@@ -104,9 +103,19 @@ class DraftModelProposer(Proposer):
                 live = [(s, k) for s, k in live if self._kept(s, gate, confidence[s.shadow.request_id])]
             j += 1
             live = [(s, k) for s, k in live if k >= j]
-        self.last_decode_forward_s = tuple(decode_like)
+        self.last_decode_forward_s, self.last_catch_ups = tuple(decode_like), tuple(catch_ups)
         drafts = {s.shadow.request_id: s.shadow.token_ids[s.base:] for s, _ in active}
         return [drafts.get(r.request_id, []) for r in requests]
+
+    def catch_up_tokens(self, requests: list[Request]) -> list[int]:
+        # Tokens the target added since this draft last proposed for it (its KV covers about that far;
+        # the guesses accepted since are a few more). A request the draft has not seen yet counts 0:
+        # its prompt is read once whatever is decided, and may hit the draft's prefix cache.
+        out = []
+        for request in requests:
+            seq = self._seqs.get(request.request_id)
+            out.append(0 if seq is None else max(0, request.num_tokens - seq.base))
+        return out
 
     @staticmethod
     def _kept(seq: _DraftSeq, gate: ProposalGate, confidence: float) -> bool:

@@ -42,7 +42,7 @@ class Speculator:
             request.spec_token_ids = []  # a request the budget skipped last step keeps no stale guesses
         if not decoding:
             return
-        plan = self.controller.plan(decoding, self.proposer.buckets(decoding))
+        plan = self.controller.plan(decoding, self.proposer.buckets(decoding), self.proposer.catch_up_tokens(decoding))
         ks = [min(k, self._room(r)) for r, k in zip(decoding, plan, strict=True)]
         chosen = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
         if not chosen:
@@ -54,6 +54,8 @@ class Speculator:
         self.last_gated = gate.dropped if gate is not None else 0
         for seconds in self.proposer.last_decode_forward_s:
             self.controller.observe_draft(seconds)
+        for extra, seconds in self.proposer.last_catch_ups:
+            self.controller.observe_catch_up(extra, seconds)
         for (request, k), tokens in zip(chosen, proposals, strict=True):
             request.spec_token_ids = tokens[:k]
             self._decode_tokens += len(request.spec_token_ids)
