@@ -360,3 +360,22 @@ def test_the_probe_while_off_leaves_out_drafts_far_behind() -> None:
     reqs = _requests(2, acceptance=0.5)
     plans = [controller.plan(reqs, catch_up=[1, 30]) for _ in range(16)]
     assert plans[:15] == [[0, 0]] * 15 and plans[15] == [1, 0]
+
+
+def test_while_speculating_the_probes_alternate_plain_and_every_proposal() -> None:
+    """Settled on one guess a step (two slow samples of 4 rows), the controller still re-measures
+    4 rows: the 16th plan proposes all K = 3, and once that count measures fast the plan takes it.
+    (Probing only plain, the counts above the chosen one were never measured again.) Plain, measured
+    recently, is not probed at the 32nd."""
+    controller = _controller(max_batch_size=64)
+    for n in (1, 2) * 8:
+        controller.observe(n, 0.05 + 0.001 * n)
+    controller.observe(4, 0.5)  # slow samples: 4 rows look ruinous
+    controller.observe(4, 0.5)
+    [r] = _requests(1, acceptance=0.95)
+    plans = [controller.plan([r]) for _ in range(16)]
+    assert plans[:15] == [[1]] * 15 and plans[15] == [3]
+    for _ in range(16):
+        controller.observe(4, 0.054)  # the probes: 4 rows cost little after all
+    plans = [controller.plan([r]) for _ in range(16)]
+    assert plans == [[3]] * 16

@@ -19,9 +19,10 @@ Two rules, both about goodput (tokens emitted per second), not acceptance:
     A memory-bound step (dense weights at batch 1 on CPU: every weight streamed once) has b ≈ 0 and
     proposals are nearly free; where extra rows cost (integer-quantized weights, large batches) only
     the likeliest proposals pay, or none. Until the fit has seen a spread of token counts, the step
-    proposes K iff n <= max_batch_size. Every _EXPLORE_EVERY plans, the option not chosen (plain if
-    speculating, one proposal a request if not) runs once when its token count has few measurements
-    or none recent, so both sides of the comparison stay measured as the batch and its contexts change.
+    proposes K iff n <= max_batch_size. Every _EXPLORE_EVERY plans, an option not chosen (if
+    speculating: plain, or every proposal the caps allow, in turn; if not: one proposal a request)
+    runs once when its token count has few measurements or none recent, so both sides of the
+    comparison stay measured as the batch and its contexts change.
   * a draft model's forwards are priced apart: T(n) is measured without the proposer's time, and
     a plan of R proposals costs T(n + R) + (its longest proposal) x the mean time of a decode-like
     draft forward (one over a new prompt, or after a long gap, costs like a prefill: not counted;
@@ -252,8 +253,16 @@ class SpecController:
             # does not (a batch-32 probe with K = 3 cost 2.7x a plain step for 2x its tokens, measured).
             # A request whose draft is far behind is left out: its catch-up would cost more than the
             # probe measures (and is what keeps a draft that does not pay from costing while off).
-            other = [0] * n if best_r else [min(cap, 1) if c <= DECODE_LIKE_TOKENS else 0
-                                            for cap, c in zip(caps, catch_up, strict=True)]
+            # While speculating, every other probe proposes all the caps allow instead of nothing:
+            # otherwise the counts above the chosen one are never measured again, and one slow
+            # sample of them kept a 0.97-acceptance draft at one guess a step for a whole run.
+            in_step = [cap if c <= DECODE_LIKE_TOKENS else 0 for cap, c in zip(caps, catch_up, strict=True)]
+            if not best_r:
+                other = [min(cap, 1) for cap in in_step]
+            elif (self._num_plans // _EXPLORE_EVERY) % 2:
+                other = in_step
+            else:
+                other = [0] * n
             _, seen, latest = self.by_count.get(n + sum(other), (0.0, 0, 0))
             if seen < 2 * _MIN_COUNT_SAMPLES or self._num_plans - latest > _STALE_PLANS:
                 return other
