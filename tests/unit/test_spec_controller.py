@@ -339,8 +339,9 @@ def test_a_fresh_controller_takes_the_ngram_proposers_priors_by_match_length() -
 
 def test_a_draft_far_behind_pays_its_catch_up_before_it_proposes() -> None:
     """Cheap rows (2 ms on 60 ms), 10 ms draft forwards, acceptance 0.7: a request whose draft is in
-    step proposes K; one whose draft sat out 28 tokens (20 beyond a decode-like forward, 5 ms each)
-    would pay 100 ms to catch up first, more than its guesses are worth, and proposes nothing."""
+    step proposes K; one whose draft sat out 88 tokens (80 beyond a decode-like forward, 5 ms each)
+    would pay 400 ms to catch up first, charged a quarter (the steps after share it), more than its
+    guesses are worth, and proposes nothing; one 28 tokens behind (25 ms charged) still proposes."""
     controller = _draft_controller()
     for n in (1, 2, 3, 4) * 8:
         controller.observe(n, 0.06 + 0.002 * n)
@@ -348,7 +349,8 @@ def test_a_draft_far_behind_pays_its_catch_up_before_it_proposes() -> None:
     controller.observe_catch_up(20, 0.11)
     assert controller.draft_token_s == pytest.approx(0.005)
     assert controller.plan(_requests(1, acceptance=0.7, prefix="in-step"), catch_up=[2]) == [3]
-    assert controller.plan(_requests(1, acceptance=0.7, prefix="behind"), catch_up=[28]) == [0]
+    assert controller.plan(_requests(1, acceptance=0.7, prefix="behind"), catch_up=[88]) == [0]
+    assert controller.plan(_requests(1, acceptance=0.7, prefix="near"), catch_up=[28]) == [3]
 
 
 def test_the_probe_while_off_leaves_out_drafts_far_behind() -> None:

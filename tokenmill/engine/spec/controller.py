@@ -73,6 +73,10 @@ _KEEP_GAIN_UNFITTED = 0.5
 # step and the correction) costs about what one more guess will; tokens a draft is behind beyond it
 # are a catch-up, priced per token.
 DECODE_LIKE_TOKENS = 8
+# A catch-up is paid once and serves the steps that follow: a plan charges this share of it. Charged
+# whole, a request that sat out ~20 steps never paid it again (a 0.92-acceptance code edit stayed
+# off for the rest of its run); a quarter still keeps chat traffic, whose guesses barely pay, off.
+_CATCH_UP_HORIZON = 4
 
 
 def confidence_bin(confidence: float) -> int:
@@ -232,7 +236,7 @@ class SpecController:
         # A draft model's forwards: as many as the longest proposal, each draft_forward_s, plus for
         # each request that proposes the tokens its draft is behind by beyond a decode-like forward's.
         forward_s, proposed, longest = self.draft_forward_s or 0.0, [0] * n, 0
-        behind_s = [self.draft_token_s * max(0, c - DECODE_LIKE_TOKENS) for c in catch_up]
+        behind_s = [self.draft_token_s * max(0, c - DECODE_LIKE_TOKENS) / _CATCH_UP_HORIZON for c in catch_up]
         catching_up = 0.0
         for rows, (gain, i) in enumerate(ranked, start=1):
             emitted += gain
