@@ -183,8 +183,11 @@ def test_a_dropped_guess_ends_the_proposal_and_its_forwards() -> None:
             self.seen[request_id] = self.seen.get(request_id, 0) + 1
             return self.seen[request_id] == 1
 
+    def forwards() -> int:
+        return len(proposer.last_decode_forward_s) + len(proposer.last_catch_ups)
+
     [one] = proposer.propose([request], [4], FirstOnly())
-    assert len(one) == 1 and proposer.last_forwards == 2
+    assert len(one) == 1 and forwards() == 2
     # The first forward read the 9-token prompt: a catch-up (8 tokens beyond one), priced apart.
     assert len(proposer.last_decode_forward_s) == 1 and [e for e, _ in proposer.last_catch_ups] == [8]
     assert proposer.catch_up_tokens([request]) == [0]  # in step: it proposed at the request's length
@@ -192,14 +195,14 @@ def test_a_dropped_guess_ends_the_proposal_and_its_forwards() -> None:
     assert proposer.catch_up_tokens([request, Request("new", [1, 2], greedy(2))]) == [3, 0]
     del request.token_ids[-3:]
     [full] = proposer.propose([request], [4])
-    assert full[:1] == one and len(full) == 4 and proposer.last_forwards == 4
+    assert full[:1] == one and len(full) == 4 and forwards() == 4
     assert len(proposer.last_decode_forward_s) == 4  # a one-token catch-up, then three guesses
 
     class Never:
         def keep(self, request_id: str, confidence: float) -> bool:
             return False
 
-    assert proposer.propose([request], [4], Never()) == [[]] and proposer.last_forwards == 1
+    assert proposer.propose([request], [4], Never()) == [[]] and forwards() == 1
     assert proposer.propose([request], [4]) == [full]  # its KV is still in step with the request
 
 

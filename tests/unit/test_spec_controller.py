@@ -264,8 +264,9 @@ def test_the_gate_keeps_a_guess_while_it_pays_for_its_row(row_s: float, kept: li
     controller = _draft_controller()
     for n in (1, 2, 3, 4) * 8:
         controller.observe(n, 0.05 + row_s * n)
+    controller.plan(_requests(1, prefix="a"))  # the gate predicts step times as the step's plan did
     gate = controller.gate(1)
-    assert [gate.keep("a", p) for p in (0.99, 0.85, 0.45)] == kept
+    assert [gate.keep("a0", p) for p in (0.99, 0.85, 0.45)] == kept
 
 
 def test_kept_guesses_are_scored_into_their_confidence_bins_once_verified() -> None:
@@ -307,7 +308,7 @@ def test_a_request_whose_guesses_were_all_dropped_is_planned_at_its_kept_rate() 
         takes_gate = True
 
         def propose(self, requests, num_tokens, gate=None):  # type: ignore[no-untyped-def]
-            self.last_forwards, self.last_decode_forward_s = 1, (0.02,)
+            self.last_decode_forward_s = (0.02,)
             return [[] for _ in requests]
 
     speculator = Speculator(SpeculativeConfig("draft", 3, draft_model="d"), Dropping(), max_model_len=100)

@@ -20,13 +20,11 @@ class ProposalGate(Protocol):
 class Proposer(abc.ABC):
     """Guesses up to k tokens to follow each request's token_ids. Never changes a request."""
 
-    # Model forwards the last propose() ran (a draft model's; 0 for proposers without a model), and
-    # the wall times of those that were decode-like (no sequence computing more than a few tokens: a
-    # catch-up over a new prompt or a long gap costs like a prefill and says nothing of the next
-    # guess's price). The controller prices a draft forward from the second.
-    last_forwards: int = 0
+    # The model forwards the last propose() ran (a draft model's; none for proposers without a model):
+    # the wall times of those that were decode-like (no sequence computing more than a few tokens),
+    # which price a draft forward, and (tokens beyond one per sequence, seconds) of the others, the
+    # catch-ups over a new prompt or a long gap, which cost like a prefill and are priced per token.
     last_decode_forward_s: tuple[float, ...] = ()
-    # (tokens beyond one per sequence, seconds) of the last propose()'s other forwards (catch-ups).
     last_catch_ups: tuple[tuple[int, float], ...] = ()
     # Whether propose() consults a ProposalGate (one knowing its confidence per guess): the speculator
     # builds a gate only for those.

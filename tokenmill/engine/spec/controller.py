@@ -79,6 +79,11 @@ DECODE_LIKE_TOKENS = 8
 _CATCH_UP_HORIZON = 4
 
 
+def _ewma(mean: float | None, sample: float) -> float:
+    """A moving average with the newest sample weighted _EWMA (the first sample stands alone)."""
+    return sample if mean is None else (1 - _EWMA) * mean + _EWMA * sample
+
+
 def confidence_bin(confidence: float) -> int:
     """The bin of a draft guess made with top-1 probability `confidence` (0 .. len(CONFIDENCE_EDGES))."""
     return bisect.bisect_right(CONFIDENCE_EDGES, confidence)
@@ -116,9 +121,9 @@ class SpecController:
         self.draft_forward_s: float | None = None  # moving average of one draft-model forward
         # Moving average of what each token a draft forward computes beyond one per sequence costs
         # (a catch-up: a long one runs at prefill speed, ~4.7 ms a token for the q4 0.5B on Zen 3
-        # against 13 ms for a whole one-token forward); 0 until measured.
-        self.draft_token_s = 0.0
-        self._draft_token_seen = False
+        # against 13 ms for a whole one-token forward); None (free) until measured.
+        self.draft_token_s: float | None = None
+        self._predict: _Predictor | None = None  # the last plan's step-time predictor, for its gate
         self.is_on = True  # the last step's decision, for the stats
         self._cooldown: dict[str, int] = {}
         self._pending: dict[str, _Pending] = {}
@@ -128,22 +133,18 @@ class SpecController:
         if num_tokens > 0:
             self.samples.append((num_tokens, step_time_s))
             mean, seen, _ = self.by_count.get(num_tokens, (step_time_s, 0, 0))
-            self.by_count[num_tokens] = ((1 - _EWMA) * mean + _EWMA * step_time_s if seen else step_time_s,
-                                         seen + 1, self._num_plans)
+            self.by_count[num_tokens] = (_ewma(mean if seen else None, step_time_s), seen + 1, self._num_plans)
 
     def observe_draft(self, seconds: float) -> None:
         """One decode-like draft-model forward took `seconds` (Proposer.last_decode_forward_s)."""
-        mean = self.draft_forward_s
-        self.draft_forward_s = seconds if mean is None else (1 - _EWMA) * mean + _EWMA * seconds
+        self.draft_forward_s = _ewma(self.draft_forward_s, seconds)
 
     def observe_catch_up(self, extra_tokens: int, seconds: float) -> None:
         """A draft forward computed `extra_tokens` beyond one per sequence in `seconds`
         (Proposer.last_catch_ups); priced once a decode-like forward's time is known."""
         if extra_tokens <= 0 or self.draft_forward_s is None:
             return
-        per = max(seconds - self.draft_forward_s, 0.0) / extra_tokens
-        self.draft_token_s = per if not self._draft_token_seen else (1 - _EWMA) * self.draft_token_s + _EWMA * per
-        self._draft_token_seen = True
+        self.draft_token_s = _ewma(self.draft_token_s, max(seconds - self.draft_forward_s, 0.0) / extra_tokens)
 
     def measured(self) -> dict[int, float]:
         """Token counts measured often enough to trust → their moving-average step time."""
@@ -162,6 +163,7 @@ class SpecController:
         must compute for each before its first guess (Proposer.catch_up_tokens)."""
         buckets = list(buckets) if buckets is not None else [None] * len(requests)
         catch_up = list(catch_up) if catch_up is not None else [0] * len(requests)
+        self._predict = None
         self._learn(requests)
         if not self.config.adaptive:
             ks = [0 if b == 0 else self.config.num_speculative_tokens for b in buckets]
@@ -230,13 +232,14 @@ class SpecController:
         # batch take a prefix of each request's (the sort is stable, so equal gains keep j's order).
         ranked = sorted(((g, i) for i, (r, b, cap) in enumerate(zip(requests, buckets, caps, strict=True))
                          for g in self._gains(r, b, cap)), key=lambda e: -e[0])
-        predict = _Predictor(fit, self.measured())
+        predict = self._predict = _Predictor(fit, self.measured())
         plain_rate = n / max(predict(n), 1e-9)
         best_r, best_rate, emitted = 0, plain_rate, float(n)
         # A draft model's forwards: as many as the longest proposal, each draft_forward_s, plus for
         # each request that proposes the tokens its draft is behind by beyond a decode-like forward's.
         forward_s, proposed, longest = self.draft_forward_s or 0.0, [0] * n, 0
-        behind_s = [self.draft_token_s * max(0, c - DECODE_LIKE_TOKENS) / _CATCH_UP_HORIZON for c in catch_up]
+        token_s = self.draft_token_s or 0.0
+        behind_s = [token_s * max(0, c - DECODE_LIKE_TOKENS) / _CATCH_UP_HORIZON for c in catch_up]
         catching_up = 0.0
         for rows, (gain, i) in enumerate(ranked, start=1):
             emitted += gain
@@ -277,9 +280,9 @@ class SpecController:
         return self.confidence.gains(bin_index, 1, _CONFIDENCE_PRIORS[bin_index])[0]
 
     def gate(self, num_decoding: int) -> DraftGate:
-        """A DraftGate for this step's drafting, `num_decoding` requests decoding."""
-        fit = self.cost_fit()
-        return DraftGate(self, num_decoding, None if fit is None else _Predictor(fit, self.measured()))
+        """A DraftGate for the drafting of the step just planned, `num_decoding` requests decoding: it
+        predicts step times as that plan did (None before the cost fit forms)."""
+        return DraftGate(self, num_decoding, self._predict)
 
     def note_kept(self, request_id: str, bin_index: int) -> None:
         """A DraftGate kept a guess of this bin for `request_id`: scored once verification has run."""

@@ -82,20 +82,21 @@ class DraftModelProposer(Proposer):
             seq = self._sync(request) if k > 0 else None
             if seq is not None and self._allocate(seq, k):
                 active.append((seq, k))
-        self.last_forwards, decode_like, catch_ups = 0, [], []
+        decode_like: list[float] = []
+        catch_ups: list[tuple[int, float]] = []
         if not active:
             self.last_decode_forward_s, self.last_catch_ups = (), ()
             return [[] for _ in requests]
         live, j = active, 1
         while live:
-            self.last_forwards += 1
             new = [s.shadow.num_tokens - s.shadow.num_computed_tokens for s, _ in live]
             started = time.monotonic()
             confidence = self._forward([s for s, _ in live], gate is not None)  # forward 1 catches up, then d_j
+            seconds = time.monotonic() - started
             if max(new) <= DECODE_LIKE_TOKENS:
-                decode_like.append(time.monotonic() - started)
+                decode_like.append(seconds)
             else:
-                catch_ups.append((sum(new) - len(new), time.monotonic() - started))
+                catch_ups.append((sum(new) - len(new), seconds))
             if j == 1:
                 for s, _ in active:
                     self.kv.commit_computed(s.shadow, limit=s.base)  # the target's tokens only (module docstring)
