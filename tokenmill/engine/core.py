@@ -56,6 +56,7 @@ class EngineCore:
         self.speculator = build_speculator(config.speculative, config.model, arch, block_size, None, context_limit,
                                            draft, enable_prefix_caching=config.cache.enable_prefix_caching,
                                            max_num_seqs=config.scheduler.max_num_seqs)
+        self.runner.track_confidence = self.speculator is not None and self.speculator.wants_target_confidence
         num_blocks = num_kv_blocks(arch, config.cache, kv_spec, device)
         if self.speculator is not None and config.cache.num_blocks is None:
             num_blocks = self.speculator.share_kv_budget(num_blocks, kv_bytes_per_block(arch, block_size, kv_spec))

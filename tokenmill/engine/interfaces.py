@@ -56,6 +56,9 @@ class SampledTokens:
 
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    # The target's top-1 probability at each token's row, when the runner tracks it (a draft proposer's
+    # controller plans requests that are off from it: engine/spec/controller.py); None otherwise.
+    confidences: list[float] | None = None
 
 
 @dataclass(slots=True)

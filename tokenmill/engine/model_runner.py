@@ -20,7 +20,7 @@ from tokenmill.engine.model_input import (
 )
 from tokenmill.engine.profiling import PhaseTimer, StepShape
 from tokenmill.engine.request import TokenLogprob
-from tokenmill.engine.sampler import Sampler, token_logprobs
+from tokenmill.engine.sampler import Sampler, token_logprobs, top1_probs
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.kv_cache import KVCacheSpec, LayerKVCache, kv_cache_spec
 from tokenmill.models.arch import ArchConfig
@@ -79,6 +79,9 @@ class ModelRunner:
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler(self.device, model_config.seed)
+        # Each sampled token also carries the target's top-1 probability at its row (SampledTokens.confidences):
+        # set by the engine core for a draft proposer's controller (engine/spec/controller.py).
+        self.track_confidence = False
         self.timer = PhaseTimer(self.device)  # the engine core shares its own (profiling.py)
         self.tables: PersistentBlockTables | None = None
         if max_num_seqs is not None:
@@ -198,7 +201,19 @@ class ModelRunner:
                     samples = self.sampler(logits, requests)
                     result.sampled = {r.request_id: SampledTokens([token], [logprob])
                                       for r, (token, logprob) in zip(requests, samples, strict=True)}
+                if self.track_confidence:
+                    self._attach_confidences(logits, inp, result.sampled)
         return result
+
+    @staticmethod
+    def _attach_confidences(logits: torch.Tensor, inp: ModelInput, sampled: dict[str, SampledTokens]) -> None:
+        """Request i owns 1 + k_i logits rows in order (k_i = 0 without proposals); its emitted token j
+        came from its row j."""
+        probs, row = top1_probs(logits), 0
+        for s in inp.sampled:
+            tokens = sampled[s.request.request_id]
+            tokens.confidences = probs[row:row + len(tokens.token_ids)]
+            row += 1 + len(s.spec_token_ids)
 
     def _verify(self, logits: torch.Tensor, inp: ModelInput) -> dict[str, SampledTokens]:
         """Speculative step: every sampled request owns 1 + k rows (k = 0 without proposals)."""

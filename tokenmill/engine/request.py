@@ -113,6 +113,9 @@ class SpecRequestStats:
     # Moving average of whether a drafting attempt kept any guess (a draft gate may drop the first):
     # the share of draft forwards that reach verification at all.
     recent_kept: float = 1.0
+    # The target's top-1 probability at each token it emitted since the speculation controller last
+    # read them (only while it asks for them: ModelRunner.track_confidence; the controller drains it).
+    target_confidences: list[float] = field(default_factory=list)
 
     def note_acceptance(self, fraction: float) -> None:
         """One more verified draft's accepted fraction into recent_acceptance."""

@@ -268,6 +268,11 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def top1_probs(logits: torch.Tensor) -> list[float]:
+    """Each row's largest softmax probability, exp(max - logsumexp), of raw float32 logits [N, V]."""
+    return torch.exp(logits.amax(dim=-1) - torch.logsumexp(logits, dim=-1)).tolist()
+
+
 def needs_python(request: Request) -> bool:
     """Whether a row needs the per-request sampling path (anything beyond temperature/top-k/top-p/min-p)."""
     p = request.params

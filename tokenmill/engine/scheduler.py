@@ -277,6 +277,8 @@ class Scheduler(ClassScheduling):
             if reason is not None:
                 self._finish(request, reason)
                 break
+        if sampled.confidences is not None:  # of the tokens appended only: none past a stop
+            request.spec_stats.target_confidences.extend(sampled.confidences[:len(new_ids)])
         prompt_logprobs = request.prompt_logprobs if is_first and request.params.prompt_logprobs is not None else None
         spec = request.spec_stats if request.spec_stats.num_drafts else None
         return EngineOutput(request.request_id, new_ids, new_logprobs, reason, request.num_prompt_tokens,

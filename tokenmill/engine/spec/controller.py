@@ -38,6 +38,14 @@ Two rules, both about goodput (tokens emitted per second), not acceptance:
     Measured offline on the chat bench (Qwen2.5-Coder-0.5B drafting for the 1.5B, teacher-forced,
     docs/speculative.md): guesses at p >= 0.9 were all accepted, at p < 0.5 a third were; one rate
     per request averaged them.
+  * a draft request that has not drafted for _STALE_PLANS_OFF plans is planned from the target's own
+    confidence instead: κ and α are not measured while it is off, so a dip that turned it off kept
+    it off (a code edit whose guesses were 92% accepted sat out 332 of 382 steps). Each token the
+    target emits comes with its top-1 probability p_t (ModelRunner.track_confidence), and how often a
+    draft's guess equals the target's token is learned per bin of p_t from verified guesses (priors:
+    the offline table, TARGET_CONFIDENCE_EDGES); α̂, a moving average over the request's recent
+    tokens of their bins' rates, plans it at α̂^j, catch-up charged as before. Offline, 90% of a code
+    edit's tokens had p_t >= 0.99 (every guess there accepted) against 10-30% of a chat's.
 """
 
 from __future__ import annotations
@@ -73,6 +81,17 @@ _KEEP_GAIN_UNFITTED = 0.5
 # step and the correction) costs about what one more guess will; tokens a draft is behind beyond it
 # are a catch-up, priced per token.
 DECODE_LIKE_TOKENS = 8
+# Bins of the target's top-1 probability at the token it emitted, and each bin's prior chance that a
+# draft's guess there equals the target's token (teacher-forced Qwen2.5-Coder-0.5B for the 1.5B over two
+# code edits and three chats, 128 tokens each, docs/speculative.md: 0.21-0.28 below 0.5, 0.4-0.75 at
+# 0.5-0.7, 0.78-0.86 at 0.7-0.8, 0.8-1.0 at 0.8-0.9, 0.87-1.0 at 0.9-0.99, 1.0 from 0.99).
+TARGET_CONFIDENCE_EDGES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+_TARGET_PRIORS = (0.25, 0.55, 0.8, 0.88, 0.93, 0.95, 0.99)
+# A draft request that planned no guess for more than this many plans is planned from α̂ (above).
+_STALE_PLANS_OFF = 4
+# Weight of the newest token in α̂: ~7 tokens of memory, so one confident token does not revive a chat
+# (each revival pays the tokens the draft sat out, ~4.7 ms each for the q4 0.5B on Zen 3).
+_TARGET_EWMA = 0.15
 # A catch-up is paid once and serves the steps that follow: a plan charges this share of it. Charged
 # whole, a request that sat out ~20 steps never paid it again (a 0.92-acceptance code edit stayed
 # off for the rest of its run); a quarter still keeps chat traffic, whose guesses barely pay, off.
@@ -81,12 +100,21 @@ _CATCH_UP_HORIZON = 4
 
 def _ewma(mean: float | None, sample: float) -> float:
     """A moving average with the newest sample weighted _EWMA (the first sample stands alone)."""
-    return sample if mean is None else (1 - _EWMA) * mean + _EWMA * sample
+    return _ewma_weighted(mean, sample, _EWMA)
+
+
+def _ewma_weighted(mean: float | None, sample: float, weight: float) -> float:
+    return sample if mean is None else (1 - weight) * mean + weight * sample
 
 
 def confidence_bin(confidence: float) -> int:
     """The bin of a draft guess made with top-1 probability `confidence` (0 .. len(CONFIDENCE_EDGES))."""
     return bisect.bisect_right(CONFIDENCE_EDGES, confidence)
+
+
+def target_confidence_bin(confidence: float) -> int:
+    """The bin of a token the target emitted with top-1 probability `confidence`."""
+    return bisect.bisect_right(TARGET_CONFIDENCE_EDGES, confidence)
 
 
 def geometric_gains(acceptance: float, k: int) -> list[float]:
@@ -118,6 +146,10 @@ class SpecController:
         self.by_count: dict[int, tuple[float, int, int]] = {}
         self.acceptance = AcceptanceModel(config.num_speculative_tokens)
         self.confidence = AcceptanceModel(1)  # per confidence bin, position-free: P(accepted | reached)
+        # per bin of the target's top-1 probability at a guess's row: P(the guess is the target's token)
+        self.target_confidence = AcceptanceModel(1)
+        self._target_rate: dict[str, float] = {}  # α̂ per request (a draft proposer's requests only)
+        self._last_drafted: dict[str, int] = {}  # the plan count at a request's latest proposal
         self.draft_forward_s: float | None = None  # moving average of one draft-model forward
         # Moving average of what each token a draft forward computes beyond one per sequence costs
         # (a catch-up: a long one runs at prefill speed, ~4.7 ms a token for the q4 0.5B on Zen 3
@@ -174,6 +206,12 @@ class SpecController:
         for request, bucket, k in zip(requests, buckets, ks, strict=True):
             if k:
                 stats = request.spec_stats
+                estimate = self._target_rate.get(request.request_id)
+                if bucket is None and estimate is not None and self.is_stale(request):
+                    # Revived on α̂: its κ and α start again from the estimate the plan used, so the guesses
+                    # verified from here move them, not the dip that turned it off.
+                    stats.recent_kept, stats.recent_acceptance = 1.0, estimate
+                self._last_drafted[request.request_id] = self._num_plans
                 self._pending[request.request_id] = _Pending(bucket, stats.num_drafts, stats.num_draft_tokens,
                                                              stats.num_accepted_tokens)
         return ks
@@ -184,16 +222,25 @@ class SpecController:
         for request in requests:
             pending = self._pending.pop(request.request_id, None)
             stats = request.spec_stats
-            if pending is None or stats.num_drafts != pending.num_drafts + 1:
-                continue
-            drafted = stats.num_draft_tokens - pending.num_draft_tokens
-            accepted = stats.num_accepted_tokens - pending.num_accepted_tokens
-            if pending.bucket is not None:
-                self.acceptance.record(pending.bucket, drafted, accepted)
-            # Guess j was reached if the j - 1 before it were accepted (the scheduler may have cut the
-            # proposal to `drafted` guesses; past those nothing was verified).
-            for j, b in enumerate(pending.bins[:min(drafted, accepted + 1)]):
-                self.confidence.record(b, 1, 1 if j < accepted else 0)
+            # The target's confidence at each token emitted since the last plan: row j of a verification
+            # emitted token j, so it is also the row that checked guess j + 1.
+            confidences, stats.target_confidences = stats.target_confidences, []
+            if pending is not None and stats.num_drafts == pending.num_drafts + 1:
+                drafted = stats.num_draft_tokens - pending.num_draft_tokens
+                accepted = stats.num_accepted_tokens - pending.num_accepted_tokens
+                if pending.bucket is not None:
+                    self.acceptance.record(pending.bucket, drafted, accepted)
+                # Guess j was reached if the j - 1 before it were accepted (the scheduler may have cut the
+                # proposal to `drafted` guesses; past those nothing was verified).
+                reached = min(drafted, accepted + 1)
+                for j, b in enumerate(pending.bins[:reached]):
+                    self.confidence.record(b, 1, 1 if j < accepted else 0)
+                for j, p in enumerate(confidences[:reached]):
+                    self.target_confidence.record(target_confidence_bin(p), 1, 1 if j < accepted else 0)
+            rid = request.request_id
+            for p in confidences:
+                self._target_rate[rid] = _ewma_weighted(self._target_rate.get(rid),
+                                                        self.target_rate(target_confidence_bin(p)), _TARGET_EWMA)
 
     def _k_for(self, request: Request) -> int:
         stats, rid = request.spec_stats, request.request_id
@@ -209,7 +256,10 @@ class SpecController:
 
     def _gains(self, request: Request, bucket: int | None, k: int) -> list[float]:
         if bucket is None:  # a draft model: guesses reach verification only where the gate kept them
-            stats = request.spec_stats
+            stats, rid = request.spec_stats, request.request_id
+            estimate = self._target_rate.get(rid)
+            if estimate is not None and self.is_stale(request):
+                return geometric_gains(estimate, k)
             return [stats.recent_kept * g for g in geometric_gains(stats.recent_acceptance, k)]
         return self.acceptance.gains(bucket, k, None if self.bucket_prior is None else self.bucket_prior(bucket))
 
@@ -275,6 +325,17 @@ class SpecController:
                 return other
         return ks
 
+    def is_stale(self, request: Request) -> bool:
+        """A request that drafted before but planned no guess for more than _STALE_PLANS_OFF plans: its
+        κ and α are from before it went off."""
+        if not request.spec_stats.num_drafts:
+            return False
+        return self._num_plans - self._last_drafted.get(request.request_id, 0) > _STALE_PLANS_OFF
+
+    def target_rate(self, bin_index: int) -> float:
+        """The learned chance that a guess at a row of target confidence bin `bin_index` is accepted."""
+        return self.target_confidence.gains(bin_index, 1, _TARGET_PRIORS[bin_index])[0]
+
     def confidence_rate(self, bin_index: int) -> float:
         """The learned acceptance of draft guesses in confidence bin `bin_index`."""
         return self.confidence.gains(bin_index, 1, _CONFIDENCE_PRIORS[bin_index])[0]
@@ -306,6 +367,8 @@ class SpecController:
     def forget(self, request_id: str) -> None:
         self._cooldown.pop(request_id, None)
         self._pending.pop(request_id, None)
+        self._target_rate.pop(request_id, None)
+        self._last_drafted.pop(request_id, None)
 
 
 class DraftGate:

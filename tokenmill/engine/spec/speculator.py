@@ -89,6 +89,12 @@ class Speculator:
     def is_on(self) -> bool:
         return self.controller.is_on
 
+    @property
+    def wants_target_confidence(self) -> bool:
+        """Whether the controller plans from the target's top-1 probabilities (ModelRunner.track_confidence):
+        a draft model's, which cannot re-measure a request while it sits out (controller.py)."""
+        return self.config.adaptive and self.proposer.takes_gate
+
     def share_kv_budget(self, num_blocks: int, target_bytes_per_block: int) -> int:
         """Target blocks when `num_blocks` of the target's alone filled the byte budget and the proposer
         keeps a block of its own per target block (a draft model): both pools fit the same budget."""
