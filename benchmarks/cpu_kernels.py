@@ -57,7 +57,7 @@ def gemm_rows(arch: Any, rows: list[int]) -> list[dict[str, Any]]:
     import torch
 
     from tokenmill.kernels import cpu_kernels
-    from tokenmill.layers.linear import SKINNY_MAX_ROWS, kernel_name, linear_kernel
+    from tokenmill.layers.dense_kernels import SKINNY_MAX_ROWS, kernel_name, linear_kernel
 
     module = cpu_kernels()
     skinny = None if module is None else module.skinny_linear

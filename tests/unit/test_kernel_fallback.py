@@ -11,7 +11,7 @@ import torch
 import tokenmill.kernels as kernels
 from tokenmill.errors import TokenmillError
 from tokenmill.layers.attention import decode_kernel
-from tokenmill.layers.linear import kernel_name, linear_kernel
+from tokenmill.layers.dense_kernels import kernel_name, linear_kernel
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.kernels import cpu_kernels
-from tokenmill.layers.linear import ONEDNN_MIN_NUMEL, kernel_name, linear_kernel, onednn_supported
+from tokenmill.layers.dense_kernels import ONEDNN_MIN_NUMEL, kernel_name, linear_kernel, onednn_supported
 
 needs_onednn = pytest.mark.skipif(not onednn_supported(torch.device("cpu"), torch.float32),
                                   reason="this torch build has no oneDNN")

@@ -26,8 +26,9 @@ import torch
 
 from tokenmill.kernels import cpu_kernels, glue_kernels, quant_kernels, stack_kernels
 from tokenmill.layers.attention import AttentionMetadata
+from tokenmill.layers.dense_kernels import SKINNY_MAX_ROWS, skinny_path
 from tokenmill.layers.kv_cache import DenseKVCache, Int8KVCache, LayerKVCache
-from tokenmill.layers.linear import SKINNY_MAX_ROWS, DenseLinear, Linear, QuantLinear, skinny_path
+from tokenmill.layers.linear import DenseLinear, Linear, QuantLinear
 from tokenmill.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
