@@ -7,7 +7,8 @@
          type hints": the answer copies most of the prompt), at each --concurrency (1 .. 32); a PNG
          of the speed-up against concurrency
   draft  Qwen2.5-Coder-1.5B (--target) with Qwen2.5-Coder-0.5B (--draft) proposing, batch 1, code
-         edits and chat prompts (--draft-edits, --draft-chats), each prompt alone
+         edits and chat prompts (--draft-edits, --draft-chats), each prompt alone; with
+         --draft-concurrency c > 1 also c requests at once, the edits and chats in turn
   llama  the same prompts through llama-server (when built: benchmarks/llama_server.py), with and
          without its own speculation (--spec-type ngram-simple; -md for the draft), batch 1
 
@@ -79,6 +80,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--draft-quantization", default=None, help="the draft's weight path (default: the target's)")
     p.add_argument("--draft-edits", type=int, default=2, help="draft: code-edit prompts, each run alone")
     p.add_argument("--draft-chats", type=int, default=len(CHATS), help="draft: chat prompts, each run alone")
+    p.add_argument("--draft-concurrency", type=int, nargs="+", default=[1],
+                   help="draft: 1 runs each prompt alone; c > 1 runs c requests at once, the edits and chats in turn")
     p.add_argument("--k", type=int, default=0, help="num_speculative_tokens (0: the method's default)")
     p.add_argument("--ngram-tokens", type=int, default=96, help="max_tokens per request (ngram)")
     p.add_argument("--draft-tokens", type=int, default=32, help="max_tokens per request (draft; the 1.5B is slow)")
@@ -178,17 +181,22 @@ def run_ngram(args: argparse.Namespace) -> list[dict[str, Any]]:
 def run_draft(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tokenmill import LLM
 
+    widest = max(args.draft_concurrency)
     llm = LLM(args.target, speculative="draft", draft_model=args.draft, num_speculative_tokens=args.k,
-              draft_quantization=args.draft_quantization,
-              num_kv_blocks=128, max_model_len=1024, num_threads=args.threads, quantization=args.quantization)
+              draft_quantization=args.draft_quantization, num_kv_blocks=max(128, 24 * widest), max_model_len=1024,
+              num_threads=args.threads, quantization=args.quantization, max_num_seqs=max(64, widest))
     rows = []
     prompts = [(f"code-edit-{i + 1}", edit_prompt(i)) for i in range(args.draft_edits)]
     prompts += [(f"chat-{i + 1}", [{"role": "user", "content": c}]) for i, c in enumerate(CHATS[:args.draft_chats])]
-    for name, messages in prompts:  # one at a time: batch 1
-        result = measure(llm, [messages], args.draft_tokens, args.rounds)
+    # c == 1: each prompt alone (batch 1); c > 1: c requests at once, the prompts in turn (edits and chats mixed)
+    batches = [(name, [messages]) for name, messages in prompts] if 1 in args.draft_concurrency else []
+    batches += [(f"mixed-{c}", [prompts[i % len(prompts)][1] for i in range(c)])
+                for c in args.draft_concurrency if c > 1]
+    for name, batch in batches:
+        result = measure(llm, batch, args.draft_tokens, args.rounds)
         rows.append({"method": "draft", "model": f"{args.target} <- {args.draft}", "prompt": name,
                      "draft_quantization": llm.config.speculative.draft_weights(args.quantization),
-                     "concurrency": 1, **result})
+                     "concurrency": len(batch), **result})
         print(f"draft {name}: {result['spec_tok_s']:.2f} vs {result['plain_tok_s']:.2f} tok/s = "
               f"{result['ratio']:.2f}x, acceptance {result['acceptance_rate']:.2f}", flush=True)
     return rows
