@@ -26,7 +26,7 @@ GGUF_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]  # every type in t
 # q5, or gguf_format() on a Q5_ISAS path; every path computes it).
 CASES = [pytest.param(t, gq.GGUF_MAPPING[t][0], id=t.name) for t in GGUF_TYPES] + [
     pytest.param(T.Q5_0, "q5", id="Q5_0-q5")]
-ROWS = [1, 2, 3, 4, 7, 16, 64]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 10, 16, 64]  # 5, 6, 10: tiles of 5-6 rows (a 1-2-row rest joins)
 PASSES = [1, 2]
 FINE = 254.0
 
@@ -237,6 +237,21 @@ def test_512_bit_tiles_equal_the_256_bit_path_bit_for_bit(ggml_type: GGMLQuantiz
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
         for passes in PASSES:
             assert torch.equal(run(mat, x, 2, passes), run(mat, x, 1, passes)), (rows, passes)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("ggml_type", "fmt"), CASES)
+def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(isa: int, ggml_type: GGMLQuantizationType,
+                                                               fmt: qf.QuantFormat) -> None:
+    """Row i of an M-row call equals the 1-row call of row i bit for bit, for M = 1..11 (tiles of 1-6
+    rows on the 256-bit path, up to 8 on the 512-bit one): greedy speculation verifies 1 + k rows of
+    a request where plain decoding scores one, and must pick the same tokens."""
+    raw = gguf_blocks(ggml_type, 37, 512, seed=11)
+    mat = gq.from_gguf(raw, ggml_type, 512, fmt)
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(11))
+    alone = torch.cat([run(mat, x[i:i + 1], isa) for i in range(11)])
+    for rows in range(1, 12):
+        assert torch.equal(run(mat, x[:rows], isa), alone[:rows]), rows
 
 
 def test_bad_inputs_are_errors_not_crashes() -> None:

@@ -26,7 +26,7 @@
 // against the activation pair broadcast to all lanes leaves row r's partial sum in lane r. So a block
 // is 16 madds into one int32 vector per activation row, converted and scaled once (8 rows' scales are
 // one load), with no horizontal sums; each widened weight vector serves RM activation rows (register
-// tile RM x 8, RM <= 4), which is what makes M > 1 (batched decode, verification, prefill) cheap:
+// tile RM x 8, RM <= 6: 4-row tiles, 5-6 where a 1-2-row rest joins the last), which is what makes M > 1 (batched decode, verification, prefill) cheap:
 // the weights stream once per RM rows and the per-row work is one broadcast, one madd, one add.
 // AVX-512 VNNI fuses the madd and the add (`vpdpwssd`) and runs 512-bit tiles: two groups (16 rows)
 // per zmm and up to 8 activation rows per tile (vnni::tile2); the portable path is plain int loops.
@@ -291,11 +291,16 @@ void groups256(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1
   const int64_t chunk = std::max<int64_t>(1, (128 << 10) / std::max<int64_t>(1, group_bytes));                         \
   for (int64_t c0 = g0; c0 < g1; c0 += chunk) {                                                                        \
     const int64_t c1 = std::min(g1, c0 + chunk);                                                                       \
+    /* 4-row tiles, but 1-2 rows left over join the last one: a 1-2-row pass decodes every weight again     \
+       for one or two rows (~2x the per-row cost of a 4-row tile), where 5-6-row tiles run at the 4-row rate. */ \
+    const int64_t joined = M > 4 && M % 4 != 0 && M % 4 <= 2 ? 4 + M % 4 : 0;                                        \
     int64_t m0 = 0;                                                                                                    \
-    for (; m0 + 4 <= M; m0 += 4) for (int64_t g = c0; g < c1; ++g) tile<4>(w, g, a, m0, out, ld);                      \
+    for (; m0 + 4 <= M - joined; m0 += 4) for (int64_t g = c0; g < c1; ++g) tile<4>(w, g, a, m0, out, ld);           \
     const int64_t rest = M - m0;                                                                                       \
     for (int64_t g = c0; g < c1; ++g) {                                                                                \
-      if (rest == 3) tile<3>(w, g, a, m0, out, ld);                                                                    \
+      if (rest == 6) tile<6>(w, g, a, m0, out, ld);                                                                    \
+      else if (rest == 5) tile<5>(w, g, a, m0, out, ld);                                                               \
+      else if (rest == 3) tile<3>(w, g, a, m0, out, ld);                                                               \
       else if (rest == 2) tile<2>(w, g, a, m0, out, ld);                                                               \
       else if (rest == 1) tile<1>(w, g, a, m0, out, ld);                                                               \
     }                                                                                                                  \
