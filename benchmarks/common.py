@@ -254,7 +254,8 @@ def weight_bytes(model: Any) -> dict[str, Any]:
 
 def gguf_arch(model: str) -> Any:
     """The ArchConfig of an installed GGUF model, from its header alone (no weights read)."""
-    from tokenmill.models.loading.gguf_weights import gguf_arch_config, read_gguf_header
+    from tokenmill.models.loading.gguf_header import read_gguf_header
+    from tokenmill.models.loading.gguf_weights import gguf_arch_config
     from tokenmill.models.resolve import resolve_model
 
     path = resolve_model(model).path

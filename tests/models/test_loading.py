@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from tests.fixtures.tiny_models import TINY_ARCHS, TinyArch, make_tiny_gguf, tiny_vocab
 from tokenmill.errors import ModelFormatError, TokenmillError
 from tokenmill.models.arch import ArchConfig
-from tokenmill.models.loading.gguf_weights import UnreadArray, read_gguf_header
+from tokenmill.models.loading.gguf_header import UnreadArray, read_gguf_header
 from tokenmill.models.loading.weights import Checkpoint, WeightFormat, load_checkpoint
 
 PathFor = Callable[[TinyArch], Path]

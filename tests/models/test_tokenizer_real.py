@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import tokenizers
 
-from tokenmill.models.loading.gguf_tokenizer import _cache_paths, _file_stamp
+from tokenmill.models.loading.gguf_tokenizer_cache import cache_paths, file_stamp
 from tokenmill.models.loading.tokenizer import Tokenizer
 from tokenmill.models.resolve import installed_models
 
@@ -98,7 +98,7 @@ def test_second_load_costs_no_more_than_reading_tokenizer_json(name: str) -> Non
     # The cache entry itself ($TOKENMILL_HOME/tokenizers since 19aa6e4; this read the old spot beside the
     # GGUF, which only a machine with entries left from before still had).
     gguf_path = Path(path).resolve()
-    cached_json, _ = _cache_paths(gguf_path, _file_stamp(gguf_path))
+    cached_json, _ = cache_paths(gguf_path, file_stamp(gguf_path))
     assert cached_json.is_file()
     start = time.process_time()
     tokenizers.Tokenizer.from_file(str(cached_json))

@@ -12,7 +12,7 @@ import pytest
 import tokenizers
 
 from tokenmill.errors import ModelFormatError, RequestValidationError, TokenmillError
-from tokenmill.models.loading import gguf_tokenizer
+from tokenmill.models.loading import gguf_tokenizer, gguf_tokenizer_cache
 from tokenmill.models.loading.gguf_tokenizer import TokenType, generate_merges
 from tokenmill.models.loading.tokenizer import Tokenizer
 
@@ -321,7 +321,7 @@ def test_entries_of_files_that_are_gone_are_pruned(tmp_path: Path, cache_home: P
     Tokenizer.from_gguf(write_bpe_gguf(tmp_path))  # a cache miss: the write prunes
     names = _entries(cache_home)
     assert len(names) == 4 and sum(n.startswith("tiny-spm-llama-") for n in names) == 2
-    assert not any(n.startswith(gguf_tokenizer._path_prefix(gone)) for n in names)
+    assert not any(n.startswith(gguf_tokenizer_cache.path_prefix(gone)) for n in names)
 
 
 def test_unwritable_cache_home_still_loads(bpe_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
