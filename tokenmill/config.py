@@ -193,8 +193,8 @@ class SchedulerConfig:
         _require(self.policy in ("fcfs", "priority"), "policy must be 'fcfs' or 'priority'")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft")
-DEFAULT_SPECULATIVE_TOKENS = {"ngram": 5, "draft": 3}
+SPECULATIVE_METHODS = ("ngram", "draft", "ngram-draft")
+DEFAULT_SPECULATIVE_TOKENS = {"ngram": 5, "draft": 3, "ngram-draft": 5}
 
 
 # A draft's default weights: q4 blocks, the fewest bytes a draft forward streams. Measured on the Zen 3
@@ -207,10 +207,13 @@ DRAFT_QUANTIZATION = "q4"
 class SpeculativeConfig:
     """Speculative decoding (engine/spec/). Off unless `method` is set."""
 
-    method: str | None = None  # None: off; "ngram" (prompt lookup) or "draft" (a smaller model)
+    # None: off; "ngram" (prompt lookup), "draft" (a smaller model) or "ngram-draft" (lookup where the
+    # context repeats, the draft elsewhere: engine/spec/hybrid.py)
+    method: str | None = None
     # K: at most this many proposals per request per step (the controller picks k <= K each step).
     # 0 = the method's default: n-gram 5 (the controller gives rows only to likely proposals, and
-    # long copied spans pay on hosts with cheap extra rows), draft 3 (each draft token is a draft forward).
+    # long copied spans pay on hosts with cheap extra rows), draft 3 (each draft token is a draft forward),
+    # ngram-draft 5 (lookups as n-gram's; the controller prices each draft guess's forward).
     num_speculative_tokens: int = 0
     ngram_min: int = 1  # n-gram lookup tries suffixes of ngram_max..ngram_min tokens
     ngram_max: int = 4
@@ -240,8 +243,8 @@ class SpeculativeConfig:
             object.__setattr__(self, "num_speculative_tokens", DEFAULT_SPECULATIVE_TOKENS.get(self.method or "", 3))
         _require(1 <= self.num_speculative_tokens <= 32, "num_speculative_tokens must be in 1..32")
         _require(1 <= self.ngram_min <= self.ngram_max, "ngram_min and ngram_max must satisfy 1 <= min <= max")
-        _require(self.method != "draft" or bool(self.draft_model),
-                 "speculative method 'draft' needs a draft model: pass --draft-model NAME")
+        _require(self.method not in ("draft", "ngram-draft") or bool(self.draft_model),
+                 f"speculative method '{self.method}' needs a draft model: pass --draft-model NAME")
         _require(self.draft_quantization is None or self.draft_quantization in QUANTIZATIONS,
                  f"draft quantization '{self.draft_quantization}' is not supported: use {', '.join(QUANTIZATIONS)}")
         _require(0.0 <= self.min_acceptance <= 1.0, "min_acceptance must be in [0, 1]")

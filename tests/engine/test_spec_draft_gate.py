@@ -120,3 +120,31 @@ def test_a_dropped_guess_ends_the_proposal_and_its_forwards() -> None:
 
     assert proposer.propose([request], [4], Never()) == [[]] and forwards() == 1
     assert proposer.propose([request], [4]) == [full]  # its KV is still in step with the request
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_lookup_then_draft_is_token_identical(arch: ArchName, adaptive: bool) -> None:
+    """`ngram-draft`: the repetitive prompts take lookups, the random ones the draft (the same model,
+    so its guesses are right), a request switching between them catches the draft up; the tokens are
+    exactly those without speculation, nothing leaks, and both kinds of proposal were accepted."""
+    core = spec_core(tiny_model(arch), "ngram-draft", arch, k=4, adaptive=adaptive)
+    calls: dict[str, int] = {"lookup": 0, "draft": 0}
+    hybrid = core.speculator.proposer  # type: ignore[union-attr]
+    propose = hybrid.draft.propose
+
+    def counting(requests, num_tokens, gate=None):  # type: ignore[no-untyped-def]
+        calls["draft"] += len(requests)
+        return propose(requests, num_tokens, gate)
+
+    hybrid.draft.propose = counting
+    buckets = hybrid.buckets
+
+    def counting_buckets(requests):  # type: ignore[no-untyped-def]
+        out = buckets(requests)
+        calls["lookup"] += sum(b is not None for b in out)
+        return out
+
+    hybrid.buckets = counting_buckets
+    _, accepted = _assert_greedy_identical(core, arch)
+    assert accepted > 0 and calls["lookup"] > 0 and calls["draft"] > 0

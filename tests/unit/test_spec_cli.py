@@ -27,6 +27,7 @@ def test_flags_parse_on_generate_and_serve() -> None:
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"method": "draft"}, "needs a draft model"),
+    ({"method": "ngram-draft"}, "'ngram-draft' needs a draft model"),
     ({"method": "eagle"}, "not supported"),
     ({"method": "ngram", "num_speculative_tokens": -1}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 33}, "num_speculative_tokens"),
@@ -41,6 +42,7 @@ def test_config_rejects_bad_settings(kwargs: dict[str, object], message: str) ->
 def test_the_default_k_is_the_methods() -> None:
     assert SpeculativeConfig("ngram").num_speculative_tokens == 5
     assert SpeculativeConfig("draft", draft_model="d").num_speculative_tokens == 3
+    assert SpeculativeConfig("ngram-draft", draft_model="d").num_speculative_tokens == 5
     assert SpeculativeConfig("ngram", 2).num_speculative_tokens == 2
 
 

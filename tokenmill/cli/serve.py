@@ -45,16 +45,18 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_speculative_arguments(parser: Any) -> None:
+    from tokenmill.config import SPECULATIVE_METHODS
     from tokenmill.kernels import QUANTIZATIONS
 
-    parser.add_argument("--speculative", default=None, choices=["ngram", "draft"],
-                        help="speculative decoding: ngram = prompt lookup, draft = a smaller model (--draft-model)")
+    parser.add_argument("--speculative", default=None, choices=list(SPECULATIVE_METHODS),
+                        help="speculative decoding: ngram = prompt lookup, draft = a smaller model (--draft-model), "
+                             "ngram-draft = lookup where the context repeats, the draft elsewhere")
     parser.add_argument("--draft-model", default=None,
                         help="draft model sharing the target's tokenizer (catalog name or path)")
     parser.add_argument("--draft-quantization", default=None, choices=list(QUANTIZATIONS),
                         help="the draft's weight format (default: q4, or none when --quantization is none)")
     parser.add_argument("--num-speculative-tokens", type=int, default=0,
-                        help="most tokens proposed per request per step (default: ngram 5, draft 3)")
+                        help="most tokens proposed per request per step (default: ngram 5, draft 3, ngram-draft 5)")
     parser.add_argument("--ngram-min", type=int, default=1, help="shortest suffix the n-gram lookup matches")
     parser.add_argument("--ngram-max", type=int, default=4, help="longest suffix the n-gram lookup matches")
 

@@ -295,7 +295,8 @@ class SpecController:
             emitted += gain
             proposed[i] += 1
             catching_up += behind_s[i] if proposed[i] == 1 else 0.0
-            longest = max(longest, proposed[i])
+            if buckets[i] is None:  # a draft model's guess (a lookup's costs no forward: spec/hybrid.py)
+                longest = max(longest, proposed[i])
             rate = emitted / max(predict(n + rows) + forward_s * longest + catching_up, 1e-9)
             if rate > best_rate:
                 best_r, best_rate = rows, rate

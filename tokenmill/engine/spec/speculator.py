@@ -12,6 +12,7 @@ from tokenmill.config import ModelConfig, SpeculativeConfig
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.spec import draft as _draft  # noqa: F401 - registers "draft"
+from tokenmill.engine.spec import hybrid as _hybrid  # noqa: F401 - registers "ngram-draft"
 from tokenmill.engine.spec import ngram as _ngram  # noqa: F401 - registers "ngram"
 from tokenmill.engine.spec.base import PROPOSERS, Proposer
 from tokenmill.engine.spec.controller import SpecController
@@ -42,24 +43,25 @@ class Speculator:
             request.spec_token_ids = []  # a request the budget skipped last step keeps no stale guesses
         if not decoding:
             return
-        plan = self.controller.plan(decoding, self.proposer.buckets(decoding), self.proposer.catch_up_tokens(decoding))
+        buckets = self.proposer.buckets(decoding)
+        plan = self.controller.plan(decoding, buckets, self.proposer.catch_up_tokens(decoding))
         ks = [min(k, self._room(r)) for r, k in zip(decoding, plan, strict=True)]
-        chosen = [(r, k) for r, k in zip(decoding, ks, strict=True) if k > 0]
+        chosen = [(r, k, b) for r, k, b in zip(decoding, ks, buckets, strict=True) if k > 0]
         if not chosen:
             return
         gate = self.controller.gate(len(decoding)) if self.config.adaptive and self.proposer.takes_gate else None
         started = time.monotonic()
-        proposals = self.proposer.propose([r for r, _ in chosen], [k for _, k in chosen], gate)
+        proposals = self.proposer.propose([r for r, _, _ in chosen], [k for _, k, _ in chosen], gate)
         self._propose_s = time.monotonic() - started
         self.last_gated = gate.dropped if gate is not None else 0
         for seconds in self.proposer.last_decode_forward_s:
             self.controller.observe_draft(seconds)
         for extra, seconds in self.proposer.last_catch_ups:
             self.controller.observe_catch_up(extra, seconds)
-        for (request, k), tokens in zip(chosen, proposals, strict=True):
+        for (request, k, bucket), tokens in zip(chosen, proposals, strict=True):
             request.spec_token_ids = tokens[:k]
             self._decode_tokens += len(request.spec_token_ids)
-            if gate is not None:  # how often drafting for it gets past the gate (controller._gains)
+            if gate is not None and bucket is None:  # how often drafting for it gets past the gate (κ)
                 request.spec_stats.note_kept(bool(tokens))
 
     def _room(self, request: Request) -> int:
@@ -127,18 +129,21 @@ def build_speculator(config: SpeculativeConfig, model_config: ModelConfig, targe
     proposer: Proposer
     if config.method == "ngram":
         proposer = PROPOSERS["ngram"](config.ngram_min, config.ngram_max)  # type: ignore[call-arg]
-    else:
-        arch, tensors = draft if draft is not None else load_draft(config)
-        if arch.vocab_size != target_arch.vocab_size:
-            raise TokenmillError(f"draft model '{config.draft_model}' has a vocabulary of {arch.vocab_size} "
-                                 f"tokens but the target has {target_arch.vocab_size}: a draft must share the "
-                                 "target's tokenizer")
-        draft_config = replace(model_config, model=config.draft_model or "draft",
-                               quantization=config.draft_weights(model_config.quantization))
-        runner = ModelRunner(draft_config, arch, tensors, max_model_len, block_size, None,  # KV: the proposer's
-                             max_num_seqs=max_num_seqs)
-        proposer = PROPOSERS["draft"](runner, num_blocks, block_size, max_model_len,  # type: ignore[call-arg]
-                                      enable_prefix_caching=enable_prefix_caching)
+        return Speculator(config, proposer, max_model_len)
+    arch, tensors = draft if draft is not None else load_draft(config)
+    if arch.vocab_size != target_arch.vocab_size:
+        raise TokenmillError(f"draft model '{config.draft_model}' has a vocabulary of {arch.vocab_size} "
+                             f"tokens but the target has {target_arch.vocab_size}: a draft must share the "
+                             "target's tokenizer")
+    draft_config = replace(model_config, model=config.draft_model or "draft",
+                           quantization=config.draft_weights(model_config.quantization))
+    runner = ModelRunner(draft_config, arch, tensors, max_model_len, block_size, None,  # KV: the proposer's
+                         max_num_seqs=max_num_seqs)
+    proposer = PROPOSERS["draft"](runner, num_blocks, block_size, max_model_len,  # type: ignore[call-arg]
+                                  enable_prefix_caching=enable_prefix_caching)
+    if config.method == "ngram-draft":  # lookup where the context repeats, the draft elsewhere (spec/hybrid.py)
+        lookup = PROPOSERS["ngram"](config.ngram_min, config.ngram_max)  # type: ignore[call-arg]
+        proposer = PROPOSERS["ngram-draft"](lookup, proposer)  # type: ignore[call-arg]
     return Speculator(config, proposer, max_model_len)
 
 
