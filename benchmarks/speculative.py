@@ -78,6 +78,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b")
     p.add_argument("--draft-quantization", default=None, help="the draft's weight path (default: the target's)")
+    p.add_argument("--draft-method", default="draft", choices=["draft", "ngram-draft"],
+                   help="draft: the draft model alone; ngram-draft: a lookup where the context repeats, "
+                        "the draft elsewhere")
     p.add_argument("--draft-edits", type=int, default=2, help="draft: code-edit prompts, each run alone")
     p.add_argument("--draft-chats", type=int, default=len(CHATS), help="draft: chat prompts, each run alone")
     p.add_argument("--draft-concurrency", type=int, nargs="+", default=[1],
@@ -182,7 +185,7 @@ def run_draft(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tokenmill import LLM
 
     widest = max(args.draft_concurrency)
-    llm = LLM(args.target, speculative="draft", draft_model=args.draft, num_speculative_tokens=args.k,
+    llm = LLM(args.target, speculative=args.draft_method, draft_model=args.draft, num_speculative_tokens=args.k,
               draft_quantization=args.draft_quantization, num_kv_blocks=max(128, 24 * widest), max_model_len=1024,
               num_threads=args.threads, quantization=args.quantization, max_num_seqs=max(64, widest))
     rows = []
@@ -194,10 +197,10 @@ def run_draft(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for c in args.draft_concurrency if c > 1]
     for name, batch in batches:
         result = measure(llm, batch, args.draft_tokens, args.rounds)
-        rows.append({"method": "draft", "model": f"{args.target} <- {args.draft}", "prompt": name,
+        rows.append({"method": args.draft_method, "model": f"{args.target} <- {args.draft}", "prompt": name,
                      "draft_quantization": llm.config.speculative.draft_weights(args.quantization),
                      "concurrency": len(batch), **result})
-        print(f"draft {name}: {result['spec_tok_s']:.2f} vs {result['plain_tok_s']:.2f} tok/s = "
+        print(f"{args.draft_method} {name}: {result['spec_tok_s']:.2f} vs {result['plain_tok_s']:.2f} tok/s = "
               f"{result['ratio']:.2f}x, acceptance {result['acceptance_rate']:.2f}", flush=True)
     return rows
 
