@@ -81,6 +81,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--draft-method", default="draft", choices=["draft", "ngram-draft"],
                    help="draft: the draft model alone; ngram-draft: a lookup where the context repeats, "
                         "the draft elsewhere")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="draft: sampling temperature of the requests (0: greedy, outputs compared token for token)")
+    p.add_argument("--draft-sampling", choices=["on", "off"], default="on",
+                   help="draft: a sampled request's guesses drawn from the draft's distribution (on) or its argmax")
     p.add_argument("--draft-edits", type=int, default=2, help="draft: code-edit prompts, each run alone")
     p.add_argument("--draft-chats", type=int, default=len(CHATS), help="draft: chat prompts, each run alone")
     p.add_argument("--draft-concurrency", type=int, nargs="+", default=[1],
@@ -127,10 +131,11 @@ class StepCounter:
         self.drafts = self.draft_tokens = self.accepted = self.steps = self.off_steps = 0
 
 
-def measure(llm: Any, messages: list[list[dict[str, str]]], max_tokens: int, rounds: int) -> dict[str, Any]:
+def measure(llm: Any, messages: list[list[dict[str, str]]], max_tokens: int, rounds: int,
+            temperature: float = 0.0) -> dict[str, Any]:
     from tokenmill import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
     speculator = llm.core.speculator
     counter = StepCounter(llm.core)
     # Warm-up with every prompt: kernels, allocator, and the prefix cache, which both modes then hit
@@ -159,7 +164,7 @@ def measure(llm: Any, messages: list[list[dict[str, str]]], max_tokens: int, rou
         "spec_tok_s": spec, "plain_tok_s": plain, "ratio": spec / plain, "rates": rates,
         "acceptance_rate": stats["accepted"] / max(stats["draft_tokens"], 1),
         "mean_accepted_length": 1 + stats["accepted"] / max(stats["drafts"], 1),
-        "greedy_identical": tokens["spec"] == tokens["plain"], **stats,
+        "greedy_identical": tokens["spec"] == tokens["plain"] if temperature == 0.0 else None, **stats,
         # the controller's learned acceptance per proposal bucket (n-gram: match length) and position
         "acceptance_by_bucket": {str(b): r for b, r in speculator.controller.acceptance.rates(
             speculator.controller.bucket_prior).items()},
@@ -195,10 +200,13 @@ def run_draft(args: argparse.Namespace) -> list[dict[str, Any]]:
     batches = [(name, [messages]) for name, messages in prompts] if 1 in args.draft_concurrency else []
     batches += [(f"mixed-{c}", [prompts[i % len(prompts)][1] for i in range(c)])
                 for c in args.draft_concurrency if c > 1]
+    proposer = llm.core.speculator.proposer
+    getattr(proposer, "draft", proposer).sample = args.draft_sampling == "on"
     for name, batch in batches:
-        result = measure(llm, batch, args.draft_tokens, args.rounds)
+        result = measure(llm, batch, args.draft_tokens, args.rounds, args.temperature)
         rows.append({"method": args.draft_method, "model": f"{args.target} <- {args.draft}", "prompt": name,
                      "draft_quantization": llm.config.speculative.draft_weights(args.quantization),
+                     "temperature": args.temperature, "draft_sampling": args.draft_sampling,
                      "concurrency": len(batch), **result})
         print(f"{args.draft_method} {name}: {result['spec_tok_s']:.2f} vs {result['plain_tok_s']:.2f} tok/s = "
               f"{result['ratio']:.2f}x, acceptance {result['acceptance_rate']:.2f}", flush=True)

@@ -222,6 +222,9 @@ class SpeculativeConfig:
     # "none" when the target runs "none" (the float reference path). Its tokens are only guesses that
     # verification checks, so its rounding changes speed, never the output.
     draft_quantization: str | None = None
+    # A sampled request's draft guesses are drawn from the draft's distribution (q goes to verification);
+    # False: the draft's argmax for every request (q a point mass).
+    draft_sampling: bool = True
     # Controller (spec/controller.py): requests below this recent acceptance stop proposing and
     # probe again every probe_interval steps; until step times have been measured over a spread of
     # batch sizes, steps with more than max_batch_size decoding requests do not speculate.

@@ -39,7 +39,8 @@ PARAMS = [greedy(6 + (7 * i) % 19) for i in range(len(PROMPTS))]  # 6..24 new to
 
 def spec_core(model: TinyModel, method: str, draft: ArchName | None = None, *, k: int = 3, block_size: int = 4,
               num_blocks: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-              seed: int = 0, adaptive: bool = False, draft_quantization: str = "auto") -> EngineCore:
+              seed: int = 0, adaptive: bool = False, draft_quantization: str = "auto",
+              draft_sampling: bool = True) -> EngineCore:
     """`draft_quantization` "auto" keeps a float checkpoint's draft dense, so a model drafting for
     itself guesses exactly its own tokens (the tests of the draft's KV rely on it)."""
     config = EngineConfig(
@@ -47,7 +48,7 @@ def spec_core(model: TinyModel, method: str, draft: ArchName | None = None, *, k
         CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching),
         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens),
         speculative=SpeculativeConfig(method, k, ngram_min=1, ngram_max=3, draft_model=draft, adaptive=adaptive,
-                                      draft_quantization=draft_quantization),
+                                      draft_quantization=draft_quantization, draft_sampling=draft_sampling),
     )
     weights = None if draft is None else (tiny_model(draft).arch, tiny_model(draft).state_dict)
     return EngineCore(config, model.arch, model.state_dict, weights)
@@ -270,10 +271,10 @@ def _chi_square_p(samples: list[int], p: torch.Tensor) -> float:
 def test_sampling_with_a_mismatched_draft_follows_the_target_distribution() -> None:
     target, prompt, temperature = tiny_model("llama"), [17, 4, 250, 9, 33], 0.4
     _, p2 = _target_distribution(target, prompt, temperature)
-    # The draft proposes the target's own argmax (a point mass) while the target samples at
-    # temperature 0.4: a forced mismatch, with proposals likely enough that a wrong acceptance
-    # rule shifts the counts visibly (doubling the acceptance probability fails this test).
-    core = spec_core(target, "draft", "llama", k=2)
+    # The draft proposes the target's own argmax (a point mass: draft_sampling off) while the target
+    # samples at temperature 0.4: a forced mismatch, with proposals likely enough that a wrong
+    # acceptance rule shifts the counts visibly (doubling the acceptance probability fails this test).
+    core = spec_core(target, "draft", "llama", k=2, draft_sampling=False)
     params = SamplingParams(max_tokens=3, temperature=temperature)
     n = 3000
     outputs, drafts, accepted = _run_counting(core, [prompt] * n, [params] * n)
@@ -281,6 +282,33 @@ def test_sampling_with_a_mismatched_draft_follows_the_target_distribution() -> N
     second = [o[1] for o in outputs]
     assert _chi_square_p(second, p2) > 1e-3
     assert 0 < accepted < drafts
+
+
+def test_sampled_drafts_from_another_model_follow_the_target_distribution() -> None:
+    """The draft (another architecture's tiny model, same vocabulary) draws its guesses from its own
+    distribution at the request's temperature, and verification gets that q: the first and second
+    tokens follow the target's distribution, and guesses are accepted often but not always."""
+    target, prompt, temperature = tiny_model("llama"), [17, 4, 250, 9, 33], 1.0
+    p1, p2 = _target_distribution(target, prompt, temperature)
+    core = spec_core(target, "draft", "qwen2", k=2)
+    params = SamplingParams(max_tokens=3, temperature=temperature)
+    n = 3000
+    outputs, drafts, accepted = _run_counting(core, [prompt] * n, [params] * n)
+    assert drafts >= n * 0.9
+    assert _chi_square_p([o[0] for o in outputs], p1) > 1e-3
+    assert _chi_square_p([o[1] for o in outputs], p2) > 1e-3
+    # Each request verifies one guess, for token 2 (max_tokens 3): accepted with probability
+    # sum_x min(p, q)(x | prompt, t1), t1 ~ p1, where a point-mass rule gives sum_x p q (x | ...).
+    draft = tiny_model("qwen2")
+    with torch.no_grad():
+        seqs = torch.tensor([[*prompt, x] for x in range(VOCAB_SIZE)])
+        p_next = torch.softmax(target.hf(seqs).logits[:, -1].double() / temperature, dim=-1)
+        q_next = torch.softmax(draft.hf(seqs).logits[:, -1].double() / temperature, dim=-1)
+    expected = float((p1 * torch.minimum(p_next, q_next).sum(-1)).sum())
+    point_mass = float((p1 * (p_next * q_next).sum(-1)).sum())
+    sigma = (expected * (1 - expected) / drafts) ** 0.5
+    assert abs(expected - point_mass) > 8 * sigma  # the two rules are told apart
+    assert abs(accepted / drafts - expected) < 4 * sigma, (accepted / drafts, expected, point_mass)
 
 
 def test_draft_weights_load_before_the_memory_probe_and_its_kv_shares_the_budget(

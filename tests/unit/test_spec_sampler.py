@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from tokenmill.engine.request import Request, SamplingParams
-from tokenmill.engine.sampler import Sampler, _filtered_probs
+from tokenmill.engine.sampler import Sampler, filtered_probs
 
 V = 6
 
@@ -134,7 +134,7 @@ def test_rejection_sampling_with_a_mismatched_draft_distribution_preserves_the_t
 
 def test_temperature_top_k_and_min_p_shape_the_target_that_is_preserved() -> None:
     draws = _draws(TARGET, [4, 1], 4000, temperature=0.7, top_k=4, min_p=0.05)
-    p = _filtered_probs(TARGET, [_request(temperature=0.7, top_k=4, min_p=0.05)] * 3)
+    p = filtered_probs(TARGET, [_request(temperature=0.7, top_k=4, min_p=0.05)] * 3)
     _assert_distributed_as([d[0] for d in draws], p[0])
     assert p[0, 4] == 0 and p[0, 5] == 0  # the draft's 4 is outside top-k: always rejected
 

@@ -8,8 +8,12 @@ Neither side imports the other: both import this module.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.engine.request import Request, TokenLogprob
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -23,6 +27,7 @@ class ScheduledRequest:
     # Proposed tokens scored after the known ones, as ordinary query tokens of this step: the
     # query is token_ids[num_computed_tokens:] + spec_token_ids.
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: torch.Tensor | None = None  # q of each proposal [len(spec_token_ids), vocab]; None: point masses
 
     @property
     def needs_sample(self) -> bool:

@@ -219,8 +219,11 @@ class ModelRunner:
         """Speculative step: every sampled request owns 1 + k rows (k = 0 without proposals)."""
         requests = [s.request for s in inp.sampled]
         drafts = [s.spec_token_ids for s in inp.sampled]
-        # Proposals are point masses (n-gram lookup, a greedy draft): q = one-hot, see Sampler.verify.
-        verified = self.sampler.verify(logits, requests, drafts)
+        # q of each proposal: a sampling draft's distributions, or None for point masses (n-gram lookup,
+        # a greedy draft: q = one-hot), see Sampler.verify.
+        draft_probs = [s.spec_draft_probs for s in inp.sampled]
+        verified = self.sampler.verify(logits, requests, drafts,
+                                       draft_probs if any(q is not None for q in draft_probs) else None)
         return {r.request_id: SampledTokens(tokens, logprobs)
                 for r, (tokens, logprobs) in zip(requests, verified, strict=True)}
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.engine.service_class import ServiceClass
 from tokenmill.engine.structured.params import StructuredOutputParams
 from tokenmill.errors import RequestValidationError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -154,6 +158,9 @@ class Request:
     # Speculative decoding: tokens a proposer guessed to follow token_ids, verified by the next step
     # (the scheduler consumes and clears them), and this request's running totals.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The distributions the proposer drew spec_token_ids from, [k, vocab] (a draft sampling for a sampled
+    # request); None: point masses (a lookup, a greedy draft). Consumed with spec_token_ids.
+    spec_draft_probs: torch.Tensor | None = None
     spec_stats: SpecRequestStats = field(default_factory=lambda: SpecRequestStats())
     times: RequestTimes = field(init=False)
 

@@ -111,7 +111,7 @@ class Sampler:
         random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy and i not in special]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
-            probs = _filtered_probs(logits[rows], [requests[i] for i in random_rows])
+            probs = filtered_probs(logits[rows], [requests[i] for i in random_rows])
             noise = torch.empty_like(probs).exponential_(generator=self.generator)
             picked[rows] = argmax_rows(probs / noise)
         return picked
@@ -182,7 +182,7 @@ class Sampler:
         rows = torch.tensor([s + j for s, c in zip(starts, counts, strict=True) for j in range(c)],
                             device=processed.device)
         row_requests = [r for r, c in zip(requests, counts, strict=True) for _ in range(c)]
-        probs = _filtered_probs(processed[rows], row_requests)
+        probs = filtered_probs(processed[rows], row_requests)
         finals, emitted, at = [], [], 0
         for request, draft, q in zip(requests, drafts, draft_probs, strict=True):
             p = probs[at:at + len(draft) + 1]
@@ -244,7 +244,7 @@ class Sampler:
             return greedy
         rows = torch.tensor(random_rows, device=logits.device)
         sub = [requests[i] for i in random_rows]
-        probs = _filtered_probs(logits[rows], sub)
+        probs = filtered_probs(logits[rows], sub)
         noise = self._noise(probs, sub)
         greedy[rows] = argmax_rows(probs / noise)
         return greedy
@@ -292,7 +292,8 @@ def _mask_early_stop(logits: torch.Tensor, requests: list[Request],
     return logits
 
 
-def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Row i's sampling distribution under requests[i]'s temperature, top-k, top-p and min-p."""
     temps = torch.tensor([r.params.temperature for r in requests], device=logits.device, dtype=logits.dtype)
     logits = logits / temps.unsqueeze(1)
     top_ks = [r.params.top_k if r.params.top_k > 0 else logits.shape[1] for r in requests]

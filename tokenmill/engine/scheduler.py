@@ -144,13 +144,18 @@ class Scheduler(ClassScheduling):
                 if allowed <= 0:
                     continue  # paused this step: keeps its blocks
             remaining = request.num_tokens - request.num_computed_tokens
+            q = request.spec_draft_probs  # consumed with the proposals (_spec_tokens)
+            request.spec_draft_probs = None
             spec = self._spec_tokens(request, remaining, allowed)
             num_new = min(remaining + len(spec), allowed)
             if not spec or not self.kv.allocate(request, num_new):
                 spec, num_new = [], min(remaining, allowed)  # proposals never cost another request its blocks
                 if not self._allocate_or_preempt(request, num_new, scheduled_ids, out):
                     continue
-            out.scheduled.append(self._scheduled(request, num_new, spec))
+            scheduled = self._scheduled(request, num_new, spec)
+            if spec and q is not None:
+                scheduled.spec_draft_probs = q[:len(spec)]
+            out.scheduled.append(scheduled)
             scheduled_ids.add(request.request_id)
             budget -= num_new
         return budget
@@ -188,7 +193,7 @@ class Scheduler(ClassScheduling):
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.spec_token_ids = []
+        request.spec_token_ids, request.spec_draft_probs = [], None
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.add(request)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 from typing import Protocol
+
+import torch
 
 from tokenmill.engine.request import Request
 
@@ -26,6 +29,9 @@ class Proposer(abc.ABC):
     # catch-ups over a new prompt or a long gap, which cost like a prefill and are priced per token.
     last_decode_forward_s: tuple[float, ...] = ()
     last_catch_ups: tuple[tuple[int, float], ...] = ()
+    # Per request, the distributions the last propose() drew its guesses from, [k, vocab] (a draft
+    # sampling for a sampled request); absent: point masses. Replaced, never mutated, by propose().
+    last_draft_probs: Mapping[str, torch.Tensor] = MappingProxyType({})
     # Whether propose() consults a ProposalGate (one knowing its confidence per guess): the speculator
     # builds a gate only for those.
     takes_gate: bool = False

@@ -1,4 +1,10 @@
-"""Draft-model proposer: a small model with the target's tokenizer guesses k tokens greedily.
+"""Draft-model proposer: a small model with the target's tokenizer guesses k tokens.
+
+A greedy request's guesses are the draft's argmax (q a point mass); a sampled request's are drawn
+from the draft's own distribution under the request's temperature, top-k, top-p and min-p, and that
+q goes to verification (Sampler.verify accepts with min(1, p/q)): where the target hesitates
+between tokens, a guess drawn from a similar q is accepted far more often than the draft's argmax
+(p = q = (0.5, 0.5): every time against half the time). `sample=False` keeps greedy guesses for all.
 
 The draft keeps its own paged KV cache (its own block pool and tables, no prefix cache) and runs
 through an ordinary ModelRunner, batched across requests:
@@ -11,7 +17,7 @@ request takes no more forwards this step (a step's loop ends when no request is 
 Staying in step with the target: the draft's KV was computed over `shadow.token_ids`, which is the
 target's token_ids up to `base` followed by the previous proposals. Next time, the KV stays valid
 up to the common prefix of the two sequences (the accepted proposals); past it, it is recomputed,
-which is the draft's rollback. Greedy drafts make q a point mass (see Sampler.verify).
+which is the draft's rollback.
 
 Prefix caching (when the target has it on): a new request's draft sequence starts from the draft
 pool's cached blocks of its prompt, so requests sharing a system prompt or an agent's history do
@@ -33,16 +39,20 @@ from tokenmill.engine.interfaces import ScheduledRequest, SchedulerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenmill.engine.request import Request, SamplingParams
-from tokenmill.engine.sampler import argmax_rows
+from tokenmill.engine.sampler import argmax_rows, filtered_probs, top1_probs
 from tokenmill.engine.spec.base import ProposalGate, Proposer, register_proposer
 from tokenmill.engine.spec.controller import DECODE_LIKE_TOKENS
+
+_DRAFT_SEED = 0x5EED  # the draft's own sampling stream (unseeded requests)
 
 
 @dataclass(slots=True)
 class _DraftSeq:
     shadow: Request  # token_ids: what the draft's KV holds (up to num_computed_tokens) or will hold
     base: int  # target tokens known when it last proposed: shadow.token_ids[:base] are the target's
+    target: Request  # the target's request: its sampling parameters
     cached: list[int] = field(default_factory=list)  # a new sequence's prefix-cache hits, until allocated
+    q: list[torch.Tensor] = field(default_factory=list)  # a sampled request's: each guess's distribution
 
 
 @register_proposer("draft")
@@ -50,10 +60,15 @@ class DraftModelProposer(Proposer):
     takes_gate = True
 
     def __init__(self, runner: ModelRunner, num_blocks: int | None, block_size: int, max_model_len: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, sample: bool = True) -> None:
         """`num_blocks` None: the weights are in, the KV pool comes later (`allocate_kv`), once the
-        engine has probed the memory left after both models' weights."""
+        engine has probed the memory left after both models' weights. `sample`: draw a sampled
+        request's guesses from the draft's distribution (else its argmax)."""
         self.runner = runner
+        self.sample = sample
+        self.generator = torch.Generator(device=runner.device)
+        self.generator.manual_seed(_DRAFT_SEED)
+        self._generators: dict[str, torch.Generator] = {}  # seeded requests' own draft streams
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.kv = KVCacheManager(1, block_size, enable_prefix_caching=False)
@@ -77,10 +92,12 @@ class DraftModelProposer(Proposer):
     def propose(self, requests: list[Request], num_tokens: list[int],
                 gate: ProposalGate | None = None) -> list[list[int]]:
         active: list[tuple[_DraftSeq, int]] = []
+        self.last_draft_probs = {}
         for request, k in zip(requests, num_tokens, strict=True):
             k = min(k, self.max_model_len - request.num_tokens)
             seq = self._sync(request) if k > 0 else None
             if seq is not None and self._allocate(seq, k):
+                seq.q = []
                 active.append((seq, k))
         decode_like: list[float] = []
         catch_ups: list[tuple[int, float]] = []
@@ -106,6 +123,8 @@ class DraftModelProposer(Proposer):
             live = [(s, k) for s, k in live if k >= j]
         self.last_decode_forward_s, self.last_catch_ups = tuple(decode_like), tuple(catch_ups)
         drafts = {s.shadow.request_id: s.shadow.token_ids[s.base:] for s, _ in active}
+        self.last_draft_probs = {s.shadow.request_id: torch.stack(s.q) for s, _ in active if s.q}
+        assert all(len(q) == len(drafts[rid]) for rid, q in self.last_draft_probs.items()), "a q row per guess"
         return [drafts.get(r.request_id, []) for r in requests]
 
     def catch_up_tokens(self, requests: list[Request]) -> list[int]:
@@ -125,6 +144,8 @@ class DraftModelProposer(Proposer):
         if gate.keep(seq.shadow.request_id, confidence):
             return True
         seq.shadow.token_ids.pop()
+        if seq.q:
+            seq.q.pop()
         return False
 
     def _sync(self, request: Request) -> _DraftSeq:
@@ -133,10 +154,11 @@ class DraftModelProposer(Proposer):
         seq = self._seqs.get(request.request_id)
         if seq is None:
             shadow = Request(request.request_id, list(tokens), SamplingParams(max_tokens=None))
-            seq = self._seqs[request.request_id] = _DraftSeq(shadow, len(tokens))
+            seq = self._seqs[request.request_id] = _DraftSeq(shadow, len(tokens), request)
             seq.cached = self.kv.find_cached_prefix(shadow)
             self.kv.record_lookup(shadow.num_tokens, len(seq.cached) * self.block_size)
             return seq
+        seq.target = request
         mine = seq.shadow.token_ids
         common = min(seq.base, len(tokens))
         while common < min(len(mine), len(tokens)) and mine[common] == tokens[common]:
@@ -169,20 +191,49 @@ class DraftModelProposer(Proposer):
                                       self.kv.block_tables[s.shadow.request_id]) for s in seqs]
         order, logits = self.runner.sample_logits(SchedulerOutput(scheduled))
         tokens = argmax_rows(logits)
-        probs: list[float] = []
-        if confidence:  # p(argmax) = exp(max logit - logsumexp)
-            top = logits.gather(1, tokens.view(-1, 1).to(torch.int64)).squeeze(1)
-            probs = torch.exp(top - torch.logsumexp(logits, dim=-1)).tolist()
+        probs: list[float] = top1_probs(logits) if confidence else []  # p of the argmax
+        sampled = [i for i, s in enumerate(order)
+                   if self.sample and not self._seqs[s.request.request_id].target.params.is_greedy]
+        q = None
+        if sampled:  # draw from q instead (the exponential race, as the sampler does), p of the guess
+            rows = torch.tensor(sampled, device=logits.device)
+            targets = [self._seqs[order[i].request.request_id].target for i in sampled]
+            q = filtered_probs(logits[rows], targets)
+            noise = torch.empty_like(q).exponential_(generator=self.generator)
+            for j, target in enumerate(targets):
+                gen = self._generator_for(target)
+                if gen is not None:
+                    noise[j].exponential_(generator=gen)
+            picked = argmax_rows(q / noise)
+            tokens[rows] = picked
+            if probs:
+                for j, (i, token) in enumerate(zip(sampled, picked.tolist(), strict=True)):
+                    probs[i] = float(q[j, token])
         out = {}
+        at = dict(zip(sampled, range(len(sampled)), strict=True))
         for i, (s, token) in enumerate(zip(order, tokens.tolist(), strict=True)):
             shadow = s.request
             shadow.num_computed_tokens = shadow.num_tokens
             shadow.token_ids.append(token)
+            if q is not None and i in at:
+                self._seqs[shadow.request_id].q.append(q[at[i]])
             if probs:
                 out[shadow.request_id] = probs[i]
         return out
 
+    def _generator_for(self, request: Request) -> torch.Generator | None:
+        """A seeded request's own draft stream (seeded apart from the sampler's stream of the same seed)."""
+        seed = request.params.seed
+        if seed is None:
+            return None
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = self._generators[request.request_id] = torch.Generator(device=self.runner.device)
+            gen.manual_seed((seed * 0x9E3779B1 + _DRAFT_SEED) % 2**63)
+        return gen
+
     def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.kv.free(seq.shadow)

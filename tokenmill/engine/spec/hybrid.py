@@ -54,6 +54,7 @@ class LookupDraftProposer(Proposer):
                    ) if drafted else {}
         self.last_decode_forward_s = self.draft.last_decode_forward_s if drafted else ()
         self.last_catch_ups = self.draft.last_catch_ups if drafted else ()
+        self.last_draft_probs = self.draft.last_draft_probs if drafted else {}  # lookups are point masses
         return [out[r.request_id] if r.request_id in out else self.lookup.propose_one(r.request_id, r.token_ids, k)
                 for r, k in zip(requests, num_tokens, strict=True)]
 

@@ -39,8 +39,8 @@ class Speculator:
         self._decode_tokens = len(decoding)
         self._propose_s = 0.0
         self.last_gated = 0
-        for request in decoding:
-            request.spec_token_ids = []  # a request the budget skipped last step keeps no stale guesses
+        for request in decoding:  # a request the budget skipped last step keeps no stale guesses
+            request.spec_token_ids, request.spec_draft_probs = [], None
         if not decoding:
             return
         buckets = self.proposer.buckets(decoding)
@@ -58,8 +58,11 @@ class Speculator:
             self.controller.observe_draft(seconds)
         for extra, seconds in self.proposer.last_catch_ups:
             self.controller.observe_catch_up(extra, seconds)
+        draft_probs = self.proposer.last_draft_probs
         for (request, k, bucket), tokens in zip(chosen, proposals, strict=True):
             request.spec_token_ids = tokens[:k]
+            q = draft_probs.get(request.request_id)
+            request.spec_draft_probs = q[:len(request.spec_token_ids)] if q is not None and tokens else None
             self._decode_tokens += len(request.spec_token_ids)
             if gate is not None and bucket is None:  # how often drafting for it gets past the gate (κ)
                 request.spec_stats.note_kept(bool(tokens))
@@ -140,7 +143,7 @@ def build_speculator(config: SpeculativeConfig, model_config: ModelConfig, targe
     runner = ModelRunner(draft_config, arch, tensors, max_model_len, block_size, None,  # KV: the proposer's
                          max_num_seqs=max_num_seqs)
     proposer = PROPOSERS["draft"](runner, num_blocks, block_size, max_model_len,  # type: ignore[call-arg]
-                                  enable_prefix_caching=enable_prefix_caching)
+                                  enable_prefix_caching=enable_prefix_caching, sample=config.draft_sampling)
     if config.method == "ngram-draft":  # lookup where the context repeats, the draft elsewhere (spec/hybrid.py)
         lookup = PROPOSERS["ngram"](config.ngram_min, config.ngram_max)  # type: ignore[call-arg]
         proposer = PROPOSERS["ngram-draft"](lookup, proposer)  # type: ignore[call-arg]
