@@ -41,3 +41,27 @@ def test_greedy_completions_match_the_plain_server_and_drafts_are_counted(
     metrics = httpx.get(f"{spec_live.url}/metrics").text
     drafts = [line for line in metrics.splitlines() if line.startswith("tokenmill:spec_decode_num_drafts_total")]
     assert drafts and float(drafts[0].split()[-1]) > 0
+
+
+@pytest.fixture(scope="module")
+def hybrid_live(tiny_model_dir: Path) -> Iterator[LiveServer]:
+    """--speculative ngram-draft with the tiny model as its own draft (lookups and draft guesses)."""
+    spec = SpeculativeConfig("ngram-draft", 3, draft_model=str(tiny_model_dir), draft_quantization="none")
+    engine = AsyncEngine.from_config(replace(tiny_engine_config(tiny_model_dir), speculative=spec))
+    server = start_server(engine, ServerConfig(served_model_name=MODEL))
+    yield server
+    server.stop()
+    engine.shutdown()
+
+
+def test_lookup_then_draft_serves_greedy_and_sampled_requests(hybrid_live: LiveServer, client: openai.OpenAI) -> None:
+    """Greedy: the plain server's text. Sampled (the draft draws its guesses from q, which verification
+    takes): seeded requests answer the same twice, and the drafts are counted."""
+    spec_client = hybrid_live.client()
+    assert _completions(spec_client) == _completions(client)
+    sampled = [spec_client.completions.create(model=MODEL, prompt="zebra quantum violin", max_tokens=32,
+                                              temperature=1.0, seed=7).choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1] and sampled[0]
+    metrics = httpx.get(f"{hybrid_live.url}/metrics").text
+    drafts = [line for line in metrics.splitlines() if line.startswith("tokenmill:spec_decode_num_drafts_total")]
+    assert drafts and float(drafts[0].split()[-1]) > 0
