@@ -256,6 +256,7 @@ def run_llama(args: argparse.Namespace) -> list[dict[str, Any]]:
     import llama_server  # type: ignore[import-not-found]
     import peers  # type: ignore[import-not-found]
 
+    from tokenmill.config import DEFAULT_SPECULATIVE_TOKENS
     from tokenmill.models.resolve import resolve_model
 
     binary = llama_server.server_binary(llama_server.isa_level())
@@ -266,7 +267,10 @@ def run_llama(args: argparse.Namespace) -> list[dict[str, Any]]:
     target_gguf, draft_gguf = resolve_model(args.target).path, resolve_model(args.draft).path
     # Lookup with llama.cpp's own defaults (12-token key, up to 48 drafted); the draft model with our k.
     lookup = ["--spec-type", "ngram-simple"]
-    drafting = ["--spec-type", "draft-simple", "-md", str(draft_gguf), "--spec-draft-n-max", str(args.k)]
+    # The draft with our K (0 is "the method's default" to us; passed as 0 it aborted llama-server on its
+    # first request: GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max)).
+    k = args.k or DEFAULT_SPECULATIVE_TOKENS["draft"]
+    drafting = ["--spec-type", "draft-simple", "-md", str(draft_gguf), "--spec-draft-n-max", str(k)]
     chat = [[{"role": "user", "content": CHAT}]]
     configs = [
         ("ngram", args.ngram_model, ngram_gguf, [], [edit_prompt(0)], args.ngram_tokens),
