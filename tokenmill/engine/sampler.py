@@ -68,15 +68,7 @@ class Sampler:
         self.fast_path = True
 
     def generator_for(self, request: Request) -> torch.Generator | None:
-        seed = request.params.seed
-        if seed is None:
-            return None
-        gen = self._request_generators.get(request.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-            self._request_generators[request.request_id] = gen
-        return gen
+        return request_generator(self._request_generators, request, self.device)
 
     def forget(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
@@ -256,6 +248,20 @@ class Sampler:
             if gen is not None:
                 noise[row].exponential_(generator=gen)
         return noise
+
+
+def request_generator(generators: dict[str, torch.Generator], request: Request, device: torch.device,
+                      salt: int = 0) -> torch.Generator | None:
+    """A seeded request's own random stream (None without a seed), made once per request in
+    `generators`; a nonzero `salt` gives another consumer of the same seed (a draft) a stream of its own."""
+    seed = request.params.seed
+    if seed is None:
+        return None
+    gen = generators.get(request.request_id)
+    if gen is None:
+        gen = generators[request.request_id] = torch.Generator(device=device)
+        gen.manual_seed(seed if not salt else (seed * 0x9E3779B1 + salt) % 2**63)
+    return gen
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

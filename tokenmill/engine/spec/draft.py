@@ -39,7 +39,7 @@ from tokenmill.engine.interfaces import ScheduledRequest, SchedulerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenmill.engine.request import Request, SamplingParams
-from tokenmill.engine.sampler import argmax_rows, filtered_probs, top1_probs
+from tokenmill.engine.sampler import argmax_rows, filtered_probs, request_generator, top1_probs
 from tokenmill.engine.spec.base import ProposalGate, Proposer, register_proposer
 from tokenmill.engine.spec.controller import DECODE_LIKE_TOKENS
 
@@ -201,7 +201,7 @@ class DraftModelProposer(Proposer):
             q = filtered_probs(logits[rows], targets)
             noise = torch.empty_like(q).exponential_(generator=self.generator)
             for j, target in enumerate(targets):
-                gen = self._generator_for(target)
+                gen = request_generator(self._generators, target, self.runner.device, _DRAFT_SEED)
                 if gen is not None:
                     noise[j].exponential_(generator=gen)
             picked = argmax_rows(q / noise)
@@ -221,16 +221,6 @@ class DraftModelProposer(Proposer):
                 out[shadow.request_id] = probs[i]
         return out
 
-    def _generator_for(self, request: Request) -> torch.Generator | None:
-        """A seeded request's own draft stream (seeded apart from the sampler's stream of the same seed)."""
-        seed = request.params.seed
-        if seed is None:
-            return None
-        gen = self._generators.get(request.request_id)
-        if gen is None:
-            gen = self._generators[request.request_id] = torch.Generator(device=self.runner.device)
-            gen.manual_seed((seed * 0x9E3779B1 + _DRAFT_SEED) % 2**63)
-        return gen
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
