@@ -242,12 +242,19 @@ class Sampler:
         return greedy
 
     def _noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, request in enumerate(requests):
-            gen = self.generator_for(request)
-            if gen is not None:
-                noise[row].exponential_(generator=gen)
-        return noise
+        return race_noise(probs, self.generator, [self.generator_for(r) for r in requests])
+
+
+def race_noise(probs: torch.Tensor, generator: torch.Generator,
+               row_generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Exp(1) noise shaped like `probs` for the exponential race (argmax_i p_i / E_i picks i with
+    probability p_i): drawn from `generator`, then row i again from row_generators[i] where a seeded
+    request has its own stream, so a seeded row does not depend on the rows beside it."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for row, gen in enumerate(row_generators):
+        if gen is not None:
+            noise[row].exponential_(generator=gen)
+    return noise
 
 
 def request_generator(generators: dict[str, torch.Generator], request: Request, device: torch.device,

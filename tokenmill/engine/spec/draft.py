@@ -39,7 +39,7 @@ from tokenmill.engine.interfaces import ScheduledRequest, SchedulerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenmill.engine.request import Request, SamplingParams
-from tokenmill.engine.sampler import argmax_rows, filtered_probs, request_generator, top1_probs
+from tokenmill.engine.sampler import argmax_rows, filtered_probs, race_noise, request_generator, top1_probs
 from tokenmill.engine.spec.base import ProposalGate, Proposer, register_proposer
 from tokenmill.engine.spec.controller import DECODE_LIKE_TOKENS
 
@@ -184,8 +184,9 @@ class DraftModelProposer(Proposer):
         return False
 
     def _forward(self, seqs: list[_DraftSeq], confidence: bool = False) -> dict[str, float]:
-        """One batched draft forward: each sequence's uncomputed tokens; append its greedy next token.
-        With `confidence`: request → the draft's probability of the token it appended."""
+        """One batched draft forward: each sequence's uncomputed tokens; append its next token (the argmax,
+        or for a sampled request a draw from q, kept in seq.q). With `confidence`: request → the
+        draft's probability of the token it appended."""
         scheduled = [ScheduledRequest(s.shadow, s.shadow.num_computed_tokens,
                                       s.shadow.num_tokens - s.shadow.num_computed_tokens,
                                       self.kv.block_tables[s.shadow.request_id]) for s in seqs]
@@ -194,33 +195,26 @@ class DraftModelProposer(Proposer):
         probs: list[float] = top1_probs(logits) if confidence else []  # p of the argmax
         sampled = [i for i, s in enumerate(order)
                    if self.sample and not self._seqs[s.request.request_id].target.params.is_greedy]
-        q = None
-        if sampled:  # draw from q instead (the exponential race, as the sampler does), p of the guess
+        if sampled:  # draw from q instead (the exponential race, as the sampler does); p of the guess
             rows = torch.tensor(sampled, device=logits.device)
-            targets = [self._seqs[order[i].request.request_id].target for i in sampled]
-            q = filtered_probs(logits[rows], targets)
-            noise = torch.empty_like(q).exponential_(generator=self.generator)
-            for j, target in enumerate(targets):
-                gen = request_generator(self._generators, target, self.runner.device, _DRAFT_SEED)
-                if gen is not None:
-                    noise[j].exponential_(generator=gen)
+            seqs_drawn = [self._seqs[order[i].request.request_id] for i in sampled]
+            q = filtered_probs(logits[rows], [seq.target for seq in seqs_drawn])
+            noise = race_noise(q, self.generator, [request_generator(self._generators, seq.target, self.runner.device,
+                                                                     _DRAFT_SEED) for seq in seqs_drawn])
             picked = argmax_rows(q / noise)
             tokens[rows] = picked
-            if probs:
-                for j, (i, token) in enumerate(zip(sampled, picked.tolist(), strict=True)):
+            for j, (i, token, seq) in enumerate(zip(sampled, picked.tolist(), seqs_drawn, strict=True)):
+                seq.q.append(q[j])  # the distribution of the guess appended below
+                if probs:
                     probs[i] = float(q[j, token])
         out = {}
-        at = dict(zip(sampled, range(len(sampled)), strict=True))
         for i, (s, token) in enumerate(zip(order, tokens.tolist(), strict=True)):
             shadow = s.request
             shadow.num_computed_tokens = shadow.num_tokens
             shadow.token_ids.append(token)
-            if q is not None and i in at:
-                self._seqs[shadow.request_id].q.append(q[at[i]])
             if probs:
                 out[shadow.request_id] = probs[i]
         return out
-
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
