@@ -14,7 +14,8 @@ from tokenmill.engine.interfaces import SampledTokens
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.request import Request, SamplingParams
 from tokenmill.engine.sampler import top1_probs
-from tokenmill.engine.spec.controller import SpecController, target_confidence_bin
+from tokenmill.engine.spec.controller import SpecController
+from tokenmill.engine.spec.target_confidence import target_confidence_bin
 
 
 def _controller() -> SpecController:
@@ -84,15 +85,15 @@ def test_verified_guesses_are_scored_into_the_target_confidence_bins() -> None:
     stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens = stats.num_drafts + 1, 3, 1
     stats.target_confidences = [0.999, 0.6]
     controller.plan([r])
-    assert sorted(controller.target_confidence.rates()) == [target_confidence_bin(0.6), target_confidence_bin(0.999)]
-    assert controller.target_rate(target_confidence_bin(0.999)) == pytest.approx((1 + 2 * 0.99) / 3)
-    assert controller.target_rate(target_confidence_bin(0.6)) == pytest.approx((0 + 2 * 0.55) / 3)
+    assert sorted(controller.target.model.rates()) == [target_confidence_bin(0.6), target_confidence_bin(0.999)]
+    assert controller.target.rate(target_confidence_bin(0.999)) == pytest.approx((1 + 2 * 0.99) / 3)
+    assert controller.target.rate(target_confidence_bin(0.6)) == pytest.approx((0 + 2 * 0.55) / 3)
     # One guess, accepted: two tokens emitted, but row 1 (the bonus token's, at p 0.3) checked no guess.
     assert controller.plan([r]) == [3]
     stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens = stats.num_drafts + 1, 4, 2
     stats.target_confidences = [0.999, 0.3]
     controller.plan([r])
-    assert target_confidence_bin(0.3) not in controller.target_confidence.rates()
+    assert target_confidence_bin(0.3) not in controller.target.model.rates()
 
 
 def test_the_scheduler_keeps_the_confidences_of_appended_tokens_only() -> None:

@@ -35,6 +35,11 @@ class _Counts:
     accepted: float = 0.0
 
 
+def ewma(mean: float | None, sample: float, weight: float) -> float:
+    """A moving average with the newest sample weighted `weight` (the first sample stands alone)."""
+    return sample if mean is None else (1 - weight) * mean + weight * sample
+
+
 class AcceptanceModel:
     def __init__(self, max_tokens: int, prior: float = 0.7) -> None:
         self.max_tokens = max_tokens

@@ -38,14 +38,9 @@ Two rules, both about goodput (tokens emitted per second), not acceptance:
     Measured offline on the chat bench (Qwen2.5-Coder-0.5B drafting for the 1.5B, teacher-forced,
     docs/speculative.md): guesses at p >= 0.9 were all accepted, at p < 0.5 a third were; one rate
     per request averaged them.
-  * a draft request that has not drafted for _STALE_PLANS_OFF plans is planned from the target's own
-    confidence instead: κ and α are not measured while it is off, so a dip that turned it off kept
-    it off (a code edit whose guesses were 92% accepted sat out 332 of 382 steps). Each token the
-    target emits comes with its top-1 probability p_t (ModelRunner.track_confidence), and how often a
-    draft's guess equals the target's token is learned per bin of p_t from verified guesses (priors:
-    the offline table, TARGET_CONFIDENCE_EDGES); α̂, a moving average over the request's recent
-    tokens of their bins' rates, plans it at α̂^j, catch-up charged as before. Offline, 90% of a code
-    edit's tokens had p_t >= 0.99 (every guess there accepted) against 10-30% of a chat's.
+  * a draft request that has not drafted for _STALE_PLANS_OFF plans is planned at α̂^j instead, α̂ the
+    target's own confidence over its recent tokens turned into an acceptance estimate
+    (target_confidence.py): κ and α are not measured while it is off; catch-up charged as before.
 """
 
 from __future__ import annotations
@@ -58,7 +53,9 @@ from dataclasses import dataclass, field
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import Request
-from tokenmill.engine.spec.acceptance import AcceptanceModel
+from tokenmill.engine.spec.acceptance import AcceptanceModel, ewma
+from tokenmill.engine.spec.step_times import StepTimePredictor
+from tokenmill.engine.spec.target_confidence import TargetConfidence
 
 _MIN_DRAFTS_TO_JUDGE = 4  # drafts before a request's acceptance is trusted
 _MIN_SAMPLES = 16  # steps before the cost fit is trusted
@@ -81,40 +78,17 @@ _KEEP_GAIN_UNFITTED = 0.5
 # step and the correction) costs about what one more guess will; tokens a draft is behind beyond it
 # are a catch-up, priced per token.
 DECODE_LIKE_TOKENS = 8
-# Bins of the target's top-1 probability at the token it emitted, and each bin's prior chance that a
-# draft's guess there equals the target's token (teacher-forced Qwen2.5-Coder-0.5B for the 1.5B over two
-# code edits and three chats, 128 tokens each, docs/speculative.md: 0.21-0.28 below 0.5, 0.4-0.75 at
-# 0.5-0.7, 0.78-0.86 at 0.7-0.8, 0.8-1.0 at 0.8-0.9, 0.87-1.0 at 0.9-0.99, 1.0 from 0.99).
-TARGET_CONFIDENCE_EDGES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
-_TARGET_PRIORS = (0.25, 0.55, 0.8, 0.88, 0.93, 0.95, 0.99)
 # A draft request that planned no guess for more than this many plans is planned from α̂ (above).
 _STALE_PLANS_OFF = 4
-# Weight of the newest token in α̂: ~7 tokens of memory, so one confident token does not revive a chat
-# (each revival pays the tokens the draft sat out, ~4.7 ms each for the q4 0.5B on Zen 3).
-_TARGET_EWMA = 0.15
 # A catch-up is paid once and serves the steps that follow: a plan charges this share of it. Charged
 # whole, a request that sat out ~20 steps never paid it again (a 0.92-acceptance code edit stayed
 # off for the rest of its run); a quarter still keeps chat traffic, whose guesses barely pay, off.
 _CATCH_UP_HORIZON = 4
 
 
-def _ewma(mean: float | None, sample: float) -> float:
-    """A moving average with the newest sample weighted _EWMA (the first sample stands alone)."""
-    return _ewma_weighted(mean, sample, _EWMA)
-
-
-def _ewma_weighted(mean: float | None, sample: float, weight: float) -> float:
-    return sample if mean is None else (1 - weight) * mean + weight * sample
-
-
 def confidence_bin(confidence: float) -> int:
     """The bin of a draft guess made with top-1 probability `confidence` (0 .. len(CONFIDENCE_EDGES))."""
     return bisect.bisect_right(CONFIDENCE_EDGES, confidence)
-
-
-def target_confidence_bin(confidence: float) -> int:
-    """The bin of a token the target emitted with top-1 probability `confidence`."""
-    return bisect.bisect_right(TARGET_CONFIDENCE_EDGES, confidence)
 
 
 def geometric_gains(acceptance: float, k: int) -> list[float]:
@@ -146,16 +120,14 @@ class SpecController:
         self.by_count: dict[int, tuple[float, int, int]] = {}
         self.acceptance = AcceptanceModel(config.num_speculative_tokens)
         self.confidence = AcceptanceModel(1)  # per confidence bin, position-free: P(accepted | reached)
-        # per bin of the target's top-1 probability at a guess's row: P(the guess is the target's token)
-        self.target_confidence = AcceptanceModel(1)
-        self._target_rate: dict[str, float] = {}  # α̂ per request (a draft proposer's requests only)
+        self.target = TargetConfidence()  # α̂ of draft requests that sit out (target_confidence.py)
         self._last_drafted: dict[str, int] = {}  # the plan count at a request's latest proposal
         self.draft_forward_s: float | None = None  # moving average of one draft-model forward
         # Moving average of what each token a draft forward computes beyond one per sequence costs
         # (a catch-up: a long one runs at prefill speed, ~4.7 ms a token for the q4 0.5B on Zen 3
         # against 13 ms for a whole one-token forward); None (free) until measured.
         self.draft_token_s: float | None = None
-        self._predict: _Predictor | None = None  # the last plan's step-time predictor, for its gate
+        self._predict: StepTimePredictor | None = None  # the last plan's step-time predictor, for its gate
         self.is_on = True  # the last step's decision, for the stats
         self._cooldown: dict[str, int] = {}
         self._pending: dict[str, _Pending] = {}
@@ -165,18 +137,18 @@ class SpecController:
         if num_tokens > 0:
             self.samples.append((num_tokens, step_time_s))
             mean, seen, _ = self.by_count.get(num_tokens, (step_time_s, 0, 0))
-            self.by_count[num_tokens] = (_ewma(mean if seen else None, step_time_s), seen + 1, self._num_plans)
+            self.by_count[num_tokens] = (ewma(mean if seen else None, step_time_s, _EWMA), seen + 1, self._num_plans)
 
     def observe_draft(self, seconds: float) -> None:
         """One decode-like draft-model forward took `seconds` (Proposer.last_decode_forward_s)."""
-        self.draft_forward_s = _ewma(self.draft_forward_s, seconds)
+        self.draft_forward_s = ewma(self.draft_forward_s, seconds, _EWMA)
 
     def observe_catch_up(self, extra_tokens: int, seconds: float) -> None:
         """A draft forward computed `extra_tokens` beyond one per sequence in `seconds`
         (Proposer.last_catch_ups); priced once a decode-like forward's time is known."""
         if extra_tokens <= 0 or self.draft_forward_s is None:
             return
-        self.draft_token_s = _ewma(self.draft_token_s, max(seconds - self.draft_forward_s, 0.0) / extra_tokens)
+        self.draft_token_s = ewma(self.draft_token_s, max(seconds - self.draft_forward_s, 0.0) / extra_tokens, _EWMA)
 
     def measured(self) -> dict[int, float]:
         """Token counts measured often enough to trust → their moving-average step time."""
@@ -186,7 +158,7 @@ class SpecController:
         """Step time for `num_tokens`: measured there, else between the nearest measured counts,
         else the fit's slope from the nearest measured count (the fit itself when none is).
         `measured`: self.measured(), when the caller predicts several counts at once."""
-        return _Predictor(fit, self.measured() if measured is None else measured)(num_tokens)
+        return StepTimePredictor(fit, self.measured() if measured is None else measured)(num_tokens)
 
     def plan(self, requests: list[Request], buckets: Sequence[int | None] | None = None,
              catch_up: Sequence[int] | None = None) -> list[int]:
@@ -206,8 +178,8 @@ class SpecController:
         for request, bucket, k in zip(requests, buckets, ks, strict=True):
             if k:
                 stats = request.spec_stats
-                estimate = self._target_rate.get(request.request_id)
-                if bucket is None and estimate is not None and self.is_stale(request):
+                estimate = self._revival_estimate(request) if bucket is None else None
+                if estimate is not None:
                     # Revived on α̂: its κ and α start again from the estimate the plan used, so the guesses
                     # verified from here move them, not the dip that turned it off.
                     stats.recent_kept, stats.recent_acceptance = 1.0, estimate
@@ -235,12 +207,8 @@ class SpecController:
                 reached = min(drafted, accepted + 1)
                 for j, b in enumerate(pending.bins[:reached]):
                     self.confidence.record(b, 1, 1 if j < accepted else 0)
-                for j, p in enumerate(confidences[:reached]):
-                    self.target_confidence.record(target_confidence_bin(p), 1, 1 if j < accepted else 0)
-            rid = request.request_id
-            for p in confidences:
-                self._target_rate[rid] = _ewma_weighted(self._target_rate.get(rid),
-                                                        self.target_rate(target_confidence_bin(p)), _TARGET_EWMA)
+                self.target.record_verified(confidences, reached, accepted)
+            self.target.observe(request.request_id, confidences)
 
     def _k_for(self, request: Request) -> int:
         stats, rid = request.spec_stats, request.request_id
@@ -256,9 +224,9 @@ class SpecController:
 
     def _gains(self, request: Request, bucket: int | None, k: int) -> list[float]:
         if bucket is None:  # a draft model: guesses reach verification only where the gate kept them
-            stats, rid = request.spec_stats, request.request_id
-            estimate = self._target_rate.get(rid)
-            if estimate is not None and self.is_stale(request):
+            stats = request.spec_stats
+            estimate = self._revival_estimate(request)
+            if estimate is not None:
                 return geometric_gains(estimate, k)
             return [stats.recent_kept * g for g in geometric_gains(stats.recent_acceptance, k)]
         return self.acceptance.gains(bucket, k, None if self.bucket_prior is None else self.bucket_prior(bucket))
@@ -282,7 +250,7 @@ class SpecController:
         # batch take a prefix of each request's (the sort is stable, so equal gains keep j's order).
         ranked = sorted(((g, i) for i, (r, b, cap) in enumerate(zip(requests, buckets, caps, strict=True))
                          for g in self._gains(r, b, cap)), key=lambda e: -e[0])
-        predict = self._predict = _Predictor(fit, self.measured())
+        predict = self._predict = StepTimePredictor(fit, self.measured())
         plain_rate = n / max(predict(n), 1e-9)
         best_r, best_rate, emitted = 0, plain_rate, float(n)
         # A draft model's forwards: as many as the longest proposal, each draft_forward_s, plus for
@@ -333,9 +301,9 @@ class SpecController:
             return False
         return self._num_plans - self._last_drafted.get(request.request_id, 0) > _STALE_PLANS_OFF
 
-    def target_rate(self, bin_index: int) -> float:
-        """The learned chance that a guess at a row of target confidence bin `bin_index` is accepted."""
-        return self.target_confidence.gains(bin_index, 1, _TARGET_PRIORS[bin_index])[0]
+    def _revival_estimate(self, request: Request) -> float | None:
+        """α̂ for a draft request that is stale (None otherwise, or before its first scored token)."""
+        return self.target.estimate(request.request_id) if self.is_stale(request) else None
 
     def confidence_rate(self, bin_index: int) -> float:
         """The learned acceptance of draft guesses in confidence bin `bin_index`."""
@@ -368,7 +336,7 @@ class SpecController:
     def forget(self, request_id: str) -> None:
         self._cooldown.pop(request_id, None)
         self._pending.pop(request_id, None)
-        self._target_rate.pop(request_id, None)
+        self.target.forget(request_id)
         self._last_drafted.pop(request_id, None)
 
 
@@ -382,7 +350,7 @@ class DraftGate:
     g >= _KEEP_GAIN_UNFITTED. Whether to draft at all, and how far at most, is the plan's (which
     prices each draft forward at draft_forward_s)."""
 
-    def __init__(self, controller: SpecController, num_decoding: int, predict: _Predictor | None) -> None:
+    def __init__(self, controller: SpecController, num_decoding: int, predict: StepTimePredictor | None) -> None:
         self.started = time.monotonic()
         self.controller = controller
         self.predict = predict
@@ -409,28 +377,3 @@ class DraftGate:
         else:
             self.dropped += 1
         return worth
-
-
-class _Predictor:
-    """SpecController.predict over one snapshot of the measured counts, by bisection: a plan asks it for
-    every row count up to the batch's proposals (hundreds at batch 64)."""
-
-    def __init__(self, fit: tuple[float, float], measured: dict[int, float]) -> None:
-        self.a, self.b = fit
-        self.counts = sorted(measured)
-        self.times = [measured[n] for n in self.counts]
-
-    def __call__(self, num_tokens: int) -> float:
-        counts, times = self.counts, self.times
-        i = bisect.bisect_left(counts, num_tokens)
-        if i < len(counts) and counts[i] == num_tokens:
-            return times[i]
-        if 0 < i < len(counts):
-            below, above = counts[i - 1], counts[i]
-            w = (num_tokens - below) / (above - below)
-            return (1 - w) * times[i - 1] + w * times[i]
-        if i > 0:
-            return times[-1] + self.b * (num_tokens - counts[-1])
-        if counts:
-            return max(times[0] - self.b * (counts[0] - num_tokens), 0.0)
-        return self.a + self.b * num_tokens
