@@ -26,8 +26,9 @@
 // against the activation pair broadcast to all lanes leaves row r's partial sum in lane r. So a block
 // is 16 madds into one int32 vector per activation row, converted and scaled once (8 rows' scales are
 // one load), with no horizontal sums; each widened weight vector serves RM activation rows (register
-// tile RM x 8, RM <= 6: 4-row tiles, 5-6 where a 1-2-row rest joins the last), which is what makes M > 1 (batched decode, verification, prefill) cheap:
-// the weights stream once per RM rows and the per-row work is one broadcast, one madd, one add.
+// tile RM x 8, RM <= 6: 4-row tiles, 5-6 where a 1-2-row rest joins the last), which is what makes
+// M > 1 (batched decode, verification, prefill) cheap: the weights stream once per RM rows and the
+// per-row work is one broadcast, one madd, one add.
 // AVX-512 VNNI fuses the madd and the add (`vpdpwssd`) and runs 512-bit tiles: two groups (16 rows)
 // per zmm and up to 8 activation rows per tile (vnni::tile2); the portable path is plain int loops.
 //
