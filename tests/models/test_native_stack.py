@@ -42,6 +42,8 @@ class _Checked:
         self.native_steps = 0
         self.python_steps = 0
         self.max_rows = 0
+        self.rows: list[int] = []
+        self.previous: tuple[torch.Tensor, torch.Tensor] | None = None  # an output and its copy
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Any], meta: Any) -> Any:
         assert self.stack is not None
@@ -56,7 +58,11 @@ class _Checked:
             return reference
         self.native_steps += 1
         self.max_rows = max(self.max_rows, native.shape[0])
+        self.rows.append(native.shape[0])
         assert torch.equal(native, reference), (native - reference).abs().max()
+        if self.previous is not None:  # the stack reuses its buffers: what it returned must stay the caller's
+            assert torch.equal(*self.previous)
+        self.previous = (native, native.clone())
         return native
 
 
@@ -88,6 +94,20 @@ def test_decode_steps_equal_the_python_layers_exactly(arch: str, kv_cache_dtype:
                      SamplingParams(max_tokens=24, temperature=0.8, seed=1, ignore_eos=True))
     assert checked.native_steps >= 20 and checked.python_steps >= 1
     assert checked.max_rows == 3
+
+
+def test_steps_of_changing_width_reuse_the_workspace_exactly(quant_gguf: Callable[[str], Path]) -> None:
+    """The stack's activation buffers grow to the widest step and are viewed at each step's rows:
+    decode steps of 3, then 1, then 5, then 2 rows (and the short prompts' steps, one row per prompt
+    token, which grow the buffers past each earlier width) all equal the Python layers."""
+    llm = _llm(quant_gguf("llama"))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    rows = []
+    for lengths in ([5, 23, 40], [7], [3, 4, 5, 6, 7], [30, 2]):
+        checked = _check(llm, _prompts(lengths), params)
+        assert checked.native_steps >= 5
+        rows += checked.rows
+    assert {1, 2, 3, 5} <= set(rows) and rows.index(max(rows)) > rows.index(3)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

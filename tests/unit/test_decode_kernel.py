@@ -110,6 +110,45 @@ def test_a_row_is_bit_identical_whatever_else_is_in_the_step(threads: int, dtype
         assert torch.equal(out, outs[0])
 
 
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_a_split_row_gives_every_thread_an_equal_share(threads: int) -> None:
+    """parallel_for hands each thread a contiguous run of ceil(items / threads) chunks: a split row's
+    chunks come in a multiple of the threads and of equal length, so a batch-1 row's keys divide
+    evenly (64, 64, 22 gave one thread of two 128 keys and the other 22)."""
+    assert kernels is not None
+    key_bytes = 2 * 3 * 64 * 4  # SmolLM2: keys and values of 3 kv heads x 64 fp32 dims
+    assert kernels.decode_chunks(150, 2, key_bytes) == [38, 38, 38, 36]
+    assert kernels.decode_chunks(100, 2, key_bytes) == [50, 50]
+    assert kernels.decode_chunks(64, 2, key_bytes) == [64]  # too short to split
+    max_chunk = (256 << 10) // key_bytes
+    for keys in range(1, 2500):
+        lens = kernels.decode_chunks(keys, threads, key_bytes)
+        assert sum(lens) == keys and max(lens) <= max(64, max_chunk)
+        if len(lens) == 1:
+            continue
+        assert min(lens[:-1]) >= 32 and max(lens) - min(lens) < len(lens)
+        run = -(-len(lens) // threads)
+        shares = [sum(lens[i:i + run]) for i in range(0, len(lens), run)]
+        if keys >= 32 * threads:  # room for every thread
+            assert len(shares) == threads and max(shares) - min(shares) < 2 * len(lens), (keys, lens)
+
+
+def test_a_strided_query_and_a_given_output_match_the_copying_call() -> None:
+    """The decoder stack passes q as a view of its fused q/k/v rows (a stride between sequences) and
+    its own output buffer."""
+    assert kernels is not None
+    g = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(30, 16, 3, 64, generator=g)
+    v_cache = torch.randn(30, 16, 3, 64, generator=g)
+    table = torch.randperm(30, generator=g).view(3, 10)
+    lens = torch.tensor([17, 64, 150])
+    qkv = torch.randn(3, 9 + 2 * 3, 64, generator=g)
+    q = qkv.narrow(1, 0, 9)
+    assert not q.is_contiguous()
+    expected = kernels.paged_decode_attention(q.contiguous(), k_cache, v_cache, table, lens, 0.125, 0, 0.0)
+    assert torch.equal(kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.125, 0, 0.0), expected)
+
+
 def test_bad_arguments_raise_instead_of_reading_out_of_bounds() -> None:
     assert kernels is not None
     cache = torch.zeros(4, 4, 2, 8)

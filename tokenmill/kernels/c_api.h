@@ -17,9 +17,14 @@
 
 namespace tokenmill_capi {
 
+// The computing entry points write into `out`, a contiguous buffer of the result's shape and dtype the
+// caller owns: the decoder stack reuses one set of buffers layer after layer (an output tensor
+// allocated per call cost ~1.5 us of allocator and TensorImpl work, on cold cache lines, 7-8 times a
+// layer).
 // glue_kernels.cpp
-using RmsNorm = at::Tensor (*)(const at::Tensor& x, const at::Tensor& w, double eps);
-using AddRmsNorm = at::Tensor (*)(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps);
+using RmsNormOut = void (*)(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& out);
+using AddRmsNormOut = void (*)(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps,
+                               at::Tensor& out);
 using Rope = void (*)(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // cpu_kernels.cpp
 using KvWrite = void (*)(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& k,
@@ -30,15 +35,19 @@ using KvWriteInt8 = void (*)(at::Tensor k_cache, at::Tensor v_cache, at::Tensor 
                              const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v,
                              const c10::optional<at::Tensor>& k_shift, const c10::optional<at::Tensor>& k_inv_sigma,
                              const c10::optional<at::Tensor>& v_shift, const c10::optional<at::Tensor>& v_inv_sigma);
-using Decode = at::Tensor (*)(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
-                              at::Tensor seq_lens, double scale, int64_t window, double softcap);
-using DecodeInt8 = at::Tensor (*)(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_scale,
-                                  at::Tensor v_scale, at::Tensor block_table, at::Tensor seq_lens, double scale,
-                                  int64_t window, double softcap);
-using SiluMul = at::Tensor (*)(const at::Tensor& gate_up);
-using Skinny = at::Tensor (*)(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);  // 1-4 rows, fp32
-// quant_kernels.cpp: a QuantPlan (its `handle()` capsule) applied to x.
-using PlanForward = at::Tensor (*)(const void* plan, const at::Tensor& x);
+// q [S, H, hd] with contiguous heads, any stride between sequences.
+using DecodeOut = void (*)(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, int64_t window,
+                           double softcap, at::Tensor& out);
+using DecodeInt8Out = void (*)(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                               const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_table,
+                               const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                               at::Tensor& out);
+using SiluMulOut = void (*)(const at::Tensor& gate_up, at::Tensor& out);
+using SkinnyOut = void (*)(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                           at::Tensor& out);  // 1-4 rows, fp32
+// quant_kernels.cpp: a QuantPlan (its `handle()` capsule) applied to x [M, K] into out [M, N].
+using PlanForwardOut = void (*)(const void* plan, const at::Tensor& x, at::Tensor& out);
 
 constexpr const char* kPlanCapsule = "tokenmill.QuantPlan";
 

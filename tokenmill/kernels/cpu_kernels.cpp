@@ -334,6 +334,29 @@ inline void prefetch_rows(const void* start, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
 }
 
+// Keys per chunk of one sequence's `keys` keys (decode_kernel's work items; the last chunk takes the
+// rest). About 4 chunks a thread, at least kMinChunk keys each, and never more keys than keep a
+// chunk's keys and values (read by the key pass, read again by the value pass; key_bytes per key)
+// within ~256 KiB of L2: at 1,000 keys a whole SmolLM2 sequence (1.5 MB) made the value pass re-read
+// its rows from L3 (batch 32: 7.7 ms a layer warm against 2.4 ms in chunks). A split sequence then
+// takes a multiple of the thread count of equal chunks (at least kMinSplit keys each): parallel_for
+// hands each thread a contiguous run of ceil(items / threads), so a batch-1 row of 150 keys cut 64,
+// 64, 22 gave one thread 128 keys and the other 22 (perf: the main thread did three quarters of
+// batch-1 attention while the other spun). The length depends on the sequence's own key count only,
+// never on the other rows of the step: a speculative verification scores 1 + k rows of one request
+// where a plain decode scores one, and greedy output must not change with it (chunks sized from the
+// step's total keys flipped a near-tie on Qwen2.5-Coder-0.5B).
+int64_t decode_chunk_len(int64_t keys, int64_t threads, int64_t key_bytes) {
+  constexpr int64_t kMinChunk = 64;  // below this a chunk's fixed cost and merge outweigh the parallelism (32: batch 32 at 100 keys 1.23x slower)
+  constexpr int64_t kMinSplit = 32;
+  if (keys <= 0) return 1;
+  const int64_t max_chunk = std::max(kMinChunk, (256 << 10) / std::max<int64_t>(1, key_bytes));
+  const int64_t base = std::min(max_chunk, std::max(kMinChunk, (keys + 4 * threads - 1) / (4 * threads)));
+  int64_t n = (keys + base - 1) / base;
+  if (n > 1) n = std::min((n + threads - 1) / threads * threads, std::max<int64_t>(2, keys / kMinSplit));
+  return (keys + n - 1) / n;
+}
+
 // TQ: query and output type; TC: cache element type. k_scale/v_scale [slots, KVH] are read only
 // when TC is int8 (null otherwise).
 //
@@ -350,32 +373,20 @@ template <typename TQ, typename TC>
 void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::Half* k_scale,
                    const at::Half* v_scale, const int64_t* block_table, const int64_t* seq_lens, TQ* out,
                    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                   int64_t table_width, double scale, int64_t window, double softcap) {
+                   int64_t table_width, double scale, int64_t window, double softcap, int64_t q_stride) {
   constexpr bool kQuant = std::is_same_v<TC, int8_t>;
-  constexpr int64_t kMinChunk = 64;  // keys; below this a chunk's fixed cost and merge outweigh the parallelism (32: batch 32 at 100 keys 1.23x slower once chunks no longer depend on the step)
   const int64_t rep = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // elements between consecutive slots
   const int64_t threads = at::get_num_threads();
   const float qscale = softcap > 0 ? 1.f : static_cast<float>(scale);  // with a softcap, scale goes inside tanh
   const auto first_key = [&](int64_t s) { return window > 0 ? std::max<int64_t>(0, seq_lens[s] - window) : 0; };
-  // Chunk length: about 4 chunks a thread for one sequence; and never more keys than keep a chunk's
-  // keys and values (read by the key pass, read again by the value pass) within ~256 KiB of L2: at
-  // 1,000 keys a whole SmolLM2 sequence (1.5 MB) made the value pass re-read its rows from L3 (batch
-  // 32: 7.7 ms a layer warm against 2.4 ms in chunks). A sequence's chunks depend on its own key
-  // count only, never on the other rows of the step: a speculative verification scores 1 + k rows
-  // of one request where a plain decode scores one, and greedy output must not change with it
-  // (chunks sized from the step's total keys flipped a near-tie on Qwen2.5-Coder-0.5B).
   const int64_t key_bytes = 2 * token_stride * static_cast<int64_t>(sizeof(TC));
-  const int64_t max_chunk = std::max(kMinChunk, (256 << 10) / key_bytes);
-  const auto chunk_of = [&](int64_t keys) {
-    return std::min(max_chunk, std::max(kMinChunk, (keys + 4 * threads - 1) / (4 * threads)));
-  };
   std::vector<int64_t> item_seq, item_t0;  // items in sequence order; a sequence's chunks are consecutive
   std::vector<int64_t> first_item(num_seqs + 1), seq_chunk(num_seqs);
   for (int64_t s = 0; s < num_seqs; ++s) {
     first_item[s] = static_cast<int64_t>(item_seq.size());
     const int64_t lo = first_key(s), len = seq_lens[s];
-    const int64_t chunk = seq_chunk[s] = chunk_of(len - lo);
+    const int64_t chunk = seq_chunk[s] = decode_chunk_len(len - lo, threads, key_bytes);
     for (int64_t t0 = lo; t0 < len; t0 = t0 + std::min(chunk, len - t0)) {
       item_seq.push_back(s);
       item_t0.push_back(t0);
@@ -402,7 +413,7 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
       const bool seq_split = first_item[s + 1] - first_item[s] > 1;
       slots.resize(n);
       slots_of(block_table + s * table_width, t0, n, block_size, slots.data());
-      const TQ* qs = q + s * num_heads * head_dim;
+      const TQ* qs = q + s * q_stride;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = static_cast<float>(qs[i]) * qscale;
       // The unnormalised values: a split sequence's go straight to its partials.
       float* acc = seq_split ? part_a.data() + item * num_heads * head_dim : own_acc.data();
@@ -537,53 +548,74 @@ void check_decode_args(const torch::Tensor& q, const torch::Tensor& k_cache, con
 
 }  // namespace
 
-// q [S, H, hd]; k_cache, v_cache [num_blocks, block_size, KVH, hd] (fp32, bf16 or fp16, any under any
-// q); block_table [S, W] int64; seq_lens [S] int64 (keys per sequence, the new token included).
-// Returns [S, H, hd] in q's dtype.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_table, torch::Tensor seq_lens, double scale,
-                                     int64_t window, double softcap) {
+// q [S, H, hd] (heads back to back; any stride between sequences: the decoder stack passes a view of
+// its fused q/k/v rows); k_cache, v_cache [num_blocks, block_size, KVH, hd] (fp32, bf16 or fp16, any
+// under any q); block_table [S, W] int64; seq_lens [S] int64 (keys per sequence, the new token
+// included); out [S, H, hd] contiguous, q's dtype.
+static void check_decode_out(const torch::Tensor& q, const torch::Tensor& out) {
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q must have contiguous heads");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "out must be contiguous, shaped and typed like q");
+}
+
+void paged_decode_attention_out(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                const torch::Tensor& block_table, const torch::Tensor& seq_lens, double scale,
+                                int64_t window, double softcap, torch::Tensor& out) {
   check_decode_args(q, k_cache, v_cache, block_table, seq_lens);
-  q = q.contiguous();
-  block_table = block_table.contiguous();
-  seq_lens = seq_lens.contiguous();
-  auto out = torch::empty_like(q);
+  check_decode_out(q, out);
+  const torch::Tensor table = block_table.contiguous(), lens = seq_lens.contiguous();
   with_float_type(q.scalar_type(), "q", [&](auto tq) {
     using TQ = decltype(tq);
     with_float_type(k_cache.scalar_type(), "the caches", [&](auto tc) {
       using TC = decltype(tc);
       decode_kernel<TQ, TC>(q.data_ptr<TQ>(), k_cache.data_ptr<TC>(), v_cache.data_ptr<TC>(), nullptr, nullptr,
-                            block_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<TQ>(),
-                            q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_table.size(1),
-                            scale, window, softcap);
+                            table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<TQ>(), q.size(0),
+                            q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), table.size(1), scale, window,
+                            softcap, q.stride(0));
     });
   });
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_table, torch::Tensor seq_lens, double scale,
+                                     int64_t window, double softcap) {
+  if (q.dim() == 3 && (q.stride(2) != 1 || q.stride(1) != q.size(2))) q = q.contiguous();
+  auto out = torch::empty(q.sizes(), q.options());
+  paged_decode_attention_out(q, k_cache, v_cache, block_table, seq_lens, scale, window, softcap, out);
   return out;
 }
 
 // The int8 cache: k_cache, v_cache int8 as above; k_scale, v_scale [num_blocks, block_size, KVH] fp16.
-torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                          torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_table,
-                                          torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
+void paged_decode_attention_int8_out(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& k_scale,
+                                     const torch::Tensor& v_scale, const torch::Tensor& block_table,
+                                     const torch::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                                     torch::Tensor& out) {
   check_decode_args(q, k_cache, v_cache, block_table, seq_lens);
+  check_decode_out(q, out);
   TORCH_CHECK(k_cache.scalar_type() == at::kChar, "int8 caches expected");
   TORCH_CHECK(k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf, "fp16 scales expected");
   TORCH_CHECK(k_scale.dim() == 3 && k_scale.sizes() == k_cache.sizes().slice(0, 3) &&
                   v_scale.sizes() == k_scale.sizes(),
               "scales [num_blocks, block_size, KVH] expected");
   TORCH_CHECK(k_scale.is_contiguous() && v_scale.is_contiguous(), "scales must be contiguous");
-  q = q.contiguous();
-  block_table = block_table.contiguous();
-  seq_lens = seq_lens.contiguous();
-  auto out = torch::empty_like(q);
+  const torch::Tensor table = block_table.contiguous(), lens = seq_lens.contiguous();
   with_float_type(q.scalar_type(), "q", [&](auto tq) {
     using TQ = decltype(tq);
     decode_kernel<TQ, int8_t>(q.data_ptr<TQ>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
-                              k_scale.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(),
-                              block_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<TQ>(),
-                              q.size(0), q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_table.size(1),
-                              scale, window, softcap);
+                              k_scale.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(), table.data_ptr<int64_t>(),
+                              lens.data_ptr<int64_t>(), out.data_ptr<TQ>(), q.size(0), q.size(1), k_cache.size(2),
+                              q.size(2), k_cache.size(1), table.size(1), scale, window, softcap, q.stride(0));
   });
+}
+
+torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                          torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_table,
+                                          torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
+  if (q.dim() == 3 && (q.stride(2) != 1 || q.stride(1) != q.size(2))) q = q.contiguous();
+  auto out = torch::empty(q.sizes(), q.options());
+  paged_decode_attention_int8_out(q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, scale, window,
+                                  softcap, out);
   return out;
 }
 
@@ -721,19 +753,28 @@ inline void silu_mul_row(const float* g, const float* u, float* y, int64_t n) {
   for (; i < n; ++i) y[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
-torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+// out [..., I] contiguous float32 (the decoder stack passes a buffer it reuses).
+void silu_mul_out(const torch::Tensor& gate_up, torch::Tensor& out) {
   TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() && gate_up.dim() >= 1 &&
                   gate_up.size(-1) % 2 == 0,
               "silu_mul: gate_up must be contiguous float32 [..., 2 * intermediate]");
   const int64_t I = gate_up.size(-1) / 2, M = I == 0 ? 0 : gate_up.numel() / (2 * I);
-  std::vector<int64_t> sizes = gate_up.sizes().vec();
-  sizes.back() = I;
-  torch::Tensor y = torch::empty(sizes, gate_up.options());
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == gate_up.dim() &&
+                  out.size(-1) == I && out.numel() == M * I,
+              "silu_mul: out must be contiguous float32 [..., intermediate]");
   const float* gp = gate_up.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, I)), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) silu_mul_row(gp + m * 2 * I, gp + m * 2 * I + I, yp + m * I, I);
   });
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  std::vector<int64_t> sizes = gate_up.sizes().vec();
+  TORCH_CHECK(!sizes.empty(), "silu_mul: gate_up must have a feature dimension");
+  sizes.back() /= 2;
+  torch::Tensor y = torch::empty(sizes, gate_up.options());
+  silu_mul_out(gate_up, y);
   return y;
 }
 
@@ -827,12 +868,14 @@ void gemv_rows(const float* x, const float* w, const float* b, float* y, int64_t
   }
 }
 
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and W [N, K] expected");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "fp32 only");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 4, "1 to 4 rows");
+// out [M, N] contiguous float32 (the decoder stack passes a buffer it reuses).
+void skinny_linear_out(const torch::Tensor& x_in, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                       torch::Tensor& out) {
+  TORCH_CHECK(x_in.dim() == 2 && w.dim() == 2 && x_in.size(1) == w.size(1), "x [M, K] and W [N, K] expected");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(x_in.size(0) >= 1 && x_in.size(0) <= 4, "1 to 4 rows");
   TORCH_CHECK(w.is_contiguous(), "W must be contiguous");
-  x = x.contiguous();
+  const torch::Tensor x = x_in.contiguous();
   const float* b = nullptr;
   torch::Tensor bias_c;
   if (bias.has_value() && bias->defined()) {
@@ -841,10 +884,11 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
     b = bias_c.data_ptr<float>();
   }
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  auto y = torch::empty({m, n}, x.options());
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == m &&
+                  out.size(1) == n, "out must be contiguous float32 [M, N]");
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
   // 16 KiB+ of W per task: enough work to amortise the fork, small enough to balance two cores.
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(k, 1));
   at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
@@ -855,11 +899,23 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
       default: gemv_rows<4>(xp, wp, b, yp, k, lo, hi, n); break;
     }
   });
+}
+
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x [M, K] and W [N, K] expected");
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
+  skinny_linear_out(x, w, bias, y);
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("decode_chunks", [](int64_t keys, int64_t threads, int64_t key_bytes) {
+    std::vector<int64_t> lens;
+    const int64_t chunk = decode_chunk_len(keys, threads, key_bytes);
+    for (int64_t t0 = 0; t0 < keys; t0 += chunk) lens.push_back(std::min(chunk, keys - t0));
+    return lens;
+  }, "the key counts of the chunks paged decode attention splits one sequence into (tests)");
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8,
         "paged decode attention over an int8 KV cache with fp16 scales per (slot, kv head) (CPU)");
   m.def("kv_write", &kv_write, "k, v [T, KVH, hd] into the paged caches at flat slots [T], dtype-converted (CPU)");
@@ -877,10 +933,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pybind11::dict api;
     TM_CAPI_ENTRY(api, KvWrite, kv_write);
     TM_CAPI_ENTRY_V(api, KvWriteInt8, kv_write_int8, 3);
-    TM_CAPI_ENTRY(api, Decode, paged_decode_attention);
-    TM_CAPI_ENTRY(api, DecodeInt8, paged_decode_attention_int8);
-    TM_CAPI_ENTRY(api, SiluMul, silu_mul);
-    TM_CAPI_ENTRY(api, Skinny, skinny_linear);
+    TM_CAPI_ENTRY(api, DecodeOut, paged_decode_attention_out);
+    TM_CAPI_ENTRY(api, DecodeInt8Out, paged_decode_attention_int8_out);
+    TM_CAPI_ENTRY(api, SiluMulOut, silu_mul_out);
+    TM_CAPI_ENTRY(api, SkinnyOut, skinny_linear_out);
     return api;
   }, "the entry points as C function pointers (c_api.h), for stack_kernels.cpp");
 }

@@ -39,9 +39,15 @@ void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
 
 int64_t grain_rows(int64_t D) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, D)); }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+// y must be a contiguous float32 tensor shaped like x (the decoder stack passes buffers it reuses).
+void check_out(const at::Tensor& x, const at::Tensor& y, const char* name) {
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.sizes() == x.sizes(), name,
+              ": out must be contiguous float32 shaped like x");
+}
+
+void rms_norm_out(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y) {
   check_rows(x, w, "rms_norm");
-  at::Tensor y = at::empty_like(x);
+  check_out(x, y, "rms_norm");
   const int64_t D = x.size(-1), T = x.numel() / std::max<int64_t>(1, D);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -49,14 +55,19 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::parallel_for(0, T, grain_rows(D), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) rms_row(xp + t * D, wp, yp + t * D, D, static_cast<float>(eps));
   });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  rms_norm_out(x, w, eps, y);
   return y;
 }
 
-at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+void add_rms_norm_out(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps, at::Tensor& y) {
   check_rows(x, w, "add_rms_norm");
+  check_out(x, y, "add_rms_norm");
   TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous() && residual.sizes() == x.sizes(),
               "add_rms_norm: residual must be contiguous float32 shaped like x");
-  at::Tensor y = at::empty_like(x);
   const int64_t D = x.size(-1), T = x.numel() / std::max<int64_t>(1, D);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -71,6 +82,11 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
       rms_row(h, wp, yp + t * D, D, static_cast<float>(eps));
     }
   });
+}
+
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  add_rms_norm_out(x, residual, w, eps, y);
   return y;
 }
 
@@ -109,8 +125,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotate-half RoPE in place over [T, heads, head_dim] (CPU)");
   m.def("c_api", [] {
     pybind11::dict api;
-    TM_CAPI_ENTRY(api, RmsNorm, rms_norm);
-    TM_CAPI_ENTRY(api, AddRmsNorm, add_rms_norm);
+    TM_CAPI_ENTRY(api, RmsNormOut, rms_norm_out);
+    TM_CAPI_ENTRY(api, AddRmsNormOut, add_rms_norm_out);
     TM_CAPI_ENTRY(api, Rope, rope_);
     return api;
   }, "the entry points as C function pointers (c_api.h), for stack_kernels.cpp");

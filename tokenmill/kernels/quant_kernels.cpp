@@ -680,37 +680,20 @@ void check_isa(int64_t isa, int64_t passes) {
   TORCH_CHECK(passes == 1 || passes == 2, "activation passes must be 1 or 2, not ", passes);
 }
 
-// y [M, sum rows_i] = x [M, K] times the concatenated interleaved matrices (qs_i, scale_i, offset_i,
-// high_i) of rows_i output rows each. qs int8 → q8 (offset and high ignored: pass empty tensors),
-// uint8 → q4, or q5 where high_i is not empty (offset ignored). `highs` may be empty: no q5 matrix.
-// x: float32, contiguous. passes: activation rounding passes (2: the 15-bit rounding, 1: plain int8).
-// amx_rows / bf16_rows: the amx path's thresholds (amx_min_rows(), amx_bf16_rows()) for this call where
-// >= 0 (bf16_rows 0: never), so tests reach every tile kind at any M.
-at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, const std::vector<at::Tensor>& scales,
-                        const std::vector<at::Tensor>& offsets, const std::vector<int64_t>& rows, int64_t passes,
-                        int64_t isa, const std::vector<at::Tensor>& highs, int64_t amx_rows = -1,
-                        int64_t bf16_rows = -1) {
-  check_isa(isa, passes);
-  if (amx_rows < 0) amx_rows = amx_min_rows();
-  if (amx_rows == 0) amx_rows = 1;
-  if (bf16_rows < 0) bf16_rows = amx_bf16_rows();
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+// The matrices (qs_i, scale_i, offset_i, high_i) of rows_i output rows each, checked and viewed as the
+// tiles read them. qs int8 → q8 (offset and high ignored: pass empty tensors), uint8 → q4, or q5 where
+// high_i is not empty (offset ignored). `highs` may be empty: no q5 matrix. K: the input features.
+std::vector<Weights> checked_weights(const std::vector<at::Tensor>& qs, const std::vector<at::Tensor>& scales,
+                                     const std::vector<at::Tensor>& offsets, const std::vector<int64_t>& rows,
+                                     const std::vector<at::Tensor>& highs, int64_t K) {
   TORCH_CHECK(qs.size() == scales.size() && qs.size() == offsets.size() && qs.size() == rows.size() && !qs.empty() &&
               (highs.empty() || highs.size() == qs.size()), "one scale/offset/row count (and high plane) per matrix");
-  auto is_q5 = [&](size_t i) { return !highs.empty() && highs[i].numel() > 0; };
-  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % QK == 0, "in_features ", K, " is not a multiple of 32");
+  auto is_q5 = [&](size_t i) { return !highs.empty() && highs[i].numel() > 0; };
   const int64_t nb = K / QK;
-  auto weights_of = [&](size_t i) {  // matrix i as the tiles read it (after the checks below)
-    const bool q4 = qs[i].scalar_type() == at::kByte, q5 = is_q5(i);
-    return Weights{static_cast<const uint8_t*>(qs[i].data_ptr()), scales[i].data_ptr(),
-                   q4 && !q5 ? offsets[i].data_ptr() : nullptr,
-                   q5 ? static_cast<const uint8_t*>(highs[i].data_ptr()) : nullptr, nb, rows[i], q4,
-                   scales[i].scalar_type() == at::kHalf, q5};
-  };
-  int64_t total = 0;
+  std::vector<Weights> out;
   for (size_t i = 0; i < qs.size(); ++i) {
-    const bool q4 = qs[i].scalar_type() == at::kByte;
+    const bool q4 = qs[i].scalar_type() == at::kByte, q5 = is_q5(i);
     const int64_t groups = (rows[i] + RG - 1) / RG;
     TORCH_CHECK(q4 || qs[i].scalar_type() == at::kChar, "qs must be int8 (q8) or uint8 (q4)");
     TORCH_CHECK(rows[i] > 0 && qs[i].dim() == 2 && qs[i].is_contiguous() && qs[i].size(0) == groups &&
@@ -718,14 +701,29 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, 
     const at::ScalarType lane_type = scales[i].scalar_type();
     TORCH_CHECK((lane_type == at::kFloat || lane_type == at::kHalf) && scales[i].is_contiguous() &&
                 scales[i].numel() == groups * nb * RG, "scale must be float32 or fp16 [ceil(rows/8), K/32 * 8]");
-    TORCH_CHECK(!q4 || is_q5(i) || (offsets[i].scalar_type() == lane_type && offsets[i].is_contiguous() &&
+    TORCH_CHECK(!q4 || q5 || (offsets[i].scalar_type() == lane_type && offsets[i].is_contiguous() &&
                         offsets[i].numel() == groups * nb * RG), "offset must be [ceil(rows/8), K/32 * 8] of scale's dtype");
-    TORCH_CHECK(!is_q5(i) || (q4 && highs[i].scalar_type() == at::kByte && highs[i].is_contiguous() &&
-                              highs[i].numel() == groups * nb * 32), "high must be uint8 [ceil(rows/8), K/32 * 32] (q5)");
-    total += rows[i];
+    TORCH_CHECK(!q5 || (q4 && highs[i].scalar_type() == at::kByte && highs[i].is_contiguous() &&
+                        highs[i].numel() == groups * nb * 32), "high must be uint8 [ceil(rows/8), K/32 * 32] (q5)");
+    out.push_back(Weights{static_cast<const uint8_t*>(qs[i].data_ptr()), scales[i].data_ptr(),
+                          q4 && !q5 ? offsets[i].data_ptr() : nullptr,
+                          q5 ? static_cast<const uint8_t*>(highs[i].data_ptr()) : nullptr, nb, rows[i], q4,
+                          lane_type == at::kHalf, q5});
   }
-  at::Tensor out = at::empty({M, total}, x.options());
-  if (M == 0 || total == 0) return out;
+  return out;
+}
+
+// y [M, ld] (the first sum rows_i columns written) = x [M, K] times the concatenated matrices `ws`.
+// passes: activation rounding passes (2: the 15-bit rounding, 1: plain int8). amx_rows / bf16_rows:
+// the amx path's thresholds (amx_min_rows(), amx_bf16_rows()) for this call where >= 0 (bf16_rows 0:
+// never), so tests reach every tile kind at any M.
+void quant_linear_into(const float* x, int64_t M, int64_t K, const std::vector<Weights>& ws, int64_t passes,
+                       int64_t isa, int64_t amx_rows, int64_t bf16_rows, float* y, int64_t ld) {
+  if (amx_rows < 0) amx_rows = amx_min_rows();
+  if (amx_rows == 0) amx_rows = 1;
+  if (bf16_rows < 0) bf16_rows = amx_bf16_rows();
+  if (M == 0) return;
+  const int64_t nb = K / QK;
   // The quantized activations live in a per-thread scratch buffer, grown as needed: three tensor
   // allocations a call were ~1 us each against a few us of work for a batch-1 matrix.
   // Mp rows of d, s and the int8 passes: the AMX tiles read whole 16-row tiles (rows past M are
@@ -746,23 +744,43 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, 
     uint16_t* xb = reinterpret_cast<uint16_t*>(d);
     const size_t need = ((M + 16) * K + 1) / 2 + 16;
     if (scratch.size() < need) { scratch.resize(need); xb = reinterpret_cast<uint16_t*>(scratch.data()); }
-    amxbf::to_bf16(x.data_ptr<float>(), M, K, xb);
+    amxbf::to_bf16(x, M, K, xb);
     int64_t col = 0;
-    for (size_t i = 0; i < qs.size(); ++i) {
-      amxbf::linear(weights_of(i), xb, M, out.data_ptr<float>() + col, total);
-      col += rows[i];
+    for (const Weights& w : ws) {
+      amxbf::linear(w, xb, M, y + col, ld);
+      col += w.rows;
     }
-    return out;
+    return;
   }
 #endif
-  quantize_activations(x.data_ptr<float>(), M, K, passes, qa, d, s, isa);
+  quantize_activations(x, M, K, passes, qa, d, s, isa);
   combine_passes(qa, M, K, passes, a16);
   const Act act{a16, d, s, K, nb, qa, passes};
   int64_t col = 0;
-  for (size_t i = 0; i < qs.size(); ++i) {
-    run_groups(weights_of(i), act, M, out.data_ptr<float>() + col, total, isa, amx_rows);
-    col += rows[i];
+  for (const Weights& w : ws) {
+    run_groups(w, act, M, y + col, ld, isa, amx_rows);
+    col += w.rows;
   }
+}
+
+int64_t total_rows(const std::vector<Weights>& ws) {
+  int64_t total = 0;
+  for (const Weights& w : ws) total += w.rows;
+  return total;
+}
+
+// y [M, sum rows_i] = x [M, K] (float32, contiguous) times the matrices of checked_weights.
+at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, const std::vector<at::Tensor>& scales,
+                        const std::vector<at::Tensor>& offsets, const std::vector<int64_t>& rows, int64_t passes,
+                        int64_t isa, const std::vector<at::Tensor>& highs, int64_t amx_rows = -1,
+                        int64_t bf16_rows = -1) {
+  check_isa(isa, passes);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  const std::vector<Weights> ws = checked_weights(qs, scales, offsets, rows, highs, x.size(1));
+  const int64_t total = total_rows(ws);
+  at::Tensor out = at::empty({x.size(0), total}, x.options());
+  quant_linear_into(x.data_ptr<float>(), x.size(0), x.size(1), ws, passes, isa, amx_rows, bf16_rows,
+                    out.data_ptr<float>(), total);
   return out;
 }
 
@@ -786,28 +804,40 @@ std::vector<at::Tensor> quantize_activations_op(const at::Tensor& x, int64_t pas
 // where the Python wrapper's reshapes, checks and list conversions cost ~9 us a call, more than
 // the kernel itself for a batch-1 matrix of SmolLM2 (121 calls a step).
 struct QuantPlan {
-  std::vector<at::Tensor> qs, scales, offsets;
-  std::vector<int64_t> rows;
-  int64_t passes, isa;
-  c10::optional<at::Tensor> bias;
+  std::vector<at::Tensor> qs, scales, offsets;  // kept alive: `ws` points into them
   std::vector<at::Tensor> highs;
+  std::vector<Weights> ws;  // checked once, at construction
+  int64_t K, N, passes, isa;
+  c10::optional<at::Tensor> bias;
   int64_t bf16_rows;  // quant_linear's: -1 the CPU's default, 0 never (integer tiles at every M)
+
+  // y [M, N] = x [M, K] W^T (+ bias), both contiguous float32: the decoder stack's call, into its buffer.
+  void forward_into(const at::Tensor& x, at::Tensor& y) const {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == K,
+                "x must be contiguous float32 [M, ", K, "]");
+    TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.is_contiguous() && y.size(0) == x.size(0) &&
+                y.size(1) == N, "out must be contiguous float32 [M, ", N, "]");
+    quant_linear_into(x.data_ptr<float>(), x.size(0), K, ws, passes, isa, -1, bf16_rows, y.data_ptr<float>(), N);
+    if (bias.has_value()) y.add_(*bias);
+  }
 
   at::Tensor forward(const at::Tensor& x) const {
     TORCH_CHECK(x.dim() >= 1, "x must have a feature dimension");
     at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
     if (x2.scalar_type() != at::kFloat) x2 = x2.to(at::kFloat);
     x2 = x2.contiguous();
-    at::Tensor y = quant_linear(x2, qs, scales, offsets, rows, passes, isa, highs, -1, bf16_rows);
-    if (bias.has_value()) y.add_(*bias);
+    at::Tensor y = at::empty({x2.size(0), N}, x2.options());
+    forward_into(x2, y);
     if (x.dim() == 2) return y;
     std::vector<int64_t> sizes = x.sizes().vec();
-    sizes.back() = y.size(1);
+    sizes.back() = N;
     return y.view(sizes);
   }
 };
 
-at::Tensor plan_forward(const void* plan, const at::Tensor& x) { return static_cast<const QuantPlan*>(plan)->forward(x); }
+void plan_forward_out(const void* plan, const at::Tensor& x, at::Tensor& out) {
+  static_cast<const QuantPlan*>(plan)->forward_into(x, out);
+}
 
 }  // namespace
 
@@ -817,20 +847,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              std::vector<at::Tensor> offsets, std::vector<int64_t> rows, int64_t passes, int64_t isa,
                              c10::optional<at::Tensor> bias, std::vector<at::Tensor> highs, int64_t bf16_rows) {
              check_isa(isa, passes);
-             TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous()),
-                         "bias must be contiguous float32");
-             return QuantPlan{std::move(qs), std::move(scales), std::move(offsets), std::move(rows), passes, isa,
-                              std::move(bias), std::move(highs), bf16_rows};
+             TORCH_CHECK(!qs.empty() && qs[0].dim() == 2, "a plan needs its matrices");
+             // qs [groups, nb * (128 or 256)]: K = nb * 32 either way.
+             const int64_t K = qs[0].size(1) / (qs[0].scalar_type() == at::kByte ? 128 : 256) * QK;
+             std::vector<Weights> ws = checked_weights(qs, scales, offsets, rows, highs, K);
+             const int64_t N = total_rows(ws);
+             TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                               bias->numel() == N), "bias must be contiguous float32 [N]");
+             return QuantPlan{std::move(qs), std::move(scales), std::move(offsets), std::move(highs), std::move(ws),
+                              K, N, passes, isa, std::move(bias), bf16_rows};
            }), pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("rows"),
            pybind11::arg("passes"), pybind11::arg("isa"), pybind11::arg("bias"),
            pybind11::arg("highs") = std::vector<at::Tensor>{}, pybind11::arg("bf16_rows") = -1)
       .def("__call__", &QuantPlan::forward, "y = x W^T (+ bias) over x's last dimension (float32 out)")
+      .def_property_readonly("in_features", [](const QuantPlan& plan) { return plan.K; })
+      .def_property_readonly("out_features", [](const QuantPlan& plan) { return plan.N; })
       .def("handle", [](const QuantPlan& plan) {
         return pybind11::capsule(static_cast<const void*>(&plan), tokenmill_capi::kPlanCapsule);
-      }, "this plan for c_api's plan_forward (valid while the plan lives)");
+      }, "this plan for c_api's plan_forward_out (valid while the plan lives)");
   m.def("c_api", [] {
     pybind11::dict api;
-    TM_CAPI_ENTRY(api, PlanForward, plan_forward);
+    TM_CAPI_ENTRY(api, PlanForwardOut, plan_forward_out);
     return api;
   }, "the entry points as C function pointers (c_api.h), for stack_kernels.cpp");
   m.def("quant_linear", &quant_linear, "y = x W^T for interleaved q8/q4/q5 block-quantized W, int16 activations (CPU)",

@@ -17,6 +17,12 @@
 // and the stack returns rms_norm_final(r + down_last). The residual adds land where the Python path
 // makes them (x + mlp(x) is the same float add as r += mlp), so the sums are the same floats.
 //
+// Every intermediate goes into a workspace of buffers the stack owns (grown to the widest step,
+// viewed at each step's rows; the q/k/v views made once per width), through the kernels' `_out`
+// entry points: allocating each output and making the views per layer cost ~15 us a layer of
+// allocator, TensorImpl and dispatch work on cold cache lines (0.3-0.45 ms of a 6 ms SmolLM2 step).
+// Only the returned hidden state is allocated per call.
+//
 // A weight is a quantized plan, or a dense float32 matrix multiplied by the skinny kernel (1-4 rows,
 // the kernel the Python path picks for those rows too, and which rejects more; wider steps of such
 // a model run the Python layers, whose oneDNN/ATen pick this module does not reproduce). Only decode steps with every piece
@@ -24,6 +30,8 @@
 // non-float32 weight all run the Python layers.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <mutex>
 #include <vector>
 
 #include "c_api.h"
@@ -33,25 +41,30 @@ namespace {
 namespace capi = tokenmill_capi;
 
 struct Api {
-  capi::RmsNorm rms_norm;
-  capi::AddRmsNorm add_rms_norm;
+  capi::RmsNormOut rms_norm;
+  capi::AddRmsNormOut add_rms_norm;
   capi::Rope rope;
   capi::KvWrite kv_write;
   capi::KvWriteInt8 kv_write_int8;
-  capi::Decode decode;
-  capi::DecodeInt8 decode_int8;
-  capi::SiluMul silu_mul;
-  capi::PlanForward plan_forward;
-  capi::Skinny skinny;
+  capi::DecodeOut decode;
+  capi::DecodeInt8Out decode_int8;
+  capi::SiluMulOut silu_mul;
+  capi::PlanForwardOut plan_forward;
+  capi::SkinnyOut skinny;
 };
 
 struct Weight {  // a QuantPlan handle, or a dense float32 [N, K] (and bias) for the skinny kernel
   const void* plan = nullptr;
   at::Tensor dense;
   c10::optional<at::Tensor> bias;
+  int64_t in = 0, out = 0;  // K, N
 
-  at::Tensor operator()(const Api& api, const at::Tensor& x) const {
-    return plan != nullptr ? api.plan_forward(plan, x) : api.skinny(x, dense, bias);
+  void operator()(const Api& api, const at::Tensor& x, at::Tensor& y) const {
+    if (plan != nullptr) {
+      api.plan_forward(plan, x, y);
+    } else {
+      api.skinny(x, dense, bias, y);
+    }
   }
 };
 
@@ -80,13 +93,26 @@ Weight weight_of(const pybind11::object& obj) {
     TORCH_CHECK(w.dense.scalar_type() == at::kFloat && w.dense.dim() == 2 && w.dense.is_contiguous(),
                 "dense weights must be contiguous float32 [N, K]");
     if (!t[1].is_none()) w.bias = t[1].cast<at::Tensor>();
+    w.out = w.dense.size(0);
+    w.in = w.dense.size(1);
     return w;
   }
   pybind11::capsule cap = obj.attr("handle")().cast<pybind11::capsule>();
   TORCH_CHECK(cap.name() != nullptr && std::string(cap.name()) == capi::kPlanCapsule, "not a QuantPlan handle");
   w.plan = cap.get_pointer();
+  w.in = obj.attr("in_features").cast<int64_t>();
+  w.out = obj.attr("out_features").cast<int64_t>();
   return w;
 }
+
+// One step's activations, [rows, width] each, reused by every layer and every step (each buffer is
+// consumed before the next layer writes it; the residual stream is the caller's x). Grown to the
+// widest step seen; `rows` views of them are rebuilt only when a step's row count changes.
+struct Workspace {
+  int64_t capacity = 0, rows = -1;
+  at::Tensor h_buf, qkv_buf, attn_buf, o_buf, h2_buf, gate_up_buf, act_buf, down_buf;
+  at::Tensor h, qkv, q, k, v, qk, attn, attn3, o, h2, gate_up, act, down;  // views of `rows` rows
+};
 
 class DecodeStack {
  public:
@@ -97,16 +123,16 @@ class DecodeStack {
               const pybind11::dict& attention, const pybind11::dict& quant)
       : final_norm_(std::move(final_norm)), eps_(eps), H_(num_heads), KVH_(num_kv_heads), hd_(head_dim),
         scale_(scale), softcap_(softcap) {
-    api_ = Api{capi::import_fn<capi::RmsNorm>(glue, "rms_norm"),
-               capi::import_fn<capi::AddRmsNorm>(glue, "add_rms_norm"),
+    api_ = Api{capi::import_fn<capi::RmsNormOut>(glue, "rms_norm_out"),
+               capi::import_fn<capi::AddRmsNormOut>(glue, "add_rms_norm_out"),
                capi::import_fn<capi::Rope>(glue, "rope_"),
                capi::import_fn<capi::KvWrite>(attention, "kv_write"),
                capi::import_fn<capi::KvWriteInt8>(attention, "kv_write_int8", 3),
-               capi::import_fn<capi::Decode>(attention, "paged_decode_attention"),
-               capi::import_fn<capi::DecodeInt8>(attention, "paged_decode_attention_int8"),
-               capi::import_fn<capi::SiluMul>(attention, "silu_mul"),
-               capi::import_fn<capi::PlanForward>(quant, "plan_forward"),
-               capi::import_fn<capi::Skinny>(attention, "skinny_linear")};
+               capi::import_fn<capi::DecodeOut>(attention, "paged_decode_attention_out"),
+               capi::import_fn<capi::DecodeInt8Out>(attention, "paged_decode_attention_int8_out"),
+               capi::import_fn<capi::SiluMulOut>(attention, "silu_mul_out"),
+               capi::import_fn<capi::PlanForwardOut>(quant, "plan_forward_out"),
+               capi::import_fn<capi::SkinnyOut>(attention, "skinny_linear_out")};
     TORCH_CHECK(!layers.empty(), "a stack needs layers");
     TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0, "bad head layout");
     check_norm(final_norm_);
@@ -117,8 +143,17 @@ class DecodeStack {
                   t[4].cast<at::Tensor>(), t[5].cast<at::Tensor>(), t[6].cast<int64_t>()};
       check_norm(layer.in_norm);
       check_norm(layer.post_norm);
+      const int64_t D = layer.in_norm.size(0);
+      TORCH_CHECK(layer.post_norm.size(0) == D && final_norm_.size(0) == D, "norm widths differ");
+      TORCH_CHECK(layer.qkv.in == D && layer.qkv.out == (H_ + 2 * KVH_) * hd_, "q/k/v weight shape");
+      TORCH_CHECK(layer.o.in == H_ * hd_ && layer.o.out == D, "o weight shape");
+      TORCH_CHECK(layer.gate_up.in == D && layer.gate_up.out % 2 == 0 && layer.down.in == layer.gate_up.out / 2 &&
+                      layer.down.out == D, "gate/up and down weight shapes");
+      TORCH_CHECK(layers_.empty() || layer.gate_up.out == layers_[0].gate_up.out, "one intermediate size");
       layers_.push_back(std::move(layer));
     }
+    D_ = final_norm_.size(0);
+    I_ = layers_[0].down.in;
   }
 
   // The KV caches, one (k, v, k_scale, v_scale, k_shift, k_inv_sigma, query_scale, v_shift, v_inv_sigma,
@@ -147,41 +182,49 @@ class DecodeStack {
 
   // x [T, D] float32: the embedding rows (used as the residual stream, so overwritten); cos / sin
   // [T, 1, hd] RoPE tables; slots [T]; block_table [T, W]; seq_lens [T]. Returns the final norm's
-  // output [T, D].
+  // output [T, D] (a fresh tensor: the workspace is reused by the next call).
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
-                     const at::Tensor& block_table, const at::Tensor& seq_lens) const {
+                     const at::Tensor& block_table, const at::Tensor& seq_lens) {
     TORCH_CHECK(caches_.size() == layers_.size(), "bind_caches before forward");
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [T, D]");
-    const int64_t T = x.size(0), heads = H_ + 2 * KVH_;
-    at::Tensor pending;  // the previous layer's MLP output, added into x by the next norm
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == D_,
+                "x must be contiguous float32 [T, ", D_, "]");
+    std::lock_guard<std::mutex> guard(mutex_);  // one step at a time: the workspace is shared
+    const int64_t T = x.size(0);
+    Workspace& w = workspace(T);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
       const Cache& C = caches_[i];
-      at::Tensor h = i == 0 ? api_.rms_norm(x, L.in_norm, eps_) : api_.add_rms_norm(pending, x, L.in_norm, eps_);
-      at::Tensor qkv = L.qkv(api_, h).view({T, heads, hd_});
-      at::Tensor qk = qkv.narrow(1, 0, H_ + KVH_);
-      api_.rope(qk, cos, sin);
-      const at::Tensor q = qkv.narrow(1, 0, H_), k = qkv.narrow(1, H_, KVH_), v = qkv.narrow(1, H_ + KVH_, KVH_);
-      at::Tensor attn;
+      if (i == 0) {
+        api_.rms_norm(x, L.in_norm, eps_, w.h);
+      } else {
+        api_.add_rms_norm(w.down, x, L.in_norm, eps_, w.h);  // x += the previous layer's MLP output
+      }
+      L.qkv(api_, w.h, w.qkv);
+      api_.rope(w.qk, cos, sin);
       if (C.k_scale.defined()) {
-        api_.kv_write_int8(C.k, C.v, C.k_scale, C.v_scale, slots, k, v, C.k_shift, C.k_inv_sigma, C.v_shift,
+        api_.kv_write_int8(C.k, C.v, C.k_scale, C.v_scale, slots, w.k, w.v, C.k_shift, C.k_inv_sigma, C.v_shift,
                            C.v_inv_sigma);
         // Keys stored as (k − μ)·σ⁻¹: q·σ restores q·(k − μ), which differs from q·k by the same q·μ for
         // every key of the query, so the softmax is unchanged. Values stored as (v − ν)·τ⁻¹: the weights
         // sum to one, so a·τ + ν is the attention over v. The same multiply (and add) as
         // ChannelSmoothing.scale_queries / restore_outputs, so the Python layers see the same bits.
-        const at::Tensor qs = C.query_scale.defined() ? q * C.query_scale : q;
-        attn = api_.decode_int8(qs, C.k, C.v, C.k_scale, C.v_scale, block_table, seq_lens, scale_, L.window, softcap_);
-        if (C.out_scale.defined()) attn = attn * C.out_scale + C.out_shift;
+        const at::Tensor qs = C.query_scale.defined() ? w.q * C.query_scale : w.q;
+        api_.decode_int8(qs, C.k, C.v, C.k_scale, C.v_scale, block_table, seq_lens, scale_, L.window, softcap_,
+                         w.attn3);
+        if (C.out_scale.defined()) w.attn3.mul_(C.out_scale).add_(C.out_shift);
       } else {
-        api_.kv_write(C.k, C.v, slots, k, v);
-        attn = api_.decode(q, C.k, C.v, block_table, seq_lens, scale_, L.window, softcap_);
+        api_.kv_write(C.k, C.v, slots, w.k, w.v);
+        api_.decode(w.q, C.k, C.v, block_table, seq_lens, scale_, L.window, softcap_, w.attn3);
       }
-      at::Tensor o = L.o(api_, attn.view({T, H_ * hd_}));
-      at::Tensor h2 = api_.add_rms_norm(o, x, L.post_norm, eps_);
-      pending = L.down(api_, api_.silu_mul(L.gate_up(api_, h2)));
+      L.o(api_, w.attn, w.o);
+      api_.add_rms_norm(w.o, x, L.post_norm, eps_, w.h2);
+      L.gate_up(api_, w.h2, w.gate_up);
+      api_.silu_mul(w.gate_up, w.act);
+      L.down(api_, w.act, w.down);
     }
-    return api_.add_rms_norm(pending, x, final_norm_, eps_);
+    at::Tensor out = at::empty_like(x);
+    api_.add_rms_norm(w.down, x, final_norm_, eps_, out);
+    return out;
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -189,6 +232,42 @@ class DecodeStack {
  private:
   static void check_norm(const at::Tensor& w) {
     TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 1, "norm weights must be float32 [D]");
+  }
+
+  // The buffers of a T-row step: grown (never shrunk) to the widest step, viewed at T rows.
+  Workspace& workspace(int64_t T) {
+    Workspace& w = work_;
+    if (w.rows == T) return w;
+    if (T > w.capacity) {
+      const auto opts = at::TensorOptions().dtype(at::kFloat);
+      const int64_t cap = std::max<int64_t>(T, 2 * w.capacity);
+      w.h_buf = at::empty({cap, D_}, opts);
+      w.qkv_buf = at::empty({cap, (H_ + 2 * KVH_) * hd_}, opts);
+      w.attn_buf = at::empty({cap, H_ * hd_}, opts);
+      w.o_buf = at::empty({cap, D_}, opts);
+      w.h2_buf = at::empty({cap, D_}, opts);
+      w.gate_up_buf = at::empty({cap, 2 * I_}, opts);
+      w.act_buf = at::empty({cap, I_}, opts);
+      w.down_buf = at::empty({cap, D_}, opts);
+      w.capacity = cap;
+    }
+    // A leading-row prefix of a contiguous buffer is itself contiguous.
+    w.h = w.h_buf.narrow(0, 0, T);
+    w.qkv = w.qkv_buf.narrow(0, 0, T);
+    const at::Tensor heads = w.qkv.view({T, H_ + 2 * KVH_, hd_});
+    w.qk = heads.narrow(1, 0, H_ + KVH_);
+    w.q = heads.narrow(1, 0, H_);
+    w.k = heads.narrow(1, H_, KVH_);
+    w.v = heads.narrow(1, H_ + KVH_, KVH_);
+    w.attn = w.attn_buf.narrow(0, 0, T);
+    w.attn3 = w.attn.view({T, H_, hd_});
+    w.o = w.o_buf.narrow(0, 0, T);
+    w.h2 = w.h2_buf.narrow(0, 0, T);
+    w.gate_up = w.gate_up_buf.narrow(0, 0, T);
+    w.act = w.act_buf.narrow(0, 0, T);
+    w.down = w.down_buf.narrow(0, 0, T);
+    w.rows = T;
+    return w;
   }
 
   Api api_;
@@ -199,6 +278,9 @@ class DecodeStack {
   double eps_;
   int64_t H_, KVH_, hd_;
   double scale_, softcap_;
+  int64_t D_ = 0, I_ = 0;  // hidden and intermediate sizes
+  Workspace work_;
+  std::mutex mutex_;
 };
 
 }  // namespace
