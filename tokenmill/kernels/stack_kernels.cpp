@@ -186,8 +186,8 @@ class DecodeStack {
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                      const at::Tensor& block_table, const at::Tensor& seq_lens) {
     TORCH_CHECK(caches_.size() == layers_.size(), "bind_caches before forward");
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == D_,
-                "x must be contiguous float32 [T, ", D_, "]");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) >= 1 &&
+                    x.size(1) == D_, "x must be contiguous float32 [T >= 1, ", D_, "]");
     std::lock_guard<std::mutex> guard(mutex_);  // one step at a time: the workspace is shared
     const int64_t T = x.size(0);
     Workspace& w = workspace(T);
