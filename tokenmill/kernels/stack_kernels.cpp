@@ -110,8 +110,8 @@ Weight weight_of(const pybind11::object& obj) {
 // widest step seen; `rows` views of them are rebuilt only when a step's row count changes.
 struct Workspace {
   int64_t capacity = 0, rows = -1;
-  at::Tensor h_buf, qkv_buf, attn_buf, o_buf, h2_buf, gate_up_buf, act_buf, down_buf;
-  at::Tensor h, qkv, q, k, v, qk, attn, attn3, o, h2, gate_up, act, down;  // views of `rows` rows
+  at::Tensor h_buf, qkv_buf, attn_buf, qs_buf, o_buf, h2_buf, gate_up_buf, act_buf, down_buf;
+  at::Tensor h, qkv, q, k, v, qk, attn, attn3, qs, o, h2, gate_up, act, down;  // views of `rows` rows
 };
 
 class DecodeStack {
@@ -208,7 +208,7 @@ class DecodeStack {
         // every key of the query, so the softmax is unchanged. Values stored as (v − ν)·τ⁻¹: the weights
         // sum to one, so a·τ + ν is the attention over v. The same multiply (and add) as
         // ChannelSmoothing.scale_queries / restore_outputs, so the Python layers see the same bits.
-        const at::Tensor qs = C.query_scale.defined() ? w.q * C.query_scale : w.q;
+        const at::Tensor& qs = C.query_scale.defined() ? at::mul_out(w.qs, w.q, C.query_scale) : w.q;
         api_.decode_int8(qs, C.k, C.v, C.k_scale, C.v_scale, block_table, seq_lens, scale_, L.window, softcap_,
                          w.attn3);
         if (C.out_scale.defined()) w.attn3.mul_(C.out_scale).add_(C.out_shift);
@@ -244,6 +244,7 @@ class DecodeStack {
       w.h_buf = at::empty({cap, D_}, opts);
       w.qkv_buf = at::empty({cap, (H_ + 2 * KVH_) * hd_}, opts);
       w.attn_buf = at::empty({cap, H_ * hd_}, opts);
+      w.qs_buf = at::empty({cap, H_ * hd_}, opts);  // int8 key smoothing: the queries times σ
       w.o_buf = at::empty({cap, D_}, opts);
       w.h2_buf = at::empty({cap, D_}, opts);
       w.gate_up_buf = at::empty({cap, 2 * I_}, opts);
@@ -261,6 +262,7 @@ class DecodeStack {
     w.v = heads.narrow(1, H_ + KVH_, KVH_);
     w.attn = w.attn_buf.narrow(0, 0, T);
     w.attn3 = w.attn.view({T, H_, hd_});
+    w.qs = w.qs_buf.narrow(0, 0, T).view({T, H_, hd_});
     w.o = w.o_buf.narrow(0, 0, T);
     w.h2 = w.h2_buf.narrow(0, 0, T);
     w.gate_up = w.gate_up_buf.narrow(0, 0, T);
