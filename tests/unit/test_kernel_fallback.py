@@ -95,3 +95,24 @@ def test_a_killed_builds_lock_is_removed_and_two_checkouts_share_one_build(
     # A changed shared header (a C entry point's signature) names a new build of every module.
     (sources[0].parent / "c_api.h").write_text("// a changed signature\n")
     assert kernels._build_name("k", sources[0]) != name
+
+
+@pytest.mark.slow
+def test_a_variant_build_loads_beside_the_default_one(tmp_path: Path) -> None:
+    """benchmarks/kernel_ab.py loads another revision's modules next to this tree's: a variant is its own
+    module (another cached name), built from the sources it was given."""
+    default = kernels.glue_kernels()
+    if default is None:
+        pytest.skip("no compiler here")
+    for name in ("glue_kernels.cpp", "c_api.h", "quant_amx.h"):
+        text = (Path(kernels.__file__).parent / name).read_text()
+        if name == "glue_kernels.cpp":  # a visibly different variant: its norm doubles the output
+            text = text.replace("rms_row(xp + t * D, wp, yp + t * D, D, static_cast<float>(eps));",
+                                "{ rms_row(xp + t * D, wp, yp + t * D, D, static_cast<float>(eps)); "
+                                "for (int64_t i = 0; i < D; ++i) yp[t * D + i] *= 2.f; }")
+        (tmp_path / name).write_text(text)
+    variant = kernels.build_variant("glue", tmp_path, "testvariant")
+    assert variant is not None and variant is not default
+    x, w = torch.randn(3, 64), torch.rand(64)
+    torch.testing.assert_close(variant.rms_norm(x, w, 1e-6), 2 * default.rms_norm(x, w, 1e-6))
+    assert kernels.glue_kernels() is default

@@ -99,39 +99,53 @@ def _build_name(stem: str, source: Path) -> str:
     return f"{stem}_{isa_key()}_{hasher.hexdigest()[:8]}"
 
 
-def cpu_kernels() -> ModuleType | None:
-    """The compiled module, or None when this machine cannot build it (the reason is logged once)."""
+# module key → (build stem, source file, compiler flags): what each accessor below builds.
+_MODULES: dict[str, tuple[str, str, list[str]]] = {
     # -march=native: the cache is keyed by this CPU's ISA, and AVX2/FMA roughly doubles the dot
     # products. -fopenmp: at::parallel_for is an OpenMP region compiled into this module; it binds
     # to the libgomp torch already loaded (same soname), so torch.set_num_threads holds.
-    return _module("module", "tokenmill_cpu_kernels", "cpu_kernels.cpp", ["-O3", "-march=native", "-fopenmp"],
-                   "native CPU kernels", "the PyTorch paths")
+    "module": ("tokenmill_cpu_kernels", "cpu_kernels.cpp", ["-O3", "-march=native", "-fopenmp"]),
+    "glue": ("tokenmill_glue_kernels", "glue_kernels.cpp", ["-O3", "-march=native", "-fopenmp"]),
+    # -ffp-contract=off: the activation rounding's multiply-then-subtract must not fuse into an FMA on
+    # one path and not another, so every path (and the tests' torch model) rounds identically.
+    "quant": ("tokenmill_quant_kernels", "quant_kernels.cpp", ["-O3", "-fopenmp", "-ffp-contract=off"]),
+    # Orchestration only: the math is in the other modules, reached through their C entry points.
+    "stack": ("tokenmill_stack_kernels", "stack_kernels.cpp", ["-O2"]),
+}
+
+
+def build_variant(key: str, source_dir: Path, tag: str) -> ModuleType | None:
+    """Module `key` ("module", "glue", "quant" or "stack") built from another copy of the kernel sources
+    (`source_dir` holds the .cpp and the shared headers), under its own cached name: benchmarks
+    load two builds in one process to A/B them (benchmarks/kernel_ab.py)."""
+    stem, source_name, cflags = _MODULES[key]
+    return _build(f"{stem}_{tag}", source_dir / source_name, cflags, f"{source_name} ({tag})", "nothing")
+
+
+def cpu_kernels() -> ModuleType | None:
+    """The compiled module, or None when this machine cannot build it (the reason is logged once)."""
+    return _module("module", "native CPU kernels", "the PyTorch paths")
 
 
 def glue_kernels() -> ModuleType | None:
     """RMSNorm (with the residual add fused) and RoPE as one native call each, or None (logged once)."""
-    return _module("glue", "tokenmill_glue_kernels", "glue_kernels.cpp", ["-O3", "-march=native", "-fopenmp"],
-                   "native norm/RoPE kernels", "the PyTorch ops")
+    return _module("glue", "native norm/RoPE kernels", "the PyTorch ops")
 
 
 def quant_kernels() -> ModuleType | None:
     """The quantized-linear module, or None when it cannot build (logged once)."""
-    # -ffp-contract=off: the activation rounding's multiply-then-subtract must not fuse into an FMA on
-    # one path and not another, so every path (and the tests' torch model) rounds identically.
-    return _module("quant", "tokenmill_quant_kernels", "quant_kernels.cpp", ["-O3", "-fopenmp", "-ffp-contract=off"],
-                   "native quantized kernels", "dequantized weights")
+    return _module("quant", "native quantized kernels", "dequantized weights")
 
 
 def stack_kernels() -> ModuleType | None:
     """The one-call decoder stack for decode steps (stack_kernels.cpp), or None (logged once)."""
-    # Orchestration only: the math is in the other modules, reached through their C entry points.
-    return _module("stack", "tokenmill_stack_kernels", "stack_kernels.cpp", ["-O2"], "the native decoder stack",
-                   "the Python layers")
+    return _module("stack", "the native decoder stack", "the Python layers")
 
 
-def _module(key: str, stem: str, source_name: str, cflags: list[str], what: str, fallback: str) -> ModuleType | None:
+def _module(key: str, what: str, fallback: str) -> ModuleType | None:
     with _lock:
         if key not in _state:
+            stem, source_name, cflags = _MODULES[key]
             _state[key] = _build(stem, _KERNEL_DIR / source_name, cflags, what, fallback)
         return _state[key]
 

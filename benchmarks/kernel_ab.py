@@ -1,0 +1,152 @@
+"""The native kernels at another git revision against the working tree's, in one engine, alternating rounds.
+
+A kernel change's effect on a real decode step is a few percent, and this VM's speed moves by more
+than that between processes, so both builds run in one process on one loaded model: the four
+kernel modules (cpu, glue, quant, stack) are built from `--base` (default HEAD) under their own
+cached names, every quantized linear gets a plan from each quant module (the lm_head's too), and
+each round switches the model's plans and native decoder stack between the two builds, `--rounds`
+times, their order alternating. Printed and saved: each round's median step time per build and
+the median of the per-round ratios (> 1: the working tree is faster); greedy tokens of the two
+builds are compared (a kernel change that reorders float sums may legitimately flip a near-tie,
+so a difference is reported, not fatal).
+
+    flock /tmp/tokenmill-bench.lock python benchmarks/kernel_ab.py --model smollm2-135m --batch 1
+    flock /tmp/tokenmill-bench.lock python benchmarks/kernel_ab.py --base HEAD~3 --model qwen2.5-coder-0.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+
+SOURCES = ("cpu_kernels.cpp", "glue_kernels.cpp", "quant_kernels.cpp", "stack_kernels.cpp", "c_api.h", "quant_amx.h")
+KERNELS = Path("tokenmill") / "kernels"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", default="HEAD", help="git revision whose kernel sources are the baseline")
+    p.add_argument("--model", default="smollm2-135m", choices=common.MODELS)
+    p.add_argument("--batch", type=int, default=1, help="requests decoding together")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128, help="tokens per request and round")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--threads", type=int, default=2)
+    return p.parse_args()
+
+
+def base_sources(revision: str, into: Path) -> str:
+    """The kernel sources at `revision`, written into `into`; returns the revision's commit id."""
+    commit = subprocess.run(["git", "rev-parse", "--short", revision], cwd=common.ROOT, check=True,
+                            capture_output=True, text=True).stdout.strip()
+    for name in SOURCES:
+        text = subprocess.run(["git", "show", f"{commit}:{(KERNELS / name).as_posix()}"], cwd=common.ROOT, check=True,
+                              capture_output=True).stdout
+        (into / name).write_bytes(text)
+    return commit
+
+
+class Build:
+    """One build's plans (one per quantized linear) and native decoder stack over a loaded model."""
+
+    def __init__(self, model: Any, modules: dict[str, Any]) -> None:
+        from tokenmill.layers.linear import QuantLinear
+        from tokenmill.models.native_stack import NativeDecodeStack
+
+        quant = modules["quant"]
+        self.plans = {name: quant.QuantPlan(lin.qs, lin.scales, lin.offsets, lin.rows, lin.passes, lin.isa, lin.bias,
+                                            lin.highs, -1 if lin.bf16 else 0)
+                      for name, lin in model.linears().items() if isinstance(lin, QuantLinear)}
+        arch = model.arch
+        layers = []
+        for i, layer in enumerate(model.layers):
+            window = arch.sliding_window if layer.is_sliding and arch.sliding_window is not None else 0
+            plans = [self.plans[f"layers.{i}.{name}"] for name in layer.linears()]
+            layers.append((*plans, layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
+                           window))
+        stack = modules["stack"].DecodeStack(
+            layers, model.norm.weight.data, model.norm.eps, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+            model.attn.scale, float(arch.attn_logit_softcapping or 0.0), modules["glue"].c_api(),
+            modules["module"].c_api(), quant.c_api())
+        self.stack = NativeDecodeStack(stack, model, None)
+
+    def install(self, model: Any) -> None:
+        for name, lin in model.linears().items():
+            if name in self.plans:
+                lin.plan = self.plans[name]
+        model.native_stack = self.stack
+
+
+def decode_round(llm: Any, prompts: list[list[int]], output_len: int, tag: str) -> tuple[float, list[list[int]]]:
+    """Median seconds of the steps where every request decodes, and each request's tokens."""
+    from tokenmill.engine.loader import eos_ids
+    from tokenmill.engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        llm.core.add_request(request_id, prompt, params, eos_ids(llm.loaded))
+    times, tokens = [], {request_id: [] for request_id in ids}
+    while llm.core.has_unfinished:
+        started = time.perf_counter()
+        result = llm.core.step()
+        if result.stats.num_scheduled_tokens == len(prompts):
+            times.append(time.perf_counter() - started)
+        for out in result.outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+    return statistics.median(times), [tokens[request_id] for request_id in ids]
+
+
+def main() -> None:
+    args = parse_args()
+    from tokenmill import kernels
+    from tokenmill.llm import LLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        commit = base_sources(args.base, Path(tmp))
+        base_modules = {key: kernels.build_variant(key, Path(tmp), f"ab{commit}")
+                        for key in ("module", "glue", "quant", "stack")}
+    new_modules = {"module": kernels.cpu_kernels(), "glue": kernels.glue_kernels(), "quant": kernels.quant_kernels(),
+                   "stack": kernels.stack_kernels()}
+    if any(m is None for m in (*base_modules.values(), *new_modules.values())):
+        raise SystemExit("kernel_ab: a kernel module did not build (see the warning above)")
+    blocks = args.batch * (-(-(args.prompt_len + args.output_len + 16) // 16)) + 8
+    llm = LLM(args.model, dtype="float32", num_threads=args.threads, max_num_seqs=args.batch, num_kv_blocks=blocks)
+    model = llm.core.runner.model
+    if model.native_stack is None:
+        raise SystemExit(f"kernel_ab: {args.model} does not run the native decoder stack here")
+    builds = {"base": Build(model, base_modules), "new": Build(model, new_modules)}
+    prompts = common.build_prompts(llm.tokenizer.encode, args.batch, args.prompt_len, common.prompt_bos(llm.tokenizer))
+    for name, build in builds.items():  # warm-up: caches, first-touch pages, the step-time fits
+        build.install(model)
+        decode_round(llm, prompts, 8, f"warm-{name}")
+    steps: dict[str, list[float]] = {"base": [], "new": []}
+    tokens: dict[str, list[list[int]]] = {}
+    for r in range(args.rounds):
+        for name in (("base", "new") if r % 2 == 0 else ("new", "base")):
+            builds[name].install(model)
+            step_s, tokens[name] = decode_round(llm, prompts, args.output_len, f"{name}-{r}")
+            steps[name].append(step_s)
+        print(f"round {r}: base {steps['base'][-1] * 1e3:.2f} ms, new {steps['new'][-1] * 1e3:.2f} ms, "
+              f"base/new {steps['base'][-1] / steps['new'][-1]:.3f}", flush=True)
+    builds["new"].install(model)
+    ratios = [b / n for b, n in zip(steps["base"], steps["new"], strict=True)]
+    same = tokens["base"] == tokens["new"]
+    summary = {"base_commit": commit, "batch": args.batch, "prompt_len": args.prompt_len,
+               "output_len": args.output_len, "rounds": args.rounds, "base_step_s": steps["base"],
+               "new_step_s": steps["new"], "median_ratio": statistics.median(ratios), "same_tokens": same}
+    print(f"{args.model} batch {args.batch}: base ({commit}) {statistics.median(steps['base']) * 1e3:.2f} ms, "
+          f"working tree {statistics.median(steps['new']) * 1e3:.2f} ms a step; median base/new "
+          f"{summary['median_ratio']:.3f}; greedy tokens {'identical' if same else 'differ'}")
+    common.save_json("kernel_ab", f"{args.model}_b{args.batch}", summary)
+
+
+if __name__ == "__main__":
+    main()
