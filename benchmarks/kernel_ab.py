@@ -58,24 +58,13 @@ class Build:
 
     def __init__(self, model: Any, modules: dict[str, Any]) -> None:
         from tokenmill.layers.linear import QuantLinear
-        from tokenmill.models.native_stack import NativeDecodeStack
+        from tokenmill.models.native_stack import stack_over
 
-        quant = modules["quant"]
-        self.plans = {name: quant.QuantPlan(lin.qs, lin.scales, lin.offsets, lin.rows, lin.passes, lin.isa, lin.bias,
-                                            lin.highs, -1 if lin.bf16 else 0)
+        self.plans = {name: lin.plan_from(modules["quant"])
                       for name, lin in model.linears().items() if isinstance(lin, QuantLinear)}
-        arch = model.arch
-        layers = []
-        for i, layer in enumerate(model.layers):
-            window = arch.sliding_window if layer.is_sliding and arch.sliding_window is not None else 0
-            plans = [self.plans[f"layers.{i}.{name}"] for name in layer.linears()]
-            layers.append((*plans, layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                           window))
-        stack = modules["stack"].DecodeStack(
-            layers, model.norm.weight.data, model.norm.eps, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-            model.attn.scale, float(arch.attn_logit_softcapping or 0.0), modules["glue"].c_api(),
-            modules["module"].c_api(), quant.c_api())
-        self.stack = NativeDecodeStack(stack, model, None)
+        by_layer = {id(lin): self.plans[name] for name, lin in model.linears().items() if name in self.plans}
+        self.stack = stack_over(model, modules["stack"], modules["glue"], modules["module"], modules["quant"],
+                                lambda lin: by_layer[id(lin)])
 
     def install(self, model: Any) -> None:
         for name, lin in model.linears().items():

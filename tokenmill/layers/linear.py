@@ -219,8 +219,13 @@ class QuantLinear(Linear):
         self.offsets = [s.offset for s in segments]
         self.rows = [s.rows for s in segments]
         self.highs = [s.high for s in segments]
-        self.plan = self.module.QuantPlan(self.qs, self.scales, self.offsets, self.rows, self.passes, self.isa,
-                                          self.bias, self.highs, -1 if self.bf16 else 0)
+        self.plan = self.plan_from(self.module)
+
+    def plan_from(self, module: Any) -> Any:
+        """This layer's kernel arguments bound by `module`'s QuantPlan (benchmarks/kernel_ab.py passes
+        another build of the quant kernels)."""
+        return module.QuantPlan(self.qs, self.scales, self.offsets, self.rows, self.passes, self.isa, self.bias,
+                                self.highs, -1 if self.bf16 else 0)
 
 
 def _check_passes(passes: int) -> None:

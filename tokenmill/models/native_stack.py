@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -100,10 +101,17 @@ def build_native_stack(model: LlamaForCausalLM) -> NativeDecodeStack | None:
     if why is not None:
         log.debug("native decoder stack off: %s", why)
         return None
+    assert module is not None
+    glue, attention, quant = modules
+    return stack_over(model, module, glue, attention, quant, _bound)
+
+
+def stack_over(model: LlamaForCausalLM, stack_module: Any, glue: Any, attention: Any, quant: Any,
+               bound: Callable[[Linear], Any]) -> NativeDecodeStack:
+    """A native stack of `model` built by the given kernel modules (the model's own in build_native_stack;
+    another build's in benchmarks/kernel_ab.py), each linear layer as `bound` hands it to the C++ stack."""
     from tokenmill.models.llama import DecoderLayer
 
-    assert module is not None
-    glue, attention, quant = (m.c_api() for m in modules)  # type: ignore[union-attr]
     arch = model.arch
     layers = []
     dense = False
@@ -112,11 +120,12 @@ def build_native_stack(model: LlamaForCausalLM) -> NativeDecodeStack | None:
         linears = list(layer.linears().values())  # qkv, o, gate_up, down: the order the C++ stack takes
         dense = dense or any(isinstance(lin, DenseLinear) for lin in linears)
         window = arch.sliding_window if layer.is_sliding and arch.sliding_window is not None else 0
-        layers.append((*(_bound(lin) for lin in linears), layer.input_layernorm.weight.data,
+        layers.append((*(bound(lin) for lin in linears), layer.input_layernorm.weight.data,
                        layer.post_attention_layernorm.weight.data, window))
-    stack = module.DecodeStack(layers, model.norm.weight.data, model.norm.eps, arch.num_heads, arch.num_kv_heads,
-                               arch.head_dim, model.attn.scale, float(arch.attn_logit_softcapping or 0.0),
-                               glue, attention, quant)
+    stack = stack_module.DecodeStack(layers, model.norm.weight.data, model.norm.eps, arch.num_heads,
+                                     arch.num_kv_heads, arch.head_dim, model.attn.scale,
+                                     float(arch.attn_logit_softcapping or 0.0), glue.c_api(), attention.c_api(),
+                                     quant.c_api())
     return NativeDecodeStack(stack, model, SKINNY_MAX_ROWS if dense else None)
 
 
