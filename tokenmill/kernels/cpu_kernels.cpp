@@ -553,8 +553,15 @@ void check_decode_args(const torch::Tensor& q, const torch::Tensor& k_cache, con
 // its fused q/k/v rows); k_cache, v_cache [num_blocks, block_size, KVH, hd] (fp32, bf16 or fp16, any
 // under any q); block_table [S, W] int64; seq_lens [S] int64 (keys per sequence, the new token
 // included); out [S, H, hd] contiguous, q's dtype.
+static bool has_contiguous_heads(const torch::Tensor& q) { return q.stride(2) == 1 && q.stride(1) == q.size(2); }
+
+// q with contiguous heads as is, any other q copied (the Python layers' entry points take any q).
+static torch::Tensor with_contiguous_heads(const torch::Tensor& q) {
+  return q.dim() == 3 && !has_contiguous_heads(q) ? q.contiguous() : q;
+}
+
 static void check_decode_out(const torch::Tensor& q, const torch::Tensor& out) {
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q must have contiguous heads");
+  TORCH_CHECK(has_contiguous_heads(q), "q must have contiguous heads");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
               "out must be contiguous, shaped and typed like q");
 }
@@ -580,7 +587,7 @@ void paged_decode_attention_out(const torch::Tensor& q, const torch::Tensor& k_c
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor seq_lens, double scale,
                                      int64_t window, double softcap) {
-  if (q.dim() == 3 && (q.stride(2) != 1 || q.stride(1) != q.size(2))) q = q.contiguous();
+  q = with_contiguous_heads(q);
   auto out = torch::empty(q.sizes(), q.options());
   paged_decode_attention_out(q, k_cache, v_cache, block_table, seq_lens, scale, window, softcap, out);
   return out;
@@ -613,7 +620,7 @@ void paged_decode_attention_int8_out(const torch::Tensor& q, const torch::Tensor
 torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_table,
                                           torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
-  if (q.dim() == 3 && (q.stride(2) != 1 || q.stride(1) != q.size(2))) q = q.contiguous();
+  q = with_contiguous_heads(q);
   auto out = torch::empty(q.sizes(), q.options());
   paged_decode_attention_int8_out(q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, scale, window,
                                   softcap, out);
