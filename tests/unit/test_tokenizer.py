@@ -3,28 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Any
 
-import gguf
 import pytest
 import tokenizers
 
+from tests.fixtures.gguf_vocab import CHATML, spm_gguf, temporary_home, write_bpe_gguf
 from tokenmill.errors import ModelFormatError, RequestValidationError, TokenmillError
-from tokenmill.models.loading import gguf_tokenizer, gguf_tokenizer_cache
-from tokenmill.models.loading.gguf_tokenizer import TokenType, generate_merges
+from tokenmill.models.loading import gguf_tokenizer
+from tokenmill.models.loading.gguf_tokenizer import generate_merges
 from tokenmill.models.loading.tokenizer import Tokenizer
-
-CHATML = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
-    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-BPE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-BPE_MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld"]
-SPM_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
-SPM_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "hell", "hello", "▁hello", "▁w", "or", "wor"]
-SPM_PIECES += ["▁wor", "ld", "world", "▁world", "<start_of_turn>", "<end_of_turn>"]
 
 
 def _id(tok: Tokenizer, token: str) -> int:
@@ -33,85 +21,14 @@ def _id(tok: Tokenizer, token: str) -> int:
     return token_id
 
 
-def _byte_alphabet() -> list[str]:
-    table = gguf_tokenizer._bytes_to_unicode()
-    return [table[b] for b in range(256)]
-
-
-def write_gguf(path: Path, arch: str, kv: dict[str, Any]) -> Path:
-    writer = gguf.GGUFWriter(path, arch=arch)
-    for key, value in kv.items():
-        writer.add_key_value(key, value[0], value[1], value[2] if len(value) > 2 else None)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-def _strings(values: list[str]) -> tuple[Any, ...]:
-    return (values, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)
-
-
-def _ints(values: list[int]) -> tuple[Any, ...]:
-    return (values, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
-
-
-def _int(value: int) -> tuple[Any, ...]:
-    return (value, gguf.GGUFValueType.UINT32)
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    return temporary_home(tmp_path, monkeypatch)
 
 
 @pytest.fixture
 def bpe_gguf(tmp_path: Path) -> Path:
     return write_bpe_gguf(tmp_path)
-
-
-def write_bpe_gguf(tmp_path: Path) -> Path:
-    """Byte-level BPE like SmolLM2/Qwen: 256 byte symbols, a few merges, ChatML specials."""
-    merged = ["he", "ll", "hell", "hello", "Ġw", "or", "Ġwor", "ld", "Ġworld"]
-    tokens = [*BPE_SPECIALS, *_byte_alphabet(), *merged]
-    kinds = [TokenType.CONTROL] * 3 + [TokenType.NORMAL] * (len(tokens) - 3)
-    return write_gguf(
-        tmp_path / "tiny-bpe.gguf",
-        "llama",
-        {
-            "tokenizer.ggml.model": ("gpt2", gguf.GGUFValueType.STRING),
-            "tokenizer.ggml.pre": ("qwen2", gguf.GGUFValueType.STRING),
-            "tokenizer.ggml.tokens": _strings(tokens),
-            "tokenizer.ggml.token_type": _ints([int(k) for k in kinds]),
-            "tokenizer.ggml.merges": _strings(BPE_MERGES),
-            "tokenizer.ggml.bos_token_id": _int(1),
-            "tokenizer.ggml.eos_token_id": _int(2),
-            "tokenizer.ggml.add_bos_token": (False, gguf.GGUFValueType.BOOL),
-            "tokenizer.chat_template": (CHATML, gguf.GGUFValueType.STRING),
-        },
-    )
-
-
-def spm_gguf(tmp_path: Path, arch: str) -> Path:
-    """SentencePiece-style vocabulary like Gemma 3: scores, byte fallback tokens, no merges."""
-    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
-    tokens = [*SPM_SPECIALS, *byte_tokens, *SPM_PIECES]
-    kinds = [TokenType.CONTROL, TokenType.CONTROL, TokenType.CONTROL, TokenType.UNKNOWN]
-    kinds += [TokenType.BYTE] * 256 + [TokenType.NORMAL] * (len(SPM_PIECES) - 2) + [TokenType.CONTROL] * 2
-    return write_gguf(
-        tmp_path / f"tiny-spm-{arch}.gguf",
-        arch,
-        {
-            "tokenizer.ggml.model": ("llama", gguf.GGUFValueType.STRING),
-            "tokenizer.ggml.tokens": _strings(tokens),
-            "tokenizer.ggml.scores": (
-                [-float(i) for i in range(len(tokens))],
-                gguf.GGUFValueType.ARRAY,
-                gguf.GGUFValueType.FLOAT32,
-            ),
-            "tokenizer.ggml.token_type": _ints([int(k) for k in kinds]),
-            "tokenizer.ggml.bos_token_id": _int(2),
-            "tokenizer.ggml.eos_token_id": _int(1),
-            "tokenizer.ggml.unknown_token_id": _int(3),
-            "tokenizer.ggml.add_bos_token": (True, gguf.GGUFValueType.BOOL),
-        },
-    )
 
 
 # ------------------------------------------------------------------------------- byte-level BPE
@@ -225,136 +142,6 @@ def test_decode_stream_byte_fallback(tmp_path: Path, arch: str) -> None:
     pieces = _stream(tok, ids)
     assert pieces[-4:-1] == ["", "", "日"]
     assert "".join(pieces) == "hello 日 world"
-
-
-# ------------------------------------------------------------------------------------- caching
-
-
-@pytest.fixture(autouse=True)
-def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Each test's tokenizer caches go to its own TOKENMILL_HOME, not the user's."""
-    home = tmp_path / "home"
-    monkeypatch.setenv("TOKENMILL_HOME", str(home))
-    return home / "tokenizers"
-
-
-def _entries(cache: Path) -> list[str]:
-    return sorted(p.name for p in cache.iterdir()) if cache.is_dir() else []
-
-
-def test_second_load_reads_the_cache_not_the_gguf(bpe_gguf: Path, cache_home: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    first = Tokenizer.from_gguf(bpe_gguf)
-    names = _entries(cache_home)
-    assert len(names) == 2 and all(n.startswith("tiny-bpe-") for n in names)
-    assert sorted(p.name for p in bpe_gguf.parent.iterdir()) == ["home", "tiny-bpe.gguf"]  # nothing beside it
-
-    def no_reader(*args: object, **kwargs: object) -> None:
-        raise AssertionError("GGUFReader used despite a fresh cache")
-
-    monkeypatch.setattr(gguf_tokenizer.gguf, "GGUFReader", no_reader)
-    second = Tokenizer.from_gguf(bpe_gguf)
-    assert second.encode("hello world <|im_end|>") == first.encode("hello world <|im_end|>")
-    assert (second.eos_token_ids, second.chat_template) == (first.eos_token_ids, first.chat_template)
-
-
-def test_changed_gguf_invalidates_the_cache(bpe_gguf: Path, cache_home: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    Tokenizer.from_gguf(bpe_gguf)
-    before = _entries(cache_home)
-    stat = bpe_gguf.stat()
-    os.utime(bpe_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    calls: list[tuple[Any, ...]] = []
-    real_reader = gguf.GGUFReader
-
-    def counting_reader(*args: Any) -> gguf.GGUFReader:
-        calls.append(args)
-        return real_reader(*args)
-
-    monkeypatch.setattr(gguf_tokenizer.gguf, "GGUFReader", counting_reader)
-    Tokenizer.from_gguf(bpe_gguf)
-    assert len(calls) == 1
-    after = _entries(cache_home)
-    assert len(after) == 2 and not set(after) & set(before)  # a new entry; the stale one is removed
-    meta_name = next(n for n in after if n.endswith("_meta.json"))
-    meta = json.loads((cache_home / meta_name).read_text())
-    assert meta["stamp"]["gguf_mtime_ns"] == stat.st_mtime_ns + 10**9
-
-
-def test_two_files_of_one_name_get_separate_entries(tmp_path: Path, cache_home: Path) -> None:
-    """Same file name in two folders, different vocabularies: each loads its own tokenizer."""
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    bpe = write_bpe_gguf(tmp_path / "a")
-    spm = spm_gguf(tmp_path / "b", "llama").rename(tmp_path / "b" / "tiny-bpe.gguf")
-    expected = {path: Tokenizer.from_gguf(path).encode("hello world") for path in (bpe, spm)}
-    assert expected[bpe] != expected[spm]
-    assert len(_entries(cache_home)) == 4
-    for path in (bpe, spm):
-        assert Tokenizer.from_gguf(path).encode("hello world") == expected[path]
-
-
-def test_file_replaced_in_place_is_not_served_the_old_cache(tmp_path: Path, cache_home: Path) -> None:
-    """A different file at the same path with the same size and mtime: the inode tells them apart."""
-    (tmp_path / "new").mkdir()
-    path, replacement = write_bpe_gguf(tmp_path), spm_gguf(tmp_path / "new", "llama")
-    size = max(path.stat().st_size, replacement.stat().st_size)
-    for gguf_file in (path, replacement):  # trailing zero padding: GGUF readers go by offsets
-        with gguf_file.open("ab") as out:
-            out.write(bytes(size - gguf_file.stat().st_size))
-    old = Tokenizer.from_gguf(path).encode("hello world")
-    stat = path.stat()
-    os.utime(replacement, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    os.replace(replacement, path)
-    assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
-    assert Tokenizer.from_gguf(path).encode("hello world") != old
-
-
-def test_entries_of_files_that_are_gone_are_pruned(tmp_path: Path, cache_home: Path) -> None:
-    (tmp_path / "gone").mkdir()
-    (tmp_path / "kept").mkdir()
-    gone, kept = write_bpe_gguf(tmp_path / "gone"), spm_gguf(tmp_path / "kept", "llama")
-    Tokenizer.from_gguf(gone)
-    Tokenizer.from_gguf(kept)
-    assert len(_entries(cache_home)) == 4
-    gone.unlink()
-    Tokenizer.from_gguf(write_bpe_gguf(tmp_path))  # a cache miss: the write prunes
-    names = _entries(cache_home)
-    assert len(names) == 4 and sum(n.startswith("tiny-spm-llama-") for n in names) == 2
-    assert not any(n.startswith(gguf_tokenizer_cache.path_prefix(gone)) for n in names)
-
-
-def test_unwritable_cache_home_still_loads(bpe_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_text("")
-    monkeypatch.setenv("TOKENMILL_HOME", str(blocker))  # mkdir under a file fails
-    first = Tokenizer.from_gguf(bpe_gguf).encode("hello world")
-    assert Tokenizer.from_gguf(bpe_gguf).encode("hello world") == first
-
-
-def test_corrupt_cache_is_rebuilt(bpe_gguf: Path, cache_home: Path) -> None:
-    expected = Tokenizer.from_gguf(bpe_gguf).encode("hello world")
-    json_name = next(n for n in _entries(cache_home) if n.endswith(".tokenizer.json"))
-    (cache_home / json_name).write_text("{not json")
-    assert Tokenizer.from_gguf(bpe_gguf).encode("hello world") == expected
-
-
-# -------------------------------------------------------------------------------------- errors
-
-
-def test_missing_and_unsupported_files_raise_model_format_error(tmp_path: Path) -> None:
-    with pytest.raises(ModelFormatError, match="does not exist"):
-        Tokenizer.from_gguf(tmp_path / "absent.gguf")
-    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
-    with pytest.raises(ModelFormatError, match="cannot read GGUF"):
-        Tokenizer.from_gguf(tmp_path / "junk.gguf")
-    rwkv = write_gguf(
-        tmp_path / "rwkv.gguf",
-        "rwkv",
-        {"tokenizer.ggml.model": ("rwkv", gguf.GGUFValueType.STRING), "tokenizer.ggml.tokens": _strings(["a"])},
-    )
-    with pytest.raises(ModelFormatError, match="unsupported GGUF tokenizer model 'rwkv'"):
-        Tokenizer.from_gguf(rwkv)
 
 
 # -------------------------------------------------------------------------------- chat template

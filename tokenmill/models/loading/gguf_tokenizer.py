@@ -2,8 +2,10 @@
 
 A GGUF carries no tokenizer.json, only llama.cpp's `tokenizer.ggml.*` arrays. We rebuild the
 tokenizer the way transformers' GGUF integration does, with llama.cpp's pre-tokenizer regex per
-`tokenizer.ggml.pre`. `GGUFReader` spends seconds parsing those arrays, so the result is cached
-under `$TOKENMILL_HOME/tokenizers/` per file identity (gguf_tokenizer_cache.py).
+`tokenizer.ggml.pre`. The arrays are read by our own header parser (gguf_header.py): `gguf.GGUFReader`
+builds numpy views per string, 11 s for Qwen2.5's 151k tokens and merges on a quiet 2-core Zen 3 against
+0.26 s here, and the built
+tokenizer is cached under `$TOKENMILL_HOME/tokenizers/` per file identity (gguf_tokenizer_cache.py).
 """
 
 from __future__ import annotations
@@ -15,12 +17,16 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-import gguf
+import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
 from tokenmill.errors import ModelFormatError
+from tokenmill.models.loading.gguf_header import read_gguf_header
 from tokenmill.models.loading.gguf_tokenizer_cache import file_stamp, read_cache, write_cache
+
+# The string arrays a tokenizer needs decoded; the header parser skips the others.
+_STRING_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
 
 
 class TokenType(IntEnum):
@@ -131,15 +137,16 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]) -> tuple[Tokenizer, Tokeni
 
 def read_gguf_vocab(path: Path) -> GGUFVocab:
     try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as exc:  # a truncated file surfaces as struct, index or value errors
-        raise ModelFormatError(f"cannot read GGUF file {path}: {exc}; re-download the model") from exc
+        header = read_gguf_header(path, string_arrays=_STRING_ARRAYS)
+    except ModelFormatError as exc:  # truncated or corrupt: the parser's own reason, then what to do
+        raise ModelFormatError(f"cannot read GGUF file {path}: {exc.__cause__ or exc}; re-download the model") \
+            from exc
     fields: dict[str, Any] = {
-        key: field.contents()
-        for key, field in reader.fields.items()
+        key: value.tolist() if isinstance(value, np.ndarray) else value
+        for key, value in header.metadata.items()
         if key.startswith("tokenizer.") or key == "general.architecture"
     }
-    if "tokenizer.ggml.tokens" not in fields:
+    if not isinstance(fields.get("tokenizer.ggml.tokens"), list):
         raise ModelFormatError(f"GGUF file {path} has no tokenizer.ggml.tokens: use a GGUF with a tokenizer")
     return _vocab_from_fields(fields)
 
