@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize, quantize
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
+from tests.fixtures.gguf_blocks import gguf_blocks
 from tokenmill.kernels import QUANT_ISAS, quant_kernels
 from tokenmill.layers import gguf_quant as gq
 from tokenmill.layers import quant_formats as qf
@@ -42,24 +42,6 @@ def isa_param(name: str) -> object:
 
 
 ISAS = [isa_param(name) for name in QUANT_ISAS]
-
-
-def gguf_blocks(ggml_type: GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Raw GGUF rows [rows, row_bytes]: from gguf's quantizer where it has one, else random bytes
-    with sane fp16 super-block scales (any bit pattern of the quants is a valid block)."""
-    rng = np.random.default_rng(seed)
-    if ggml_type not in (T.Q4_K, T.Q6_K):
-        return quantize(rng.standard_normal((rows, cols)).astype(np.float32), ggml_type)
-    block_size, block_bytes = GGML_QUANT_SIZES[ggml_type]
-    raw = rng.integers(0, 256, size=(rows, cols // block_size, block_bytes), dtype=np.uint8)
-    d = rng.uniform(0.002, 0.02, size=(rows, cols // block_size, 1)).astype(np.float16).view(np.uint8)
-    if ggml_type == T.Q4_K:  # d, dmin lead the block
-        raw[..., 0:2] = d
-        raw[..., 2:4] = (rng.uniform(0.001, 0.01, size=(rows, cols // block_size, 1))
-                         .astype(np.float16).view(np.uint8))
-    else:  # Q6_K: d trails the block
-        raw[..., -2:] = d
-    return raw.reshape(rows, -1)
 
 
 def gguf_format(ggml_type: GGMLQuantizationType) -> qf.QuantFormat:

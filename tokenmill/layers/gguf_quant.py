@@ -13,6 +13,9 @@ dequantizer and `quant_formats.quantize`, in slices of rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
@@ -74,17 +77,28 @@ def _exact_q8(blocks: np.ndarray, ggml_type: GGMLQuantizationType) -> tuple[np.n
 def from_gguf(blocks: np.ndarray, ggml_type: GGMLQuantizationType, cols: int, fmt: QuantFormat) -> QuantMatrix:
     """Raw GGUF rows → `fmt`: exact where GGUF_MAPPING says so and the format matches, else through float."""
     exact = _EXACT.get((ggml_type, fmt))
+    convert: Callable[[np.ndarray], QuantMatrix]
     if exact is not None:
-        return exact(np.ascontiguousarray(blocks), cols)
-    # Through float in slices of rows: a vocabulary-sized Q6_K head would otherwise need a few GB of
-    # float32 temporaries at once (the load's peak resident memory).
+        def convert(part: np.ndarray) -> QuantMatrix:
+            return exact(np.ascontiguousarray(part), cols)
+    else:
+        # Through float, in slices: a vocabulary-sized Q6_K head would otherwise need a few GB of
+        # float32 temporaries at once (the load's peak resident memory).
+        def convert(part: np.ndarray) -> QuantMatrix:
+            return quantize(gguf_dequantize(part, ggml_type, cols), fmt)
     rows = blocks.shape[0]
-    step = max(1, _REQUANT_ROW_ELEMENTS // cols // ROW_GROUP) * ROW_GROUP  # whole row groups: concat appends
-    parts = [quantize(gguf_dequantize(blocks[i:i + step], ggml_type, cols), fmt) for i in range(0, rows, step)]
-    return concat(parts)[0]
+    step = max(1, _SLICE_ELEMENTS // cols // ROW_GROUP) * ROW_GROUP  # whole row groups: concat appends
+    slices = [blocks[i:i + step] for i in range(0, rows, step)]
+    workers = min(len(slices), torch.get_num_threads())
+    if workers < 2:
+        return concat([convert(part) for part in slices])[0]
+    # Slices on threads: NumPy and torch release the GIL inside each array operation, and a first start
+    # (no repack cache: every container's) spends most of its time here.
+    with ThreadPoolExecutor(workers, thread_name_prefix="repack") as pool:
+        return concat(list(pool.map(convert, slices)))[0]
 
 
-_REQUANT_ROW_ELEMENTS = 1 << 22  # 16 MB of float32 per slice
+_SLICE_ELEMENTS = 1 << 22  # weights per slice (16 MB as float32)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
