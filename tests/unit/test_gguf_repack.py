@@ -1,8 +1,6 @@
-"""Packing GGUF blocks in row slices on threads (gguf_quant.from_gguf) gives the bytes of one pass."""
+"""Packing GGUF blocks in row slices (gguf_quant.from_gguf) gives the bytes of one pass."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,34 +13,26 @@ from tokenmill.layers import quant_formats as qf
 T = GGMLQuantizationType
 
 
-@pytest.fixture
-def two_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 CASES = [(T.Q4_K, "q4"), (T.Q6_K, "q8"), (T.Q5_0, "q8"), (T.Q5_0, "q5"), (T.Q8_0, "q8"), (T.Q4_1, "q4"), (T.Q4_0, "q8")]
 
 
 @pytest.mark.parametrize(("ggml_type", "fmt"), CASES, ids=[f"{t.name}-{f}" for t, f in CASES])
-def test_sliced_packing_is_byte_identical(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat, two_threads: None,
+def test_sliced_packing_is_byte_identical(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Exact mappings and re-quantization through float alike; 37 rows: the last slice ends mid-group."""
     blocks = gguf_blocks(ggml_type, 37, 256, seed=11)
     whole = gq.from_gguf(blocks, ggml_type, 256, fmt)
-    used: list[int] = []
-    real_pool = gq.ThreadPoolExecutor
+    converted: list[int] = []
+    real_concat = gq.concat
 
-    def counting_pool(workers: int, thread_name_prefix: str = "") -> gq.ThreadPoolExecutor:
-        used.append(workers)
-        return real_pool(workers, thread_name_prefix=thread_name_prefix)
+    def counting_concat(mats: list[qf.QuantMatrix]) -> list[qf.QuantMatrix]:
+        converted.append(len(mats))
+        return real_concat(mats)
 
     monkeypatch.setattr(gq, "_SLICE_ELEMENTS", 8 * 256)  # one row group a slice: 5 slices
-    monkeypatch.setattr(gq, "ThreadPoolExecutor", counting_pool)
+    monkeypatch.setattr(gq, "concat", counting_concat)
     sliced = gq.from_gguf(blocks, ggml_type, 256, fmt)
-    assert used == [2]
+    assert converted == [5]
     assert (sliced.fmt, sliced.rows) == (whole.fmt, whole.rows) == (fmt, 37)
     for field in ("qs", "scale", "offset", "high"):
         assert torch.equal(getattr(sliced, field), getattr(whole, field)), field
