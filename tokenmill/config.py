@@ -259,14 +259,21 @@ class SpeculativeConfig:
 class ProfileConfig:
     """Step profiling (engine/profiling.py, docs/performance.md): off unless num_steps > 0."""
 
-    num_steps: int = 0  # steps timed per phase, then as many again under the torch profiler
-    output_dir: str = "tokenmill-profile"  # profile.json, profile.txt, trace.json (Chrome trace)
+    num_steps: int = 0  # steps timed per phase, then as many again instrumented (torch trace, stack samples)
+    output_dir: str = "tokenmill-profile"  # profile.json, profile.txt, trace.json (Chrome trace), stacks.txt
     warmup_steps: int = 2  # steps with work skipped first (kernel builds, first-touch pages)
-    torch_trace: bool = True  # False: the phase timings only
+    torch_trace: bool = True  # False: no trace.json
+    sample_interval_ms: float = 1.0  # the engine thread's Python stacks (stacks.txt, folded); 0: off
 
     def __post_init__(self) -> None:
         _require(self.num_steps >= 0, "profile steps must be >= 0")
         _require(self.warmup_steps >= 0, "profile warmup steps must be >= 0")
+        _require(self.sample_interval_ms >= 0, "the stack sampling interval must be >= 0 ms")
+
+    @property
+    def instrumented(self) -> bool:
+        """Whether a second window of num_steps steps runs under the torch profiler or the stack sampler."""
+        return self.torch_trace or self.sample_interval_ms > 0
 
     @property
     def enabled(self) -> bool:

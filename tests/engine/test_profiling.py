@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -108,3 +111,33 @@ def test_summary_splits_host_time_from_forward_and_groups_by_shape() -> None:
     assert d["steps"] == 3 and d["host_ms"] == pytest.approx(10.0) and d["host_fraction"] == pytest.approx(0.1)
     assert d["forward_ops_ms"]["linear"] == pytest.approx(60.0) and d["forward_ops_ms"]["other"] == pytest.approx(20.0)
     assert summary["prefill tokens=512 seqs=1"]["host_fraction"] == pytest.approx(0.1)
+
+
+def test_a_profile_samples_the_engine_threads_python_stacks(tmp_path: Path) -> None:
+    """stacks.txt: folded stacks (py-spy's raw format) of the thread that steps, from the instrumented window."""
+    config = ProfileConfig(num_steps=3, output_dir=str(tmp_path), warmup_steps=1, torch_trace=False,
+                           sample_interval_ms=0.5)
+    core = _core(config)
+    schedule = core.scheduler.schedule
+
+    def slow_schedule() -> Any:  # 3 ms of Python a step: enough samples to find, whatever the machine
+        deadline = time.perf_counter() + 0.003
+        while time.perf_counter() < deadline:
+            pass
+        return schedule()
+
+    core.scheduler.schedule = slow_schedule  # type: ignore[method-assign]
+    profiler = StepProfiler(config, core)
+    _tokens(core, profiler)
+    assert sum(r.traced for r in profiler.result.records) == 3  # the window runs without a torch trace too
+    assert not (tmp_path / "trace.json").exists()
+    lines = (tmp_path / "stacks.txt").read_text().splitlines()
+    assert lines and all(re.fullmatch(r".+ \d+", line) for line in lines)
+    assert all("_tokens (" in line for line in lines)  # this thread (the one that steps), in this loop
+    slow = sum(int(line.rsplit(" ", 1)[1]) for line in lines
+               if re.search(r"EngineCore\.step \(tokenmill/engine/core\.py:\d+\);.*slow_schedule", line))
+    total = sum(int(line.rsplit(" ", 1)[1]) for line in lines)
+    assert slow >= 0.3 * total  # 9 ms of the window's ~10-20 ms: where the thread was
+    data = json.loads((tmp_path / "profile.json").read_text())
+    assert data["files"]["stacks"] == str(tmp_path / "stacks.txt") and data["top_frames"]
+    assert "engine thread, Python frames" in (tmp_path / "profile.txt").read_text()

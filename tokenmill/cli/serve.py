@@ -125,7 +125,8 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-json", action="store_true", help="every log record as one JSON line")
     parser.add_argument("--profile-steps", type=int, default=0,
-                        help="profile N engine steps (phase times, then a torch trace) into --profile-dir")
+                        help="profile N engine steps (phase times, then a torch trace and the engine thread's "
+                             "Python stacks, folded for flame graphs) into --profile-dir")
     parser.add_argument("--profile-dir", default="tokenmill-profile", help="where --profile-steps writes its files")
 
 

@@ -14,8 +14,9 @@
 phase is one attribute test and a shared null context. `StepProfiler` (ProfileConfig.num_steps = N)
 skips warmup steps, times N steps per phase with the forward's op classes (wrappers put on the
 model's own layer objects for that window only, removed after), then records N more steps under
-`torch.profiler` (the Chrome trace; its overhead stays out of the timed window) and writes
-profile.json / profile.txt / trace.json. On CUDA every phase boundary synchronizes while timing.
+`torch.profiler` (the Chrome trace) and the stack sampler (stack_sampler.py: the engine thread's
+Python stacks, folded), whose overhead stays out of the timed window, and writes profile.json /
+profile.txt / trace.json / stacks.txt. On CUDA every phase boundary synchronizes while timing.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -34,6 +36,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import ProfileConfig
+from tokenmill.engine.stack_sampler import StackSampler
 
 if TYPE_CHECKING:
     from tokenmill.engine.core import EngineCore
@@ -242,14 +245,23 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_top_frames(frames: list[dict[str, Any]]) -> str:
+    if not frames:
+        return ""
+    lines = ["", "engine thread, Python frames by samples of their own (stacks.txt: the folded stacks):"]
+    lines += [f"  {f['share']:6.1%}  {f['frame']}" for f in frames]
+    return "\n".join(lines)
+
+
 @dataclass(slots=True)
 class ProfileResult:
     records: list[StepRecord] = field(default_factory=list)
     top_ops: list[dict[str, Any]] = field(default_factory=list)  # the traced window's ops by self CPU time
+    top_frames: list[dict[str, Any]] = field(default_factory=list)  # the stack samples' leaf frames
     files: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"summary": summarize(self.records), "top_ops": self.top_ops,
+        return {"summary": summarize(self.records), "top_ops": self.top_ops, "top_frames": self.top_frames,
                 "steps": [asdict(r) for r in self.records], "files": self.files}
 
 
@@ -263,6 +275,8 @@ class StepProfiler:
         self.done = not config.enabled
         self._seen = 0  # steps with work so far
         self._torch: torch.profiler.profile | None = None
+        self._sampler: StackSampler | None = None
+        self._instrumenting = False
 
     @property
     def timer(self) -> PhaseTimer:
@@ -279,8 +293,10 @@ class StepProfiler:
             out = run()
             self._seen += out.stats.num_scheduled_tokens > 0
             return out
-        if traced and self._torch is None:
+        if traced and not self._instrumenting:
+            self._instrumenting = True
             self._torch = self._start_torch()
+            self._sampler = self._start_sampler()
         self.timer.enabled = True
         self.timer.take()
         context = _NULL if traced else op_class_timing(self.core.runner.model, self.timer)
@@ -297,9 +313,16 @@ class StepProfiler:
         if shape is not None and out.stats.num_scheduled_tokens > 0:
             self._seen += 1
             self.result.records.append(StepRecord(elapsed, phases, shape, traced))
-        if self._seen - warmup >= (2 * n if self.config.torch_trace else n):
+        if self._seen - warmup >= (2 * n if self.config.instrumented else n):
             self.finish()
         return out
+
+    def _start_sampler(self) -> StackSampler | None:
+        if self.config.sample_interval_ms <= 0:
+            return None
+        sampler = StackSampler(threading.get_ident(), self.config.sample_interval_ms / 1e3)  # this: the engine thread
+        sampler.start()
+        return sampler
 
     def _start_torch(self) -> torch.profiler.profile | None:
         if not self.config.torch_trace:
@@ -329,10 +352,17 @@ class StepProfiler:
                                     "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / traced_steps}
                                    for e in events[:30]]
             self._torch = None
+        if self._sampler is not None:
+            self._sampler.stop()
+            stacks = out_dir / "stacks.txt"
+            self._sampler.write(stacks)
+            self.result.files["stacks"] = str(stacks)
+            self.result.top_frames = self._sampler.top_frames()
+            self._sampler = None
         summary_path, text_path = out_dir / "profile.json", out_dir / "profile.txt"
         self.result.files.update({"json": str(summary_path), "text": str(text_path)})
         summary_path.write_text(json.dumps(self.result.to_json(), indent=1))
-        text = format_summary(summarize(self.result.records))
+        text = format_summary(summarize(self.result.records)) + format_top_frames(self.result.top_frames)
         text_path.write_text(text + "\n")
         log.info("profile of %d steps written to %s\n%s", len(self.result.records), out_dir, text)
         return self.result
