@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,7 +31,6 @@ if importlib.util.find_spec("tokenmill") is None and str(ROOT) not in sys.path:
 
 MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b")
 T = TypeVar("T")
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------- prompts
@@ -125,35 +124,29 @@ def server_process(argv: list[str], ready_url: str, log_path: Path, threads: int
 # ---------------------------------------------------------------- machine noise
 
 
-def _busy_jiffies() -> int:
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return sum(fields[:8]) - idle
-
-
-def _own_jiffies() -> int:
-    with open("/proc/self/stat") as f:
-        after_name = f.read().rsplit(")", 1)[1].split()
-    return int(after_name[11]) + int(after_name[12])  # utime + stime, all threads
-
-
 @dataclass(slots=True)
 class NoiseMeter:
-    """CPU time that *other* processes used while this one ran, in cores (0 = quiet machine).
+    """CPU time that *other* processes used while this one ran, in cores (0 = quiet machine), over this
+    process's CPUs (the engine's own reading: tokenmill/engine/cpu_share.py).
 
     On 2 cores any other busy process stalls every parallel op (see shared/CPU_NOTES.md), so
     each figure carries the noise it was measured under.
     """
 
-    started_s: float = field(default_factory=time.monotonic)
-    busy0: int = field(default_factory=_busy_jiffies)
-    own0: int = field(default_factory=_own_jiffies)
+    reader: Any = None
+    start: Any = None
+
+    def __post_init__(self) -> None:
+        from tokenmill.engine.cpu_share import ProcCpuReader
+
+        self.reader = ProcCpuReader()
+        self.start = self.reader.read()
 
     def others_cores(self) -> float:
-        wall = max(time.monotonic() - self.started_s, 1e-9)
-        others = (_busy_jiffies() - self.busy0) - (_own_jiffies() - self.own0)
-        return max(0.0, others / _CLOCK_TICKS / wall)
+        from tokenmill.engine.cpu_share import others_cores
+
+        now = self.reader.read()
+        return 0.0 if now is None or self.start is None else others_cores(self.start, now, self.reader.num_cpus)
 
 
 def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.25, window_s: float = 2.0) -> float:

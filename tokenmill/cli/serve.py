@@ -39,6 +39,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument("--no-adapt-threads", dest="adapt_threads", action="store_false",
+                        help="keep --threads even while other processes take some of the CPUs (default: run fewer)")
     parser.add_argument("--seed", type=int, default=0)
     add_kernel_arguments(parser)
     add_speculative_arguments(parser)
@@ -155,6 +157,7 @@ def run_serve(args: argparse.Namespace) -> int:
         num_threads=args.threads,
         speculative=speculative_config(args),
         profile=ProfileConfig(num_steps=args.profile_steps, output_dir=args.profile_dir),
+        adapt_threads=args.adapt_threads,
     )
     server_config = ServerConfig(
         host=args.host, port=args.port, served_model_name=args.served_model_name or model_name,

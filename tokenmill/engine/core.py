@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.cpu_share import build_governor
 from tokenmill.engine.inputs import RequestLimits
 from tokenmill.engine.interfaces import RunnerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
@@ -71,6 +72,7 @@ class EngineCore:
                  kv_spec.describe(), num_blocks * block_size, num_blocks, block_size,
                  self.runner.kv_cache_bytes / 2**20, kv_spec.bytes_per_token(arch.num_kv_heads, arch.head_dim)
                  * arch.num_layers, arch.num_layers)
+        self.governor = build_governor(device, config.adapt_threads)  # compute threads vs other processes
         log.info("engine ready: %s, %d KV blocks of %d tokens, context %d, %s on %s",
                  arch.architecture, num_blocks, block_size, self.max_model_len, dtype, device)
 
@@ -132,6 +134,8 @@ class EngineCore:
     def step(self) -> StepResult:
         started = time.monotonic()
         timer = self.timer
+        if self.governor is not None:
+            self.governor.tick()  # on the engine thread: the thread count governs its parallel regions
         if self.speculator is not None:
             with timer.phase("propose"):
                 self.speculator.propose(self.scheduler.running)  # proposals ride on the requests into schedule()
@@ -166,6 +170,8 @@ class EngineCore:
             step_time_s=time.monotonic() - started, num_prompt_tokens=tokens.num_prompt_tokens,
             num_generation_tokens=tokens.num_generation_tokens,
             num_preemptions_total=self.scheduler.stats.num_preemptions,
+            cpu_threads=0 if self.governor is None else self.governor.threads,
+            cpu_other_cores=0.0 if self.governor is None else self.governor.others_cores,
             ttfts_s=tokens.ttfts_s, inter_token_latencies_s=tokens.inter_token_latencies_s,
             spec_num_drafts=tokens.num_drafts, spec_num_draft_tokens=tokens.num_draft_tokens,
             spec_num_accepted_tokens=tokens.num_accepted_tokens,

@@ -34,6 +34,10 @@ class StepStats:
     num_prompt_tokens: int = 0  # prompt tokens computed this step (prefix-cache hits excluded)
     num_generation_tokens: int = 0  # tokens sampled this step
     num_preemptions_total: int = 0
+    # CPU engines: compute threads now, and the cores other processes took from this engine's CPUs
+    # over the last interval (engine/cpu_share.py; 0 / 0.0 where the governor is off).
+    cpu_threads: int = 0
+    cpu_other_cores: float = 0.0
     ttfts_s: list[float] = field(default_factory=list)  # of requests whose first token came this step
     inter_token_latencies_s: list[float] = field(default_factory=list)
     # Speculative decoding, this step: requests whose proposals were verified, tokens proposed,

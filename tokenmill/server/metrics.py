@@ -128,6 +128,10 @@ class ServerMetrics:
             "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.num_preemptions = self._counter(
             "num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.cpu_threads = self._gauge(
+            "cpu_threads", "Compute threads a CPU engine runs now (fewer while other processes take its CPUs).")
+        self.cpu_other_cores = self._gauge(
+            "cpu_other_cores", "Cores of this engine's CPUs that other processes used over the last interval.")
 
     def _build_token_metrics(self, max_model_len: int) -> None:
         length_buckets = build_1_2_5_buckets(max_model_len)
@@ -220,6 +224,9 @@ class ServerMetrics:
         self.prefix_cache_queries.labels(model).inc(queries)
         self.prefix_cache_hits.labels(model).inc(hits)
         self.num_preemptions.labels(model).inc(stats.num_preempted)
+        if stats.cpu_threads:
+            self.cpu_threads.labels(model).set(stats.cpu_threads)
+            self.cpu_other_cores.labels(model).set(stats.cpu_other_cores)
 
     def _record_spec(self, stats: StepStats) -> None:
         if stats.spec_is_on is None:

@@ -1,0 +1,110 @@
+"""ThreadGovernor: compute threads from the CPU share other processes leave (fake /proc readings)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tokenmill.engine.cpu_share import CpuSample, ProcCpuReader, ThreadGovernor
+
+
+class FakeReader:
+    """Two CPUs; each `advance` is one 1-second interval at 100 ticks a second per CPU."""
+
+    num_cpus = 2
+
+    def __init__(self) -> None:
+        self.sample = CpuSample(0, 0, 0)
+
+    def advance(self, others_cores: float, own_cores: float) -> None:
+        s = self.sample
+        busy = round(100 * (others_cores + own_cores))
+        self.sample = CpuSample(s.busy_ticks + busy, s.total_ticks + 200, s.own_ticks + round(100 * own_cores))
+
+    def read(self) -> CpuSample:
+        return self.sample
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _governor() -> tuple[ThreadGovernor, FakeReader, Clock, list[int]]:
+    reader, clock, calls = FakeReader(), Clock(), []
+    governor = ThreadGovernor(2, reader, interval_s=1.0, rise_intervals=3, set_threads=calls.append, clock=clock)
+    governor.tick()  # the baseline
+    return governor, reader, clock, calls
+
+
+def _interval(governor: ThreadGovernor, reader: FakeReader, clock: Clock, others: float, own: float) -> None:
+    clock.now += 0.5
+    governor.tick()  # mid-interval: no read, no decision
+    reader.advance(others, own)
+    clock.now += 0.5
+    governor.tick()
+
+
+def test_a_busy_neighbour_takes_a_thread_at_once_and_its_absence_gives_it_back_after_three_intervals() -> None:
+    governor, reader, clock, calls = _governor()
+    _interval(governor, reader, clock, others=0.02, own=2.0)  # alone: stays at 2
+    assert calls == [] and governor.threads == 2
+    _interval(governor, reader, clock, others=0.67, own=1.33)  # a busy process beside 2 threads gets ~2/3 core
+    assert calls == [1] and governor.threads == 1 and governor.others_cores == pytest.approx(0.67)
+    _interval(governor, reader, clock, others=1.0, own=1.0)  # with 1 thread it gets its whole core: stay
+    assert calls == [1]
+    for _ in range(2):
+        _interval(governor, reader, clock, others=0.0, own=1.0)  # it left: not yet
+    assert calls == [1]
+    _interval(governor, reader, clock, others=0.0, own=1.0)
+    assert calls == [1, 2] and governor.threads == 2
+
+
+def test_a_neighbour_that_pauses_for_a_moment_does_not_flip_the_count() -> None:
+    governor, reader, clock, calls = _governor()
+    _interval(governor, reader, clock, others=1.0, own=1.0)
+    for others in (0.0, 0.0, 1.0, 0.0, 0.0, 1.0):  # idle twice, busy again: never three quiet intervals
+        _interval(governor, reader, clock, others=others, own=1.0)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize(("others", "threads"), [(0.3, 2), (0.49, 2), (0.51, 1), (1.9, 1)])
+def test_threads_are_the_cpus_left_rounded(others: float, threads: int) -> None:
+    governor, reader, clock, calls = _governor()
+    _interval(governor, reader, clock, others=others, own=2.0 - others)
+    assert governor.threads == threads and calls == ([] if threads == 2 else [threads])
+
+
+def test_an_idle_gap_takes_a_fresh_baseline() -> None:
+    """After the engine sat idle (no ticks), the long interval's average decides nothing."""
+    governor, reader, clock, calls = _governor()
+    reader.advance(others_cores=2.0, own_cores=0.0)
+    clock.now += 10.0
+    governor.tick()
+    assert calls == []
+    _interval(governor, reader, clock, others=1.0, own=1.0)
+    assert calls == [1]
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists() or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux /proc and two CPUs")
+def test_the_proc_reader_sees_a_busy_process_beside_it() -> None:
+    reader = ProcCpuReader()
+    governor = ThreadGovernor(reader.num_cpus, reader, interval_s=0.5, set_threads=lambda n: None)
+    governor.tick()
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.6)
+        governor.tick()
+    finally:
+        busy.kill()
+        busy.wait()
+    assert 0.6 <= governor.others_cores <= reader.num_cpus  # the busy loop's core (and whatever else ran)

@@ -1,0 +1,147 @@
+"""Engine threads matched to the CPUs this process actually gets, when other processes take some.
+
+OpenMP's workers meet at the end of every parallel region (~150 of them in a decode step) and spin
+while they wait. When another process keeps a CPU busy, one of our threads is off-CPU for a time
+slice at a time and every region waits for it: a SmolLM2 decode step on 2 vCPUs with one busy
+process beside it took 19.7 ms at batch 1 (7.5 ms alone) with 2 threads, but 9.0 ms with 1
+(docs/performance.md, "CPU share"). The same holds for two replicas sharing cores.
+
+So the engine measures, every `interval_s`, how much of its CPUs (the affinity mask) other processes
+used — from /proc/stat's per-CPU busy ticks (steal included: a hypervisor's other guests count too)
+minus this process's own (/proc/self/stat) — and runs on the CPUs left:
+
+    others = (Δbusy(our CPUs) − Δours) / (Δticks(our CPUs) / n)     in cores
+    threads = clamp(round_half_up(n − others), 1, configured threads)
+
+A drop applies after one interval (contention costs 2-3x at once); a rise after `rise_intervals`
+in a row (a competitor that pauses for a moment should not flip us back and forth). The thread count
+changes through torch.set_num_threads on the engine thread, whose parallel regions it governs.
+Off on non-CPU devices and where /proc is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSample:
+    busy_ticks: int  # busy time of the process's CPUs, summed (user, nice, system, irq, softirq, steal)
+    total_ticks: int  # all time of those CPUs, summed (busy + idle + iowait)
+    own_ticks: int  # this process's CPU time (utime + stime)
+
+
+class CpuReader(Protocol):
+    num_cpus: int
+
+    def read(self) -> CpuSample | None: ...
+
+
+class ProcCpuReader:
+    """CpuSamples from /proc for the CPUs in this process's affinity mask (Linux)."""
+
+    def __init__(self, proc: Path = Path("/proc")) -> None:
+        self.proc = proc
+        self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self.num_cpus = len(self.cpus)
+
+    def read(self) -> CpuSample | None:
+        try:
+            stat = (self.proc / "stat").read_text()
+            own = (self.proc / "self" / "stat").read_text()
+        except OSError:
+            return None
+        wanted = {f"cpu{c}" for c in self.cpus}
+        busy = total = 0
+        for line in stat.splitlines():
+            fields = line.split()
+            if not fields or fields[0] not in wanted:
+                continue
+            user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
+            busy += user + nice + system + irq + softirq + steal
+            total += user + nice + system + idle + iowait + irq + softirq + steal
+        # /proc/self/stat: "pid (comm) state ..." where comm may hold spaces; utime, stime are fields 14, 15.
+        after_comm = own[own.rindex(")") + 2:].split()
+        utime, stime = int(after_comm[11]), int(after_comm[12])
+        return CpuSample(busy, total, utime + stime)
+
+
+def others_cores(before: CpuSample, after: CpuSample, num_cpus: int) -> float:
+    """Cores of `num_cpus` CPUs that other processes kept busy between two samples (0 when no time passed)."""
+    d_total = after.total_ticks - before.total_ticks
+    if d_total <= 0:
+        return 0.0
+    d_others = (after.busy_ticks - before.busy_ticks) - (after.own_ticks - before.own_ticks)
+    return max(0.0, d_others / (d_total / num_cpus))
+
+
+class ThreadGovernor:
+    """Sets the engine's thread count from the CPU share other processes leave it (module docstring)."""
+
+    def __init__(self, max_threads: int, reader: CpuReader, interval_s: float = 1.0, rise_intervals: int = 3,
+                 set_threads: Callable[[int], None] = torch.set_num_threads,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_threads = max_threads
+        self.reader = reader
+        self.interval_s = interval_s
+        self.rise_intervals = rise_intervals
+        self.set_threads = set_threads
+        self.clock = clock
+        self.threads = max_threads
+        self.others_cores = 0.0  # the last interval's measure
+        self._rises = 0
+        self._last: CpuSample | None = None
+        self._last_time = 0.0
+
+    def tick(self) -> None:
+        """Once per engine step (cheap: a clock read unless an interval has passed)."""
+        now = self.clock()
+        if self._last is not None and now - self._last_time < self.interval_s:
+            return
+        sample = self.reader.read()
+        previous, gap = self._last, now - self._last_time
+        self._last, self._last_time = sample, now
+        # A first sample, or one after the engine sat idle for a while: a fresh baseline, no decision.
+        if sample is None or previous is None or gap > 3 * self.interval_s:
+            return
+        if sample.total_ticks <= previous.total_ticks:
+            return
+        self.others_cores = others_cores(previous, sample, self.reader.num_cpus)
+        self._decide(max(1, min(self.max_threads, int(self.reader.num_cpus - self.others_cores + 0.5))))
+
+    def _decide(self, target: int) -> None:
+        if target < self.threads:
+            self._apply(target)
+        elif target > self.threads:
+            self._rises += 1
+            if self._rises >= self.rise_intervals:
+                self._apply(target)
+        else:
+            self._rises = 0
+
+    def _apply(self, threads: int) -> None:
+        log.info("other processes used %.2f of this engine's %d CPUs: %d compute thread%s (was %d)",
+                 self.others_cores, self.reader.num_cpus, threads, "" if threads == 1 else "s", self.threads)
+        self.set_threads(threads)
+        self.threads = threads
+        self._rises = 0
+
+
+def build_governor(device: torch.device, enabled: bool) -> ThreadGovernor | None:
+    """The governor for an engine on `device`, or None (off, not a CPU, or no /proc to read)."""
+    if not enabled or device.type != "cpu":
+        return None
+    reader = ProcCpuReader()
+    if reader.num_cpus < 2 or reader.read() is None:
+        return None
+    return ThreadGovernor(min(torch.get_num_threads(), reader.num_cpus), reader)
