@@ -43,9 +43,10 @@ class LLM:
                  speculative: str | None = None,
                  draft_model: str | None = None, draft_quantization: str | None = None,
                  num_speculative_tokens: int = 0, ngram_min: int = 1, ngram_max: int = 4,
-                 profile: int | ProfileConfig | None = None) -> None:
+                 profile: int | ProfileConfig | None = None, adapt_threads: bool = True) -> None:
         """`profile`: N steps (or a ProfileConfig) to profile, written to ./tokenmill-profile (docs/performance.md).
-        `compile`: "auto", "on"/True, "off"/False: torch.compile of the decoder stack (models/compiled.py)."""
+        `compile`: "auto", "on"/True, "off"/False: torch.compile of the decoder stack (models/compiled.py).
+        `adapt_threads`: run fewer compute threads while other processes take some of the CPUs (engine/cpu_share.py)."""
         self.config = EngineConfig(
             ModelConfig(model, dtype, device, max_model_len, seed, gemm_backend, attention_backend, quantization,
                         amx_bf16, enforce_eager, compile_mode(compile)),
@@ -56,6 +57,7 @@ class LLM:
             SpeculativeConfig(speculative, num_speculative_tokens, ngram_min, ngram_max, draft_model,
                               draft_quantization),
             _profile_config(profile),
+            adapt_threads=adapt_threads,
         )
         self.engine = LLMEngine.from_config(self.config)
         self.loaded = self.engine.loaded
