@@ -72,6 +72,10 @@ def test_gauges_and_token_counters_follow_steps() -> None:
     assert _value(samples, "tokenmill:iteration_tokens_total_count") == 2
     assert _value(samples, "tokenmill:iteration_tokens_total_bucket", le="32.0") == 0
     assert _value(samples, "tokenmill:iteration_tokens_total_bucket", le="64.0") == 2
+    assert _value(samples, "tokenmill:cpu_threads") == 0  # no governor in these steps: left unset
+    metrics.on_step(_stats(cpu_threads=1, cpu_other_cores=0.75), [])
+    samples = _samples(metrics)
+    assert _value(samples, "tokenmill:cpu_threads") == 1 and _value(samples, "tokenmill:cpu_other_cores") == 0.75
 
 
 def test_prefix_cache_counters_add_deltas_of_cumulative_values() -> None:

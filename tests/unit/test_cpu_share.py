@@ -108,3 +108,26 @@ def test_the_proc_reader_sees_a_busy_process_beside_it() -> None:
         busy.kill()
         busy.wait()
     assert 0.6 <= governor.others_cores <= reader.num_cpus  # the busy loop's core (and whatever else ran)
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists() or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux /proc and two CPUs")
+@pytest.mark.parametrize("adapt", [True, False])
+def test_a_cpu_engine_carries_a_governor_unless_told_not_to(adapt: bool) -> None:
+    import torch
+
+    from tests.engine.tiny import tiny_model
+    from tokenmill.config import CacheConfig, EngineConfig, ModelConfig
+    from tokenmill.engine.core import EngineCore
+    from tokenmill.engine.request import SamplingParams
+
+    threads = torch.get_num_threads()
+    tiny = tiny_model("llama")
+    config = EngineConfig(ModelConfig("tiny", dtype="float32", device="cpu"), CacheConfig(num_blocks=16),
+                          adapt_threads=adapt)
+    core = EngineCore(config, tiny.arch, tiny.state_dict)
+    core.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), ())
+    stats = core.step().stats
+    torch.set_num_threads(threads)
+    assert (core.governor is not None) == adapt
+    assert stats.cpu_threads == (min(threads, len(os.sched_getaffinity(0))) if adapt else 0)
