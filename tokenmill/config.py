@@ -285,7 +285,7 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    num_threads: int | None = None  # None: torch's default (all cores)
+    num_threads: int | None = None  # None: one per CPU of the affinity mask, capped by a cgroup CPU quota
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     # After loading, glibc keeps freed memory for reuse (platform.retain_freed_memory): a step's

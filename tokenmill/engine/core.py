@@ -25,6 +25,7 @@ from tokenmill.engine.stats import StepStats
 from tokenmill.errors import RequestValidationError
 from tokenmill.layers.kv_cache import kv_cache_spec
 from tokenmill.models.arch import ArchConfig
+from tokenmill.platform import cpu_quota_cores, default_num_threads
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,10 @@ class EngineCore:
         self.arch = arch
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        elif (threads := default_num_threads()) < torch.get_num_threads():  # a container's CPU quota
+            log.info("CPU quota of %.2f cores: %d compute thread%s (torch would start %d)", cpu_quota_cores() or 0.0,
+                     threads, "" if threads == 1 else "s", torch.get_num_threads())
+            torch.set_num_threads(threads)
         dtype, device = config.model.torch_dtype(), config.model.torch_device()
         block_size = config.cache.block_size
         kv_spec = kv_cache_spec(config.cache.kv_cache_dtype, dtype)
