@@ -41,7 +41,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_quantization_argument(engine)
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument("--threads", type=int, default=None, help="compute threads (default: one per CPU, capped by a container's CPU quota)")
+    engine.add_argument("--threads", type=int, default=None,
+                        help="compute threads (default: one per CPU, capped by a container's CPU quota)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

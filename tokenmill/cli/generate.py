@@ -36,7 +36,8 @@ def add_generate_parser(subparsers: Any) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=None, help="compute threads (default: one per CPU, capped by a container's CPU quota)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="compute threads (default: one per CPU, capped by a container's CPU quota)")
     parser.add_argument("--quiet-stats", action="store_true", help="do not print timings to stderr")
     add_kv_cache_argument(parser)
     add_kernel_arguments(parser)

@@ -38,7 +38,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    parser.add_argument("--threads", type=int, default=None, help="compute threads (default: one per CPU, capped by a container's CPU quota)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="compute threads (default: one per CPU, capped by a container's CPU quota)")
     parser.add_argument("--no-adapt-threads", dest="adapt_threads", action="store_false",
                         help="keep --threads even while other processes take some of the CPUs (default: run fewer)")
     parser.add_argument("--seed", type=int, default=0)
