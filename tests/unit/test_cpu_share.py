@@ -76,8 +76,8 @@ def test_a_neighbour_that_pauses_for_a_moment_does_not_flip_the_count() -> None:
     assert calls == [1]
 
 
-@pytest.mark.parametrize(("others", "threads"), [(0.3, 2), (0.49, 2), (0.51, 1), (1.9, 1)])
-def test_threads_are_the_cpus_left_rounded(others: float, threads: int) -> None:
+@pytest.mark.parametrize(("others", "threads"), [(0.3, 2), (0.38, 2), (0.42, 1), (0.5, 1), (1.9, 1)])
+def test_a_thread_is_given_up_from_four_tenths_of_a_core(others: float, threads: int) -> None:
     governor, reader, clock, calls = _governor()
     _interval(governor, reader, clock, others=others, own=2.0 - others)
     assert governor.threads == threads and calls == ([] if threads == 2 else [threads])
