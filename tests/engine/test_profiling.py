@@ -133,7 +133,8 @@ def test_a_profile_samples_the_engine_threads_python_stacks(tmp_path: Path) -> N
     assert not (tmp_path / "trace.json").exists()
     lines = (tmp_path / "stacks.txt").read_text().splitlines()
     assert lines and all(re.fullmatch(r".+ \d+", line) for line in lines)
-    assert all("_tokens (" in line for line in lines)  # this thread (the one that steps), in this loop
+    # This thread (the one that steps), in this loop; a generator caught mid-resume shows no caller.
+    assert all("_tokens (" in line or line.startswith("(a resumed generator") for line in lines)
     slow = sum(int(line.rsplit(" ", 1)[1]) for line in lines
                if re.search(r"EngineCore\.step \(tokenmill/engine/core\.py:\d+\);.*slow_schedule", line))
     total = sum(int(line.rsplit(" ", 1)[1]) for line in lines)

@@ -89,5 +89,6 @@ def test_a_sample_that_comes_late_counts_every_interval_it_waited() -> None:
         worker.join()
     assert window > 0.1  # the call held everyone out for a while
     assert sampler.num_samples >= 0.6 * window / sampler.interval_s  # counted once, a sample would be ~1%
-    hog = sum(n for stack, n in sampler.counts.items() if stack[-1][0].co_name == "_hold_the_gil_then_spin")
-    assert hog >= 0.6 * sampler.num_samples
+    # ... and lands on the worker's stack (on its own line or a call it was entering: Event.is_set).
+    hog = sum(n for stack, n in sampler.counts.items() if any(f[0].co_name == "_hold_the_gil_then_spin" for f in stack))
+    assert hog >= 0.9 * sampler.num_samples

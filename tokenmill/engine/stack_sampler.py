@@ -19,6 +19,7 @@ switch interval is lowered to half the sampling interval, so pure-Python stretch
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 import time
@@ -77,7 +78,7 @@ class StackSampler:
 
     def folded(self) -> list[str]:
         """`frame;frame;... samples` lines, most sampled first."""
-        return [f"{';'.join(_frame_name(*frame) for frame in stack)} {n}"
+        return [f"{';'.join(_root_marker(stack) + [_frame_name(*frame) for frame in stack])} {n}"
                 for stack, n in self.counts.most_common()]
 
     def top_frames(self, n: int = 15) -> list[dict[str, object]]:
@@ -98,6 +99,18 @@ def _stack(frame: FrameType | None) -> Stack:
         frames.append((frame.f_code, frame.f_lineno or 0, frame.f_globals.get("__name__", "")))
         frame = frame.f_back
     return tuple(reversed(frames))
+
+
+_GENERATOR_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
+def _root_marker(stack: Stack) -> list[str]:
+    """A generator caught while it is being resumed can show no caller (CPython 3.11 links it only once
+    it runs): such stacks are grouped under one marker instead of passing for a thread's root."""
+    return [_TRUNCATED] if stack and stack[0][0].co_flags & _GENERATOR_FLAGS else []
+
+
+_TRUNCATED = "(a resumed generator: its caller was not recorded)"
 
 
 def _frame_name(code: CodeType, line: int, module: str) -> str:
