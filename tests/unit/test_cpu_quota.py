@@ -70,15 +70,22 @@ _V1_CPU = Path("/sys/fs/cgroup/cpu")
                     reason="needs a writable cgroup v1 cpu controller (root on a v1 host)")
 def test_a_process_in_a_real_one_cpu_cgroup_gets_one_thread() -> None:
     group = _V1_CPU / f"tokenmill-test-{uuid.uuid4().hex[:8]}"
-    group.mkdir()
     try:
+        group.mkdir()
         (group / "cpu.cfs_period_us").write_text("100000")
         (group / "cpu.cfs_quota_us").write_text("100000")
-        code = ("import os, sys; open(sys.argv[1], 'w').write(str(os.getpid()))\n"
-                "from tokenmill import platform; print(platform.cpu_quota_cores(), platform.default_num_threads())")
+    except OSError as err:  # a read-only or delegated-elsewhere cgroup tree
+        if group.is_dir():
+            group.rmdir()
+        pytest.skip(f"cannot make a cgroup here: {err}")
+    try:
         # The child joins the cgroup itself before importing anything that starts threads.
-        script = f"import os, sys; open('{group}/cgroup.procs', 'w').write(str(os.getpid()))\n" + code
-        out = subprocess.run([sys.executable, "-c", script, os.devnull], capture_output=True, text=True, check=True)
+        script = (f"import os; open('{group}/cgroup.procs', 'w').write(str(os.getpid()))\n"
+                  "from tokenmill import platform; print(platform.cpu_quota_cores(), platform.default_num_threads())")
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        if out.returncode != 0 and "cgroup.procs" in out.stderr:
+            pytest.skip(f"cannot join a cgroup here: {out.stderr.strip().splitlines()[-1]}")
+        assert out.returncode == 0, out.stderr
         assert out.stdout.split() == ["1.0", "1"]
     finally:
         group.rmdir()
