@@ -136,8 +136,8 @@ def _v1_limit(folder: Path) -> float | None:
     return None if quota <= 0 or period <= 0 else quota / period
 
 
-def default_num_threads() -> int:
-    """torch's thread count (one per CPU of the affinity mask), capped by a CPU quota: floor(quota), at least 1."""
+def default_num_threads(quota: float | None) -> int:
+    """torch's thread count (one per CPU of the affinity mask), capped by a CPU quota (`cpu_quota_cores`):
+    floor(quota), at least 1."""
     threads = torch.get_num_threads()
-    quota = cpu_quota_cores()
     return threads if quota is None else max(1, min(threads, int(quota)))

@@ -59,8 +59,7 @@ def test_v1_inside_a_container_reads_its_own_cgroup_at_the_mount_root(tmp_path: 
 def test_default_threads_are_the_quota_rounded_down(quota: float | None, threads: int,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(platform.torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(platform, "cpu_quota_cores", lambda: quota)
-    assert platform.default_num_threads() == threads
+    assert platform.default_num_threads(quota) == threads
 
 
 _V1_CPU = Path("/sys/fs/cgroup/cpu")
@@ -81,7 +80,8 @@ def test_a_process_in_a_real_one_cpu_cgroup_gets_one_thread() -> None:
     try:
         # The child joins the cgroup itself before importing anything that starts threads.
         script = (f"import os; open('{group}/cgroup.procs', 'w').write(str(os.getpid()))\n"
-                  "from tokenmill import platform; print(platform.cpu_quota_cores(), platform.default_num_threads())")
+                  "from tokenmill import platform\n"
+                  "q = platform.cpu_quota_cores(); print(q, platform.default_num_threads(q))")
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
         if out.returncode != 0 and "cgroup.procs" in out.stderr:
             pytest.skip(f"cannot join a cgroup here: {out.stderr.strip().splitlines()[-1]}")

@@ -45,8 +45,8 @@ class EngineCore:
         self.arch = arch
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        elif (threads := default_num_threads()) < torch.get_num_threads():  # a container's CPU quota
-            log.info("CPU quota of %.2f cores: %d compute thread%s (torch would start %d)", cpu_quota_cores() or 0.0,
+        elif (threads := default_num_threads(quota := cpu_quota_cores())) < torch.get_num_threads():
+            log.info("CPU quota of %.2f cores: %d compute thread%s (torch would start %d)", quota or 0.0,
                      threads, "" if threads == 1 else "s", torch.get_num_threads())
             torch.set_num_threads(threads)
         dtype, device = config.model.torch_dtype(), config.model.torch_device()
