@@ -13,6 +13,8 @@
 
 #include <torch/extension.h>
 
+#include <cstdint>
+#include <optional>
 #include <string>
 
 namespace tokenmill_capi {
@@ -50,6 +52,25 @@ using SkinnyOut = void (*)(const at::Tensor& x, const at::Tensor& w, const c10::
 using PlanForwardOut = void (*)(const void* plan, const at::Tensor& x, at::Tensor& out);
 
 constexpr const char* kPlanCapsule = "tokenmill.QuantPlan";
+
+// A call from Python that will run long releases the GIL while it runs: the server's event loop shares
+// the process with the engine thread, and a held GIL starved it for up to 0.29 s at a time during a
+// 2,048-token Qwen 0.5B prefill step (one GEMM or one elementwise pass over [2048, 9728]). A short
+// call keeps it: a released GIL is taken back only once the other thread yields it or its switch
+// interval (5 ms) ends, too much to risk on a call of microseconds. `work` is the elements (or
+// weights) a call touches; 1M is ~0.2-1 ms on the CPUs here. Only for entry points Python calls: the
+// C API's callers (the decoder stack) hold no GIL.
+constexpr int64_t kLongCallWork = int64_t{1} << 20;
+
+class ReleaseGilIfLong {
+ public:
+  explicit ReleaseGilIfLong(int64_t work) {
+    if (work >= kLongCallWork) release_.emplace();
+  }
+
+ private:
+  std::optional<pybind11::gil_scoped_release> release_;
+};
 
 inline std::string capsule_name(const char* fn, int version) {
   return std::string("tokenmill.c_api.") + fn + ".v" + std::to_string(version);

@@ -584,9 +584,17 @@ void paged_decode_attention_out(const torch::Tensor& q, const torch::Tensor& k_c
   });
 }
 
+// The cache entries a decode call may read (every sequence at its block table's full width), for
+// ReleaseGilIfLong.
+int64_t decode_work(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& block_table) {
+  const int64_t row = k_cache.dim() == 4 ? k_cache.size(1) * k_cache.size(2) * k_cache.size(3) : 0;
+  return q.size(0) * (block_table.dim() == 2 ? block_table.size(1) : 0) * row;
+}
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor seq_lens, double scale,
                                      int64_t window, double softcap) {
+  const tokenmill_capi::ReleaseGilIfLong gil(decode_work(q, k_cache, block_table));
   q = with_contiguous_heads(q);
   auto out = torch::empty(q.sizes(), q.options());
   paged_decode_attention_out(q, k_cache, v_cache, block_table, seq_lens, scale, window, softcap, out);
@@ -620,6 +628,7 @@ void paged_decode_attention_int8_out(const torch::Tensor& q, const torch::Tensor
 torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_table,
                                           torch::Tensor seq_lens, double scale, int64_t window, double softcap) {
+  const tokenmill_capi::ReleaseGilIfLong gil(decode_work(q, k_cache, block_table));
   q = with_contiguous_heads(q);
   auto out = torch::empty(q.sizes(), q.options());
   paged_decode_attention_int8_out(q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, scale, window,
@@ -778,6 +787,7 @@ void silu_mul_out(const torch::Tensor& gate_up, torch::Tensor& out) {
 }
 
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  const tokenmill_capi::ReleaseGilIfLong gil(gate_up.numel());
   std::vector<int64_t> sizes = gate_up.sizes().vec();
   TORCH_CHECK(!sizes.empty(), "silu_mul: gate_up must have a feature dimension");
   sizes.back() /= 2;
@@ -833,6 +843,7 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
               "argmax_rows: x must be contiguous float32 [N, V] with V > 0");
   const int64_t N = x.size(0), V = x.size(1);
+  const tokenmill_capi::ReleaseGilIfLong gil(N * V);
   torch::Tensor out = torch::empty({N}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
@@ -911,6 +922,7 @@ void skinny_linear_out(const torch::Tensor& x_in, const torch::Tensor& w, const 
 
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x [M, K] and W [N, K] expected");
+  const tokenmill_capi::ReleaseGilIfLong gil(w.numel());
   auto y = torch::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
   skinny_linear_out(x, w, bias, y);
   return y;
@@ -926,8 +938,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "the key counts of the chunks paged decode attention splits one sequence into (tests)");
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8,
         "paged decode attention over an int8 KV cache with fp16 scales per (slot, kv head) (CPU)");
-  m.def("kv_write", &kv_write, "k, v [T, KVH, hd] into the paged caches at flat slots [T], dtype-converted (CPU)");
-  m.def("kv_write_int8", &kv_write_int8,
+  // kv_write and kv_write_int8 are C API entry points too (called there without the GIL): the GIL
+  // is released here, in the Python binding only.
+  m.def("kv_write", [](torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slots, const torch::Tensor& k,
+                       const torch::Tensor& v) {
+    const tokenmill_capi::ReleaseGilIfLong gil(2 * k.numel());
+    kv_write(k_cache, v_cache, slots, k, v);
+  }, "k, v [T, KVH, hd] into the paged caches at flat slots [T], dtype-converted (CPU)");
+  m.def("kv_write_int8", [](torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scale, torch::Tensor v_scale,
+                            const torch::Tensor& slots, const torch::Tensor& k, const torch::Tensor& v,
+                            const c10::optional<torch::Tensor>& k_shift, const c10::optional<torch::Tensor>& k_inv_sigma,
+                            const c10::optional<torch::Tensor>& v_shift, const c10::optional<torch::Tensor>& v_inv_sigma) {
+    const tokenmill_capi::ReleaseGilIfLong gil(2 * k.numel());
+    kv_write_int8(k_cache, v_cache, k_scale, v_scale, slots, k, v, k_shift, k_inv_sigma, v_shift, v_inv_sigma);
+  },
         "k, v [T, KVH, hd] quantized to int8 with an fp16 scale per (token, head) into the int8 caches; keys "
         "as (k - k_shift) * k_inv_sigma and values as (v - v_shift) * v_inv_sigma when given (CPU)",
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("k_scale"), pybind11::arg("v_scale"),

@@ -58,6 +58,7 @@ void rms_norm_out(const at::Tensor& x, const at::Tensor& w, double eps, at::Tens
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const tokenmill_capi::ReleaseGilIfLong gil(x.numel());
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   rms_norm_out(x, w, eps, y);
   return y;
@@ -85,6 +86,7 @@ void add_rms_norm_out(const at::Tensor& x, at::Tensor& residual, const at::Tenso
 }
 
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+  const tokenmill_capi::ReleaseGilIfLong gil(x.numel());
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   add_rms_norm_out(x, residual, w, eps, y);
   return y;
@@ -122,7 +124,10 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "y = x / sqrt(mean(x^2) + eps) * w over the last dim, float32 (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then rms_norm(residual) (CPU)");
-  m.def("rope_", &rope_, "rotate-half RoPE in place over [T, heads, head_dim] (CPU)");
+  m.def("rope_", [](at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    const tokenmill_capi::ReleaseGilIfLong gil(x.numel());  // rope_ is a C API entry point too (no GIL there)
+    rope_(x, cos, sin);
+  }, "rotate-half RoPE in place over [T, heads, head_dim] (CPU)");
   m.def("c_api", [] {
     pybind11::dict api;
     TM_CAPI_ENTRY(api, RmsNormOut, rms_norm_out);

@@ -769,6 +769,9 @@ int64_t total_rows(const std::vector<Weights>& ws) {
   return total;
 }
 
+// The work of a call for ReleaseGilIfLong: the weights it streams, or its multiply-adds / 16.
+int64_t call_work(int64_t M, int64_t K, int64_t N) { return std::max(K * N, M * K * N / 16); }
+
 // y [M, sum rows_i] = x [M, K] (float32, contiguous) times the matrices of checked_weights.
 at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, const std::vector<at::Tensor>& scales,
                         const std::vector<at::Tensor>& offsets, const std::vector<int64_t>& rows, int64_t passes,
@@ -779,6 +782,7 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, 
   const std::vector<Weights> ws = checked_weights(qs, scales, offsets, rows, highs, x.size(1));
   const int64_t total = total_rows(ws);
   at::Tensor out = at::empty({x.size(0), total}, x.options());
+  const tokenmill_capi::ReleaseGilIfLong gil(call_work(x.size(0), x.size(1), total));  // called from Python only
   quant_linear_into(x.data_ptr<float>(), x.size(0), x.size(1), ws, passes, isa, amx_rows, bf16_rows,
                     out.data_ptr<float>(), total);
   return out;
@@ -859,7 +863,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }), pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("rows"),
            pybind11::arg("passes"), pybind11::arg("isa"), pybind11::arg("bias"),
            pybind11::arg("highs") = std::vector<at::Tensor>{}, pybind11::arg("bf16_rows") = -1)
-      .def("__call__", &QuantPlan::forward, "y = x W^T (+ bias) over x's last dimension (float32 out)")
+      .def("__call__", [](const QuantPlan& plan, const at::Tensor& x) {
+             const tokenmill_capi::ReleaseGilIfLong gil(call_work(x.numel() / std::max<int64_t>(1, plan.K), plan.K,
+                                                                  plan.N));
+             return plan.forward(x);
+           }, pybind11::arg("x"), "y = x W^T (+ bias) over x's last dimension (float32 out)")
       .def_property_readonly("in_features", [](const QuantPlan& plan) { return plan.K; })
       .def_property_readonly("out_features", [](const QuantPlan& plan) { return plan.N; })
       .def("handle", [](const QuantPlan& plan) {
