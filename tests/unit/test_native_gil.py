@@ -8,6 +8,7 @@ whole call; released, only for OS time slices on a busy machine.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +39,7 @@ def longest_stall(call: Callable[[], object]) -> tuple[float, float]:
     stop.set()
     thread.join()
     inside = [started] + [t for t in ticks if started < t < ended] + [ended]
-    return max(b - a for a, b in zip(inside, inside[1:], strict=False)), ended - started
+    return max(b - a for a, b in itertools.pairwise(inside)), ended - started
 
 
 def assert_releases(call: Callable[[], object]) -> None:
