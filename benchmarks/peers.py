@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import llama_server  # noqa: E402
-from common import free_port, host_label, server_process  # noqa: E402
+from common import NoiseMeter, free_port, host_label, server_process, wait_for_quiet  # noqa: E402
 
 from tokenmill.bench.arrivals import ArrivalOptions  # noqa: E402
 from tokenmill.bench.bench import BenchConfig, RunResult, finish, measure, prepare, ratios, warm_up  # noqa: E402
@@ -145,48 +145,6 @@ def running(server: str, gguf: Path, model: str, settings: Settings) -> Iterator
 # ---------------------------------------------------------------- machine noise
 
 
-def _busy_jiffies() -> int:
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(fields) - fields[3] - fields[4]  # everything but idle and iowait
-
-
-def _process_jiffies(pid: int) -> int:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
-
-
-class NoiseMeter:
-    """Cores used by processes other than ours (this script and the server under test)."""
-
-    def __init__(self, server_pid: int) -> None:
-        self.pids = (os.getpid(), server_pid)
-        self.start()
-
-    def start(self) -> None:
-        self.t0, self.busy0, self.ours0 = time.monotonic(), _busy_jiffies(), self._ours()
-
-    def _ours(self) -> int:
-        return sum(_process_jiffies(pid) for pid in self.pids)
-
-    def others_cores(self) -> float:
-        elapsed = max(time.monotonic() - self.t0, 1e-3)
-        others = (_busy_jiffies() - self.busy0) - (self._ours() - self.ours0)
-        return max(others, 0) / TICKS_PER_S / elapsed
-
-    def wait_quiet(self, max_wait_s: float, threshold: float = 0.25, window_s: float = 2.0) -> float:
-        """Waits until others use < threshold cores over a window; returns the last reading."""
-        deadline = time.monotonic() + max_wait_s
-        while True:
-            self.start()
-            time.sleep(window_s)
-            reading = self.others_cores()
-            if reading < threshold or time.monotonic() > deadline:
-                return reading
-
-
 # ---------------------------------------------------------------- runs
 
 
@@ -201,7 +159,7 @@ def bench_config(workload: str, seed: int) -> BenchConfig:
 async def run_server(server: str, url: str, pid: int, model: str, workloads: list[str], settings: Settings,
                      sessions: dict[str, list[Session]], pairs: dict[str, PeerPair]) -> None:
     """Every archetype against one server; fills `sessions` the first time a workload is seen."""
-    meter = NoiseMeter(pid)
+    meter = NoiseMeter((pid,))
     async with make_client(timeout_s=1800.0) as client:
         for workload in workloads:
             config = bench_config(workload, settings.seed)
@@ -219,8 +177,8 @@ async def run_server(server: str, url: str, pid: int, model: str, workloads: lis
 
 async def _measure_once(client: httpx.AsyncClient, target: Target, config: BenchConfig, sessions: list[Session],
                         meter: NoiseMeter, settings: Settings, pair: PeerPair, server: str) -> None:
-    before = meter.wait_quiet(settings.quiet_wait_s)
-    meter.start()
+    before = wait_for_quiet(settings.quiet_wait_s, also_ours=meter.also_ours)
+    meter.restart()
     outcome, server_metrics, arrival = await measure(client, target, config, sessions, None)
     pair.noise[server] = {"others_cores_before": round(before, 3), "others_cores": round(meter.others_cores(), 3)}
     pair.results[server] = finish(target, config, arrival, [outcome], [server_metrics])

@@ -27,17 +27,15 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import os
 import re
 import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 from common import (
     ROOT,
+    NoiseMeter,
     environment,
     free_port,
     new_figure,
@@ -105,32 +103,6 @@ def serving(args: argparse.Namespace, name: str, extra: list[str]) -> Iterator[t
         yield url, pid
 
 
-def _busy_jiffies() -> int:
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(fields) - fields[3] - fields[4]
-
-
-def _jiffies(pid: int) -> int:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return sum(int(x) for x in fields[11:15])
-
-
-class Noise:
-    """Cores used by processes other than this one and the server, over the server's runs."""
-
-    def __init__(self, server_pid: int) -> None:
-        self.pid, self.t0 = server_pid, time.monotonic()
-        self.busy0, self.mine0 = _busy_jiffies(), _jiffies(os.getpid()) + _jiffies(server_pid)
-
-    def others_cores(self) -> float:
-        ticks = os.sysconf("SC_CLK_TCK")
-        others = (_busy_jiffies() - self.busy0) - (_jiffies(os.getpid()) + _jiffies(self.pid) - self.mine0)
-        return max(0.0, others / ticks / max(time.monotonic() - self.t0, 1e-9))
-
-
 def server_view(url: str) -> dict[str, float]:
     """The classes' series the server exposes, label sets flattened into the key."""
     text = httpx.get(url + "/metrics", timeout=10).text
@@ -156,7 +128,7 @@ def run_round(args: argparse.Namespace, url: str, phases: tuple[str, ...], seed:
 def run_server(args: argparse.Namespace, name: str, extra: list[str], phases: tuple[str, ...]) -> dict[str, Any]:
     wait_for_quiet(args.quiet_wait_s)
     with serving(args, name, extra) as (url, pid):
-        noise = Noise(pid)
+        noise = NoiseMeter((pid,))
         rounds = [run_round(args, url, phases if i % 2 == 0 else phases[::-1], seed=i) for i in range(args.rounds)]
         others = noise.others_cores()
         view = server_view(url)
