@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.engine.cpu_share import CpuSample, ProcCpuReader, ThreadGovernor
+from tokenmill.engine.cpu_share import CpuSample, ProcCpuReader, ThreadGovernor, others_cores
+from tokenmill.kernels import cpu_kernels
 
 
 class FakeReader:
@@ -112,6 +113,26 @@ def test_the_proc_reader_sees_a_busy_process_beside_it() -> None:
 
 @pytest.mark.skipif(not Path("/proc/stat").exists() or len(os.sched_getaffinity(0)) < 2,
                     reason="needs Linux /proc and two CPUs")
+def test_a_process_counted_as_ours_is_not_another() -> None:
+    """Benchmarks count the server they measure as theirs (benchmarks/common.NoiseMeter)."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        readers = [ProcCpuReader(), ProcCpuReader(own=("self", busy.pid))]
+        before = [r.read() for r in readers]
+        time.sleep(0.6)
+        after = [r.read() for r in readers]
+    finally:
+        busy.kill()
+        busy.wait()
+    seen = [others_cores(b, a, r.num_cpus) for r, b, a in zip(readers, before, after, strict=True)
+            if b is not None and a is not None]
+    assert seen[0] >= 0.6 and seen[1] <= seen[0] - 0.5
+    # a process of ours that has exited counts as nothing, not as an unreadable /proc
+    assert ProcCpuReader(own=("self", busy.pid)).read() is not None
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists() or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux /proc and two CPUs")
 @pytest.mark.parametrize("adapt", [True, False])
 def test_a_cpu_engine_carries_a_governor_unless_told_not_to(adapt: bool) -> None:
     import torch
@@ -131,3 +152,6 @@ def test_a_cpu_engine_carries_a_governor_unless_told_not_to(adapt: bool) -> None
     torch.set_num_threads(threads)
     assert (core.governor is not None) == adapt
     assert stats.cpu_threads == (min(threads, len(os.sched_getaffinity(0))) if adapt else 0)
+    native = cpu_kernels()
+    if adapt and native is not None:  # the attention split stays put while the governor moves threads
+        assert native.set_decode_split_threads(0) == stats.cpu_threads

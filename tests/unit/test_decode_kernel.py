@@ -163,3 +163,30 @@ def test_bad_arguments_raise_instead_of_reading_out_of_bounds() -> None:
         kernels.paged_decode_attention(torch.zeros(1, 4, 8), cache, cache, table, torch.tensor([5]), 1.0, 0, 0.0)
     with pytest.raises(RuntimeError, match="block id out of range"):
         kernels.paged_decode_attention(torch.zeros(1, 4, 8), cache, cache, table + 4, torch.tensor([2]), 1.0, 0, 0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_bit_identical_at_any_thread_count_under_a_pinned_split(dtype: torch.dtype) -> None:
+    """The engine's CPU governor moves the thread count while requests decode (engine/cpu_share.py); with
+    the split pinned at its most threads, a row's keys are cut and merged alike at 1 thread and at 2."""
+    assert kernels is not None
+    g = torch.Generator().manual_seed(11)
+    block_size, num_heads, num_kv_heads, head_dim, width = 16, 9, 3, 64, 40
+    k_cache = torch.randn(width, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(width, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    table = torch.randperm(width, generator=g).view(1, width)
+    q = torch.randn(1, num_heads, head_dim, generator=g)
+    before, pinned = torch.get_num_threads(), kernels.set_decode_split_threads(2)
+    outs = []
+    try:
+        assert kernels.decode_split_threads() == 2
+        for threads in (1, 2, 1):
+            torch.set_num_threads(threads)
+            for keys in (300, 601):  # 4 chunks at 1 thread unpinned, 6 at 2; split either way
+                outs.append(kernels.paged_decode_attention(q, k_cache, v_cache, table, torch.tensor([keys]),
+                                                           0.125, 0, 0.0))
+    finally:
+        torch.set_num_threads(before)
+        kernels.set_decode_split_threads(pinned)
+    for i in range(2, len(outs)):
+        assert torch.equal(outs[i], outs[i % 2])

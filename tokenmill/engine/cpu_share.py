@@ -37,6 +37,8 @@ from typing import Protocol
 
 import torch
 
+from tokenmill.kernels import cpu_kernels
+
 log = logging.getLogger(__name__)
 
 GIVE_UP_AT = 0.4  # cores of our CPUs other processes take before a compute thread is given up (measured above)
@@ -56,17 +58,18 @@ class CpuReader(Protocol):
 
 
 class ProcCpuReader:
-    """CpuSamples from /proc for the CPUs in this process's affinity mask (Linux)."""
+    """CpuSamples from /proc for the CPUs in this process's affinity mask (Linux). `own` are the
+    processes whose CPU time counts as ours (benchmarks add the server they measure)."""
 
-    def __init__(self, proc: Path = Path("/proc")) -> None:
+    def __init__(self, proc: Path = Path("/proc"), own: tuple[int | str, ...] = ("self",)) -> None:
         self.proc = proc
+        self.own = own
         self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self.num_cpus = len(self.cpus)
 
     def read(self) -> CpuSample | None:
         try:
             stat = (self.proc / "stat").read_text()
-            own = (self.proc / "self" / "stat").read_text()
         except OSError:
             return None
         wanted = {f"cpu{c}" for c in self.cpus}
@@ -78,10 +81,18 @@ class ProcCpuReader:
             user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
             busy += user + nice + system + irq + softirq + steal
             total += user + nice + system + idle + iowait + irq + softirq + steal
-        # /proc/self/stat: "pid (comm) state ..." where comm may hold spaces; utime, stime are fields 14, 15.
-        after_comm = own[own.rindex(")") + 2:].split()
-        utime, stime = int(after_comm[11]), int(after_comm[12])
-        return CpuSample(busy, total, utime + stime)
+        own_ticks = 0
+        for pid in self.own:
+            try:
+                own = (self.proc / str(pid) / "stat").read_text()
+            except OSError:
+                if pid == "self":
+                    return None
+                continue  # a process of ours that has exited
+            # /proc/PID/stat: "pid (comm) state ..." where comm may hold spaces; utime, stime are fields 14, 15.
+            after_comm = own[own.rindex(")") + 2:].split()
+            own_ticks += int(after_comm[11]) + int(after_comm[12])
+        return CpuSample(busy, total, own_ticks)
 
 
 def others_cores(before: CpuSample, after: CpuSample, num_cpus: int) -> float:
@@ -153,4 +164,10 @@ def build_governor(device: torch.device, enabled: bool) -> ThreadGovernor | None
     reader = ProcCpuReader()
     if reader.num_cpus < 2 or reader.read() is None:
         return None
-    return ThreadGovernor(min(torch.get_num_threads(), reader.num_cpus), reader)
+    governor = ThreadGovernor(min(torch.get_num_threads(), reader.num_cpus), reader)
+    # Decode attention splits a sequence's keys by thread count; pinned at the governor's most, a row's
+    # float sums (and so greedy tokens) do not change when the governor gives a thread up.
+    native = cpu_kernels()
+    if native is not None:
+        native.set_decode_split_threads(governor.max_threads)
+    return governor

@@ -32,6 +32,7 @@
 #include "c_api.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -346,6 +347,11 @@ inline void prefetch_rows(const void* start, int64_t bytes) {
 // never on the other rows of the step: a speculative verification scores 1 + k rows of one request
 // where a plain decode scores one, and greedy output must not change with it (chunks sized from the
 // step's total keys flipped a near-tie on Qwen2.5-Coder-0.5B).
+//
+// `threads` is the split thread count (split_threads()), not the threads running now: the engine's CPU
+// governor (engine/cpu_share.py) moves the running count while requests decode, and a split that
+// followed it changed a row's float sums between steps (greedy output must not depend on a neighbour's
+// load). Fewer threads than the split still run every chunk, each as before, merged in chunk order.
 int64_t decode_chunk_len(int64_t keys, int64_t threads, int64_t key_bytes) {
   constexpr int64_t kMinChunk = 64;  // below this a chunk's fixed cost and merge outweigh the parallelism (32: batch 32 at 100 keys 1.23x slower)
   constexpr int64_t kMinSplit = 32;
@@ -355,6 +361,15 @@ int64_t decode_chunk_len(int64_t keys, int64_t threads, int64_t key_bytes) {
   int64_t n = (keys + base - 1) / base;
   if (n > 1) n = std::min((n + threads - 1) / threads * threads, std::max<int64_t>(2, keys / kMinSplit));
   return (keys + n - 1) / n;
+}
+
+// The thread count decode attention splits keys for: set once per process by the engine
+// (set_decode_split_threads: its configured count); 0, the default, follows the threads running now.
+std::atomic<int64_t> g_split_threads{0};
+
+int64_t split_threads() {
+  const int64_t fixed = g_split_threads.load(std::memory_order_relaxed);
+  return fixed > 0 ? fixed : at::get_num_threads();
 }
 
 // TQ: query and output type; TC: cache element type. k_scale/v_scale [slots, KVH] are read only
@@ -377,7 +392,7 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
   constexpr bool kQuant = std::is_same_v<TC, int8_t>;
   const int64_t rep = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // elements between consecutive slots
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = split_threads();
   const float qscale = softcap > 0 ? 1.f : static_cast<float>(scale);  // with a softcap, scale goes inside tanh
   const auto first_key = [&](int64_t s) { return window > 0 ? std::max<int64_t>(0, seq_lens[s] - window) : 0; };
   const int64_t key_bytes = 2 * token_stride * static_cast<int64_t>(sizeof(TC));
@@ -936,6 +951,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     for (int64_t t0 = 0; t0 < keys; t0 += chunk) lens.push_back(std::min(chunk, keys - t0));
     return lens;
   }, "the key counts of the chunks paged decode attention splits one sequence into (tests)");
+  m.def("set_decode_split_threads", [](int64_t threads) {
+    TORCH_CHECK(threads >= 0, "split threads must be >= 0");
+    return g_split_threads.exchange(threads);
+  }, "fix the thread count decode attention splits a sequence's keys for (0: the running count); returns the old one");
+  m.def("decode_split_threads", [] { return split_threads(); }, "the thread count decode attention splits keys for");
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8,
         "paged decode attention over an int8 KV cache with fp16 scales per (slot, kv head) (CPU)");
   // kv_write and kv_write_int8 are C API entry points too (called there without the GIL): the GIL
