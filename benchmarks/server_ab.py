@@ -1,0 +1,80 @@
+"""A/B of two checkouts of tokenmill as servers: one phase of the `mixed` bench (workload_classes.py's
+chat sessions, batch burst, or both at once) against `tokenmill serve` from a base checkout and from
+this one, in ABBA order (base, new, new, base, ...: linear drift of this VM's speed cancels), each pair
+on the same prompts (seed = pair). Prints one JSON line per run and the new / base ratios per pair.
+
+    git worktree add /tmp/base REV
+    flock /tmp/tokenmill-bench.lock python benchmarks/server_ab.py --base /tmp/base --phase mixed --rounds 4
+
+Takes workload_classes.py's workload flags (--chat-sessions, --batch-requests, ...). Writes
+benchmarks/results/server_ab_<phase>_<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import common  # type: ignore[import-not-found]
+import workload_classes as wc  # type: ignore[import-not-found]
+
+
+def parse_args() -> argparse.Namespace:
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+    ours = argparse.ArgumentParser(add_help=False)
+    ours.add_argument("--base", type=Path, required=True, help="a checkout of the base revision")
+    ours.add_argument("--phase", choices=["mixed", "batch_alone", "chat_alone"], default="mixed")
+    args, rest = ours.parse_known_args()
+    sys.argv = [sys.argv[0], *rest]
+    workload = wc.parse_args()  # --rounds: pairs of runs
+    for key, value in vars(args).items():
+        setattr(workload, key, value)
+    return workload
+
+
+def run_one(args: argparse.Namespace, name: str, root: Path, index: int) -> dict[str, Any]:
+    common.ROOT = root  # server_process puts it on the server's PYTHONPATH
+    common.wait_for_quiet(args.quiet_wait_s)
+    with wc.serving(args, f"ab-{name}-{index}", []) as (url, pid):
+        noise = common.NoiseMeter((pid,))
+        result = wc.run_round(args, url, (args.phase,), seed=index // 2)
+        others = noise.others_cores()
+    phase = result.phase(args.phase)
+    assert phase is not None
+    row: dict[str, Any] = {"version": name, "pair": index // 2, "others_cores": round(others, 3),
+                           "duration_s": phase.duration_s, "total_tps": phase.total_output_throughput}
+    if phase.chat is not None:
+        m = phase.chat.metrics
+        row.update(chat_ttft_p50=m.ttft.p50, chat_ttft_p99=m.ttft.p99, chat_tpot_p50=m.tpot.p50,
+                   chat_tpot_p99=m.tpot.p99)
+    if phase.batch is not None:
+        row["batch_tps"] = phase.batch.metrics.output_throughput
+    return row
+
+
+def main() -> None:
+    args = parse_args()
+    roots = {"base": args.base.resolve(), "new": common.ROOT}
+    order = (["base", "new", "new", "base"] * args.rounds)[: 2 * args.rounds]
+    rows = []
+    for index, name in enumerate(order):
+        rows.append(run_one(args, name, roots[name], index))
+        print(rows[-1], flush=True)
+    pairs = []
+    for pair in range(args.rounds):
+        by = {r["version"]: r for r in rows if r["pair"] == pair}
+        ratio = {k: by["new"][k] / by["base"][k] for k in by["new"] if k not in ("version", "pair", "others_cores")
+                 and isinstance(by["new"][k], float) and by["base"].get(k)}
+        pairs.append(ratio)
+        print(f"pair {pair}: new / base " + ", ".join(f"{k} {v:.3f}" for k, v in ratio.items()))
+    common.ROOT = roots["new"]
+    common.save_json(f"server_ab_{args.phase}", args.model, {
+        "args": {k: str(v) for k, v in vars(args).items()}, "base": str(roots["base"]), "runs": rows,
+        "new_over_base": pairs})
+
+
+if __name__ == "__main__":
+    main()
