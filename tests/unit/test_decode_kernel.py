@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fixtures.attention import paged_attention_reference
+from tests.fixtures.attention import decode_threads, paged_attention_reference
 from tokenmill.kernels import cpu_kernels
 
 kernels = cpu_kernels()
@@ -68,13 +68,9 @@ def test_long_sequences_split_into_chunks_merge_exactly(threads: int, window: in
     table = torch.randperm(num_blocks, generator=g)[:len(lens) * width].view(len(lens), width)
     seq_lens = torch.tensor(lens)
     q = torch.randn(len(lens), num_heads, head_dim, generator=g)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with decode_threads(threads):
         assert kernels is not None
         out = kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 0.125, window, softcap)
-    finally:
-        torch.set_num_threads(before)
     ref = paged_attention_reference(q, k_cache.float(), v_cache.float(), table, seq_lens, 0.125, window, softcap)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -92,9 +88,7 @@ def test_a_row_is_bit_identical_whatever_else_is_in_the_step(threads: int, dtype
     table = torch.randperm(width * 3, generator=g)[:width * 3].view(3, width)
     lens = [[117], [117, 118, 119, 120], [117, 600, 20], [117, 20], [117] * 12]
     q = torch.randn(1, num_heads, head_dim, generator=g)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with decode_threads(threads):
         assert kernels is not None
         outs = []
         for step in lens:
@@ -104,8 +98,6 @@ def test_a_row_is_bit_identical_whatever_else_is_in_the_step(threads: int, dtype
             tables = table[[0 if i == 0 else i % 3 for i in order]]
             out = kernels.paged_decode_attention(qs, k_cache, v_cache, tables, torch.tensor(step), 0.125, 0, 0.0)
             outs.append(out[0])
-    finally:
-        torch.set_num_threads(before)
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
 

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fixtures.attention import assert_writes_same_bytes, paged_attention_reference, prefill_metadata
+from tests.fixtures.attention import (
+    assert_writes_same_bytes,
+    decode_threads,
+    paged_attention_reference,
+    prefill_metadata,
+)
 from tokenmill.config import CacheConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.kernels import cpu_kernels
@@ -132,14 +137,10 @@ def test_int8_kernel_long_sequences_split_into_chunks(threads: int, lens: list[i
     table = torch.randperm(num_blocks, generator=g)[:len(lens) * width].view(len(lens), width)
     seq_lens = torch.tensor(lens)
     q = torch.randn(len(lens), 9, 64, generator=g)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with decode_threads(threads):
         assert kernels is not None
         out = kernels.paged_decode_attention_int8(q, cache.k, cache.v, cache.k_scale, cache.v_scale, table,
                                                   seq_lens, 0.125, 0, 0.0)
-    finally:
-        torch.set_num_threads(before)
     ref = paged_attention_reference(q, *_dequantized(cache), table, seq_lens, 0.125, 0, 0.0, dtype=torch.float64)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
 
