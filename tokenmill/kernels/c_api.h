@@ -54,7 +54,7 @@ using PlanForwardOut = void (*)(const void* plan, const at::Tensor& x, at::Tenso
 constexpr const char* kPlanCapsule = "tokenmill.QuantPlan";
 
 // A call from Python that will run long releases the GIL while it runs: the server's event loop shares
-// the process with the engine thread, and a held GIL starved it for up to 0.29 s at a time during a
+// the process with the engine thread, and a held GIL starved it for up to 0.3-0.4 s at a time during a
 // 2,048-token Qwen 0.5B prefill step (one GEMM or one elementwise pass over [2048, 9728]). A short
 // call keeps it: a released GIL is taken back only once the other thread yields it or its switch
 // interval (5 ms) ends, too much to risk on a call of microseconds. `work` is the elements (or
