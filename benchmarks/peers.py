@@ -142,9 +142,6 @@ def running(server: str, gguf: Path, model: str, settings: Settings) -> Iterator
         yield url, pid
 
 
-# ---------------------------------------------------------------- machine noise
-
-
 # ---------------------------------------------------------------- runs
 
 
