@@ -208,6 +208,14 @@ class Stats:
                    _quantile(ordered, 0.9), ordered[0], ordered[-1])
 
 
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    """The value at rank floor(q * n) of the sorted values (NaN when there are none)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def _quantile(ordered: Sequence[float], q: float) -> float:
     """Linear interpolation between closest ranks."""
     pos = q * (len(ordered) - 1)

@@ -63,13 +63,12 @@ def main() -> None:
     wall = time.perf_counter() - started
     stop.set()
     thread.join()
-    gaps.sort()
-    pick = lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))]  # noqa: E731
-    summary = {"ticks": len(gaps), "wall_s": wall, "gap_p50_s": pick(0.5), "gap_p99_s": pick(0.99),
-               "gap_max_s": gaps[-1], "steps": [{"tokens": n, "s": s} for n, s in steps]}
+    p50, p99, worst = common.nearest_rank(gaps, 0.5), common.nearest_rank(gaps, 0.99), max(gaps)
+    summary = {"ticks": len(gaps), "wall_s": wall, "gap_p50_s": p50, "gap_p99_s": p99,
+               "gap_max_s": worst, "steps": [{"tokens": n, "s": s} for n, s in steps]}
     print(f"{args.model}: {len(steps)} steps in {wall:.1f} s ({', '.join(f'{n} tok {s:.2f} s' for n, s in steps)})")
-    print(f"ticker: {len(gaps)} ticks (of ~{wall / 0.0011:.0f} unhindered), gaps P50 {pick(0.5) * 1e3:.1f} ms, "
-          f"P99 {pick(0.99) * 1e3:.1f} ms, max {gaps[-1] * 1e3:.1f} ms")
+    print(f"ticker: {len(gaps)} ticks (of ~{wall / 0.0011:.0f} unhindered), gaps P50 {p50 * 1e3:.1f} ms, "
+          f"P99 {p99 * 1e3:.1f} ms, max {worst * 1e3:.1f} ms")
     common.save_json("event_loop_stall", args.model, {"args": vars(args), **summary})
 
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import common  # type: ignore[import-not-found]  # noqa: F401  (puts the repository root on sys.path)
+import common  # type: ignore[import-not-found]  # (also puts the repository root on sys.path)
 
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServiceClassConfig, SLOTarget
 from tokenmill.engine.core import EngineCore
@@ -32,13 +32,6 @@ from tokenmill.engine.loader import load_engine
 from tokenmill.engine.request import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.service_class import ServiceClass
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def _fresh_scheduler(core: EngineCore, classes: ServiceClassConfig, policy: str) -> None:
@@ -84,8 +77,8 @@ def run(core: EngineCore, args: argparse.Namespace, *, batch: bool, chat: bool) 
     fit = core.scheduler.step_time.fit()
     return {"wall_s": wall, "batch_tokens": tokens["batch"], "chat_tokens": tokens["interactive"],
             "total_tok_s": (tokens["batch"] + tokens["interactive"]) / wall,
-            "chat_tpot_p50_s": _pct(tpot, 0.5), "chat_tpot_p99_s": _pct(tpot, 0.99),
-            "chat_ttft_p50_s": _pct(ttft, 0.5), "chat_ttft_max_s": max(ttft, default=float("nan")),
+            "chat_tpot_p50_s": common.nearest_rank(tpot, 0.5), "chat_tpot_p99_s": common.nearest_rank(tpot, 0.99),
+            "chat_ttft_p50_s": common.nearest_rank(ttft, 0.5), "chat_ttft_max_s": max(ttft, default=float("nan")),
             "step_time_p50_s": statistics.median(step_times) if step_times else float("nan"),
             "fit": None if fit is None else [fit.base_s, fit.per_token_s, fit.per_seq_s, fit.num_samples]}
 

@@ -361,4 +361,3 @@ def test_amx_path_picks_its_tiles_by_rows() -> None:
     big = torch.randn(kernels.amx_bf16_rows(), 512)
     assert torch.equal(default(big), run(mat, big, AMX, bf16_rows=1))
     assert not torch.equal(default(big), run(mat, big, 2))  # bf16 rounding, not the integer paths'
-
