@@ -1,10 +1,14 @@
-"""A/B of two checkouts of tokenmill as servers: one phase of the `mixed` bench (workload_classes.py's
-chat sessions, batch burst, or both at once) against `tokenmill serve` from a base checkout and from
-this one, in ABBA order (base, new, new, base, ...: linear drift of this VM's speed cancels), each pair
-on the same prompts (seed = pair). Prints one JSON line per run and the new / base ratios per pair.
+"""A/B of two tokenmill servers: one phase of the `mixed` bench (workload_classes.py's chat sessions,
+batch burst, or both at once) against `tokenmill serve` from a base checkout and from this one, or from
+this one with two sets of serve flags, in ABBA order (base, new, new, base, ...: linear drift of this
+VM's speed cancels), each pair on the same prompts (seed = pair). Every run is a fresh server. Prints
+one JSON line per run and the new / base ratios per pair.
 
     git worktree add /tmp/base REV
     flock /tmp/tokenmill-bench.lock python benchmarks/server_ab.py --base /tmp/base --phase mixed --rounds 4
+    # issue 15's "batch alone as fast as without classes": the same checkout, classes off as the base
+    flock /tmp/tokenmill-bench.lock python benchmarks/server_ab.py --base-flags=--no-slo-scheduling \
+        --phase batch_alone --rounds 4
 
 Takes workload_classes.py's workload flags (--chat-sessions, --batch-requests, ...). Writes
 benchmarks/results/server_ab_<phase>_<date>.json.
@@ -13,6 +17,7 @@ benchmarks/results/server_ab_<phase>_<date>.json.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,9 +30,13 @@ def parse_args() -> argparse.Namespace:
     if {"-h", "--help"} & set(sys.argv[1:]):
         print(__doc__)
     ours = argparse.ArgumentParser(add_help=False)
-    ours.add_argument("--base", type=Path, required=True, help="a checkout of the base revision")
+    ours.add_argument("--base", type=Path, default=None, help="a checkout of the base revision (default: this one)")
+    ours.add_argument("--base-flags", default="", help="extra `tokenmill serve` flags of the base servers")
+    ours.add_argument("--new-flags", default="", help="extra `tokenmill serve` flags of the new servers")
     ours.add_argument("--phase", choices=["mixed", "batch_alone", "chat_alone"], default="mixed")
     args, rest = ours.parse_known_args()
+    if args.base is None and args.base_flags == args.new_flags:
+        ours.error("nothing to compare: give --base CHECKOUT or different --base-flags / --new-flags")
     sys.argv = [sys.argv[0], *rest]
     workload = wc.parse_args()  # --rounds: pairs of runs
     for key, value in vars(args).items():
@@ -38,7 +47,8 @@ def parse_args() -> argparse.Namespace:
 def run_one(args: argparse.Namespace, name: str, root: Path, index: int) -> dict[str, Any]:
     common.ROOT = root  # server_process puts it on the server's PYTHONPATH
     common.wait_for_quiet(args.quiet_wait_s)
-    with wc.serving(args, f"ab-{name}-{index}", []) as (url, pid):
+    flags = shlex.split(args.base_flags if name == "base" else args.new_flags)
+    with wc.serving(args, f"ab-{name}-{index}", flags) as (url, pid):
         noise = common.NoiseMeter((pid,))
         result = wc.run_round(args, url, (args.phase,), seed=index // 2)
         others = noise.others_cores()
@@ -57,7 +67,7 @@ def run_one(args: argparse.Namespace, name: str, root: Path, index: int) -> dict
 
 def main() -> None:
     args = parse_args()
-    roots = {"base": args.base.resolve(), "new": common.ROOT}
+    roots = {"base": (args.base or common.ROOT).resolve(), "new": common.ROOT}
     order = (["base", "new", "new", "base"] * args.rounds)[: 2 * args.rounds]
     rows = []
     for index, name in enumerate(order):
@@ -72,7 +82,8 @@ def main() -> None:
         print(f"pair {pair}: new / base " + ", ".join(f"{k} {v:.3f}" for k, v in ratio.items()))
     common.ROOT = roots["new"]
     common.save_json(f"server_ab_{args.phase}", args.model, {
-        "args": {k: str(v) for k, v in vars(args).items()}, "base": str(roots["base"]), "runs": rows,
+        "args": {k: str(v) for k, v in vars(args).items()}, "base": str(roots["base"]),
+        "base_flags": args.base_flags, "new_flags": args.new_flags, "runs": rows,
         "new_over_base": pairs})
 
 
