@@ -20,7 +20,6 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
 import common  # type: ignore[import-not-found]
 import workload_classes as wc  # type: ignore[import-not-found]
@@ -44,45 +43,13 @@ def parse_args() -> argparse.Namespace:
     return workload
 
 
-def run_one(args: argparse.Namespace, name: str, root: Path, index: int) -> dict[str, Any]:
-    common.ROOT = root  # server_process puts it on the server's PYTHONPATH
-    common.wait_for_quiet(args.quiet_wait_s)
-    flags = shlex.split(args.base_flags if name == "base" else args.new_flags)
-    with wc.serving(args, f"ab-{name}-{index}", flags) as (url, pid):
-        noise = common.NoiseMeter((pid,))
-        result = wc.run_round(args, url, (args.phase,), seed=index // 2)
-        others = noise.others_cores()
-    phase = result.phase(args.phase)
-    assert phase is not None
-    row: dict[str, Any] = {"version": name, "pair": index // 2, "others_cores": round(others, 3),
-                           "duration_s": phase.duration_s, "total_tps": phase.total_output_throughput}
-    if phase.chat is not None:
-        m = phase.chat.metrics
-        row.update(chat_ttft_p50=m.ttft.p50, chat_ttft_p99=m.ttft.p99, chat_tpot_p50=m.tpot.p50,
-                   chat_tpot_p99=m.tpot.p99)
-    if phase.batch is not None:
-        row["batch_tps"] = phase.batch.metrics.output_throughput
-    return row
-
-
 def main() -> None:
     args = parse_args()
-    roots = {"base": (args.base or common.ROOT).resolve(), "new": common.ROOT}
-    order = (["base", "new", "new", "base"] * args.rounds)[: 2 * args.rounds]
-    rows = []
-    for index, name in enumerate(order):
-        rows.append(run_one(args, name, roots[name], index))
-        print(rows[-1], flush=True)
-    pairs = []
-    for pair in range(args.rounds):
-        by = {r["version"]: r for r in rows if r["pair"] == pair}
-        ratio = {k: by["new"][k] / by["base"][k] for k in by["new"] if k not in ("version", "pair", "others_cores")
-                 and isinstance(by["new"][k], float) and by["base"].get(k)}
-        pairs.append(ratio)
-        print(f"pair {pair}: new / base " + ", ".join(f"{k} {v:.3f}" for k, v in ratio.items()))
-    common.ROOT = roots["new"]
+    sides = {"base": ((args.base or common.ROOT).resolve(), shlex.split(args.base_flags)),
+             "new": (common.ROOT, shlex.split(args.new_flags))}
+    rows, pairs = wc.ab_pairs(args, args.phase, sides, args.rounds)
     common.save_json(f"server_ab_{args.phase}", args.model, {
-        "args": {k: str(v) for k, v in vars(args).items()}, "base": str(roots["base"]),
+        "args": {k: str(v) for k, v in vars(args).items()}, "base": str(sides["base"][0]),
         "base_flags": args.base_flags, "new_flags": args.new_flags, "runs": rows,
         "new_over_base": pairs})
 

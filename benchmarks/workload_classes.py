@@ -15,7 +15,11 @@ as ratios measured in this one run, against the targets:
     total output tok/s mixed / batch alone       >= 0.85
     batch alone, classes / without classes       ~ 1.0 (within noise)
 
-plus the same ratios on the server without classes, for contrast. Each server's /metrics after
+The last one is the median of `--batch-pairs` (2) ABBA pairs of fresh servers, classes against
+`--no-slo-scheduling`, each running the batch burst alone (ab_pairs, also behind server_ab.py): the
+two servers' batch-alone phases above run minutes apart, and this VM's speed drifts more than the
+effect between them (0.79-1.15 over four runs; the pairs, 0.96-1.06). Their ratio is reported too
+(`..._sequential`). Plus the same ratios on the server without classes, for contrast. Each server's /metrics after
 its runs (SLO attainment by class, the step-time fit, paused batch requests, tokens scheduled per
 class) goes into the JSON, with the load other processes put on the machine during each server's
 runs. Writes benchmarks/results/workload_classes_<model>_<date>.json and .png.
@@ -28,10 +32,13 @@ import asyncio
 import contextlib
 import dataclasses
 import re
+import statistics
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
+import common
 import httpx
 from common import (
     ROOT,
@@ -78,6 +85,8 @@ def parse_args() -> argparse.Namespace:
                         "60 s: batch alone means no recent chat; 0: straight after the previous phase)")
     p.add_argument("--rounds", type=int, default=1, help="phases repeated in alternating order (new prompts "
                    "each round: seed = round), pooled per phase: load drift hits every phase alike")
+    p.add_argument("--batch-pairs", type=int, default=2, help="ABBA pairs of fresh servers running the batch burst "
+                   "alone, classes against --no-slo-scheduling (0: only the sequential ratio)")
     return p.parse_args()
 
 
@@ -139,6 +148,50 @@ def run_server(args: argparse.Namespace, name: str, extra: list[str], phases: tu
     print(f"{name}: other processes used {others:.2f} cores during the runs")
     return {"name": name, "serve_flags": extra, "rounds": args.rounds, "result": result, "others_cores": others,
             "server_metrics": view}
+
+
+def ab_run(args: argparse.Namespace, phase: str, name: str, root: Path, flags: list[str], index: int) -> dict[str, Any]:
+    """One phase on a fresh server from checkout `root` (server_process puts it on the PYTHONPATH)."""
+    saved, common.ROOT = common.ROOT, root
+    try:
+        wait_for_quiet(args.quiet_wait_s)
+        with serving(args, f"ab-{name}-{index}", flags) as (url, pid):
+            noise = NoiseMeter((pid,))
+            result = run_round(args, url, (phase,), seed=index // 2)
+            others = noise.others_cores()
+    finally:
+        common.ROOT = saved
+    found = result.phase(phase)
+    assert found is not None
+    row: dict[str, Any] = {"version": name, "pair": index // 2, "others_cores": round(others, 3),
+                           "duration_s": found.duration_s, "total_tps": found.total_output_throughput}
+    if found.chat is not None:
+        m = found.chat.metrics
+        row.update(chat_ttft_p50=m.ttft.p50, chat_ttft_p99=m.ttft.p99, chat_tpot_p50=m.tpot.p50,
+                   chat_tpot_p99=m.tpot.p99)
+    if found.batch is not None:
+        row["batch_tps"] = found.batch.metrics.output_throughput
+    return row
+
+
+def ab_pairs(args: argparse.Namespace, phase: str, sides: Mapping[str, tuple[Path, list[str]]],
+             pairs: int) -> tuple[list[dict[str, Any]], list[dict[str, float]]]:
+    """`pairs` pairs of runs of one phase, sides "base" and "new" (checkout, serve flags) in ABBA order
+    (base, new, new, base, ...: a linear drift of the machine's speed cancels), each pair on the same
+    prompts; the runs and each pair's new / base ratios."""
+    order = (["base", "new", "new", "base"] * pairs)[: 2 * pairs]
+    rows = []
+    for index, name in enumerate(order):
+        rows.append(ab_run(args, phase, name, *sides[name], index))
+        print(rows[-1], flush=True)
+    ratios = []
+    for pair in range(pairs):
+        by = {r["version"]: r for r in rows if r["pair"] == pair}
+        ratios.append({k: by["new"][k] / by["base"][k] for k in by["new"]
+                       if k not in ("version", "pair", "others_cores") and isinstance(by["new"][k], float)
+                       and by["base"].get(k)})
+        print(f"pair {pair}: new / base " + ", ".join(f"{k} {v:.3f}" for k, v in ratios[-1].items()))
+    return rows, ratios
 
 
 # ---------------------------------------------------------------- figures
@@ -232,6 +285,14 @@ def main() -> int:
     if not args.no_baseline:
         servers.append(run_server(args, "no_classes", ["--no-slo-scheduling"], ("batch_alone", "mixed")))
     ratios = headline(servers[0]["result"], servers[1]["result"] if len(servers) > 1 else None)
+    batch_ab: dict[str, Any] = {}
+    if not args.no_baseline and args.batch_pairs > 0:
+        runs, pairs = ab_pairs(args, "batch_alone", {"base": (ROOT, ["--no-slo-scheduling"]), "new": (ROOT, [])},
+                               args.batch_pairs)
+        per_pair = [p["batch_tps"] for p in pairs]
+        batch_ab = {"runs": runs, "classes_over_without": per_pair}
+        ratios["batch_alone_classes_over_without_sequential"] = ratios["batch_alone_classes_over_without"]
+        ratios["batch_alone_classes_over_without"] = statistics.median(per_pair)
     rows = []
     for name, value in ratios.items():
         op, target = TARGETS.get(name, ("", None))
@@ -242,7 +303,8 @@ def main() -> int:
     payload = {"args": vars(args), "ratios": ratios, "targets": {k: list(v) for k, v in TARGETS.items()},
                "servers": [{**{k: v for k, v in s.items() if k != "result"},
                             "phases": [p.to_json() for p in s["result"].phases],
-                            "bench_ratios": s["result"].ratios()} for s in servers]}
+                            "bench_ratios": s["result"].ratios()} for s in servers],
+               "batch_alone_ab": batch_ab}
     save_json("workload_classes", args.model, payload)
     plot(servers, args.model)
     return 0
