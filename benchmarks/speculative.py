@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import common  # type: ignore[import-not-found]
@@ -89,6 +90,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--draft-chats", type=int, default=len(CHATS), help="draft: chat prompts, each run alone")
     p.add_argument("--draft-concurrency", type=int, nargs="+", default=[1],
                    help="draft: 1 runs each prompt alone; c > 1 runs c requests at once, the edits and chats in turn")
+    p.add_argument("--draft-vocab", type=int, default=None, help="draft: the draft's lm_head keeps the first N ids")
+    p.add_argument("--draft-vocab-ab", type=int, nargs="+", default=[],
+                   help="draft: also run with the draft's head cut to each N, alternating with the full head")
     p.add_argument("--k", type=int, default=0, help="num_speculative_tokens (0: the method's default)")
     p.add_argument("--ngram-tokens", type=int, default=96, help="max_tokens per request (ngram)")
     p.add_argument("--draft-tokens", type=int, default=32, help="max_tokens per request (draft; the 1.5B is slow)")
@@ -132,42 +136,61 @@ class StepCounter:
 
 
 def measure(llm: Any, messages: list[list[dict[str, str]]], max_tokens: int, rounds: int,
-            temperature: float = 0.0) -> dict[str, Any]:
+            temperature: float = 0.0, variants: dict[str, Callable[[], None]] | None = None) -> dict[str, Any]:
+    """Speculation against plain decoding on one engine, alternating rounds. `variants`: more
+    speculating modes, each set up by its callable before it runs (and the plain "spec" mode restored
+    by variants["spec"] where given), rotated with the other two so that none always goes first."""
     from tokenmill import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
     speculator = llm.core.speculator
     counter = StepCounter(llm.core)
+    setups = {"spec": lambda: None, **(variants or {})}
+    modes = ["spec", "plain", *[m for m in setups if m != "spec"]]
     # Warm-up with every prompt: kernels, allocator, and the prefix cache, which both modes then hit
     # alike (a cold first run would pay every prompt's prefill for whichever mode went first).
     llm.chat(messages, SamplingParams(max_tokens=4, temperature=0.0))
-    rates: dict[str, list[float]] = {"spec": [], "plain": []}
+    rates: dict[str, list[float]] = {m: [] for m in modes}
     tokens: dict[str, list[list[int]]] = {}
-    stats = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "steps": 0, "controller_off_steps": 0}
+    keys = ("drafts", "draft_tokens", "accepted", "steps", "controller_off_steps")
+    stats = {m: dict.fromkeys(keys, 0) for m in modes}
     for round_index in range(rounds):
-        for mode in ("spec", "plain") if round_index % 2 == 0 else ("plain", "spec"):  # neither always goes first
-            llm.core.speculator = speculator if mode == "spec" else None
+        shift = round_index % len(modes)
+        order = modes[shift:] + modes[:shift] if len(modes) > 2 else (modes if shift == 0 else modes[::-1])
+        for mode in order:
+            if mode != "plain":
+                setups[mode]()
+            llm.core.speculator = None if mode == "plain" else speculator
             counter.reset()
             start = time.perf_counter()
             outs = llm.chat(messages, params)
             elapsed = time.perf_counter() - start
             tokens[mode] = [o.outputs[0].token_ids for o in outs]
             rates[mode].append(sum(len(t) for t in tokens[mode]) / elapsed)
-            if mode == "spec":
-                for key, value in (("drafts", counter.drafts), ("draft_tokens", counter.draft_tokens),
-                                   ("accepted", counter.accepted), ("steps", counter.steps),
-                                   ("controller_off_steps", counter.off_steps)):
-                    stats[key] += value
+            for key, value in zip(keys, (counter.drafts, counter.draft_tokens, counter.accepted, counter.steps,
+                                         counter.off_steps), strict=True):
+                stats[mode][key] += value
     llm.core.speculator = speculator
-    spec, plain = statistics.median(rates["spec"]), statistics.median(rates["plain"])
+    setups["spec"]()
+    median = {m: statistics.median(r) for m, r in rates.items()}
+
+    def acceptance(mode: str) -> dict[str, float]:
+        s = stats[mode]
+        return {"acceptance_rate": s["accepted"] / max(s["draft_tokens"], 1),
+                "mean_accepted_length": 1 + s["accepted"] / max(s["drafts"], 1)}
+
+    greedy = temperature == 0.0
     return {
-        "spec_tok_s": spec, "plain_tok_s": plain, "ratio": spec / plain, "rates": rates,
-        "acceptance_rate": stats["accepted"] / max(stats["draft_tokens"], 1),
-        "mean_accepted_length": 1 + stats["accepted"] / max(stats["drafts"], 1),
-        "greedy_identical": tokens["spec"] == tokens["plain"] if temperature == 0.0 else None, **stats,
+        "spec_tok_s": median["spec"], "plain_tok_s": median["plain"], "ratio": median["spec"] / median["plain"],
+        "rates": rates, **acceptance("spec"),
+        "greedy_identical": tokens["spec"] == tokens["plain"] if greedy else None, **stats["spec"],
         # the controller's learned acceptance per proposal bucket (n-gram: match length) and position
         "acceptance_by_bucket": {str(b): r for b, r in speculator.controller.acceptance.rates(
             speculator.controller.bucket_prior).items()},
+        "variants": {m: {"tok_s": median[m], "ratio": median[m] / median["plain"],
+                         "over_spec": median[m] / median["spec"], **acceptance(m), **stats[m],
+                         "greedy_identical": tokens[m] == tokens["plain"] if greedy else None}
+                     for m in modes if m not in ("spec", "plain")},
     }
 
 
@@ -191,7 +214,8 @@ def run_draft(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     widest = max(args.draft_concurrency)
     llm = LLM(args.target, speculative=args.draft_method, draft_model=args.draft, num_speculative_tokens=args.k,
-              draft_quantization=args.draft_quantization, num_kv_blocks=max(128, 24 * widest), max_model_len=1024,
+              draft_quantization=args.draft_quantization, draft_vocab=args.draft_vocab,
+              num_kv_blocks=max(128, 24 * widest), max_model_len=1024,
               num_threads=args.threads, quantization=args.quantization, max_num_seqs=max(64, widest))
     rows = []
     prompts = [(f"code-edit-{i + 1}", edit_prompt(i)) for i in range(args.draft_edits)]
@@ -200,17 +224,34 @@ def run_draft(args: argparse.Namespace) -> list[dict[str, Any]]:
     batches = [(name, [messages]) for name, messages in prompts] if 1 in args.draft_concurrency else []
     batches += [(f"mixed-{c}", [prompts[i % len(prompts)][1] for i in range(c)])
                 for c in args.draft_concurrency if c > 1]
-    proposer = llm.core.speculator.proposer
-    getattr(proposer, "draft", proposer).sample = args.draft_sampling == "on"
+    proposer = getattr(llm.core.speculator.proposer, "draft", llm.core.speculator.proposer)
+    proposer.sample = args.draft_sampling == "on"
+    variants = head_variants(proposer.runner.model, args.draft_vocab_ab)
     for name, batch in batches:
-        result = measure(llm, batch, args.draft_tokens, args.rounds, args.temperature)
+        result = measure(llm, batch, args.draft_tokens, args.rounds, args.temperature, variants)
         rows.append({"method": args.draft_method, "model": f"{args.target} <- {args.draft}", "prompt": name,
                      "draft_quantization": llm.config.speculative.draft_weights(args.quantization),
                      "temperature": args.temperature, "draft_sampling": args.draft_sampling,
                      "concurrency": len(batch), **result})
         print(f"{args.draft_method} {name}: {result['spec_tok_s']:.2f} vs {result['plain_tok_s']:.2f} tok/s = "
               f"{result['ratio']:.2f}x, acceptance {result['acceptance_rate']:.2f}", flush=True)
+        for variant, v in result["variants"].items():
+            print(f"    {variant}: {v['tok_s']:.2f} tok/s = {v['ratio']:.2f}x plain, {v['over_spec']:.3f}x the full "
+                  f"head, acceptance {v['acceptance_rate']:.2f}", flush=True)
     return rows
+
+
+def head_variants(model: Any, sizes: list[int]) -> dict[str, Callable[[], None]] | None:
+    """--draft-vocab-ab: the draft's lm_head cut to each size's first ids, as speculating modes beside
+    the full head (restored by "spec")."""
+    if not sizes:
+        return None
+    full = model.lm_head
+
+    def use(head: Any) -> Callable[[], None]:
+        return lambda: setattr(model, "lm_head", head)
+
+    return {"spec": use(full), **{f"spec-vocab{n}": use(full.first_rows(n)) for n in sizes}}
 
 
 def run_steps(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -225,6 +225,12 @@ class SpeculativeConfig:
     # A sampled request's draft guesses are drawn from the draft's distribution (q goes to verification);
     # False: the draft's argmax for every request (q a point mass).
     draft_sampling: bool = True
+    # The draft's lm_head keeps only the first draft_vocab token ids (None: all). A byte-level BPE
+    # vocabulary is in merge order, so low ids are the frequent tokens (Qwen2.5's first 65,536 of
+    # 151,936 cover 98.2-98.7% of prose and code tokens), and the head is a large share of a small
+    # draft's bytes (Qwen2.5-0.5B: 136 M of 494 M weights). The draft cannot guess a token past the
+    # cut; verification is unchanged, so output is exact either way (docs/speculative.md).
+    draft_vocab: int | None = None
     # Controller (spec/controller.py): requests below this recent acceptance stop proposing and
     # probe again every probe_interval steps; until step times have been measured over a spread of
     # batch sizes, steps with more than max_batch_size decoding requests do not speculate.
@@ -250,6 +256,7 @@ class SpeculativeConfig:
                  f"speculative method '{self.method}' needs a draft model: pass --draft-model NAME")
         _require(self.draft_quantization is None or self.draft_quantization in QUANTIZATIONS,
                  f"draft quantization '{self.draft_quantization}' is not supported: use {', '.join(QUANTIZATIONS)}")
+        _require(self.draft_vocab is None or self.draft_vocab >= 1, "draft_vocab must be a positive token count")
         _require(0.0 <= self.min_acceptance <= 1.0, "min_acceptance must be in [0, 1]")
         _require(self.probe_interval >= 1, "probe_interval must be positive")
         _require(self.max_batch_size >= 1, "max_batch_size must be positive")

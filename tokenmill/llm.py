@@ -41,7 +41,7 @@ class LLM:
                  quantization: str = DEFAULT_QUANTIZATION, amx_bf16: bool = False, enforce_eager: bool = False,
                  compile: str | bool = "auto",
                  speculative: str | None = None,
-                 draft_model: str | None = None, draft_quantization: str | None = None,
+                 draft_model: str | None = None, draft_quantization: str | None = None, draft_vocab: int | None = None,
                  num_speculative_tokens: int = 0, ngram_min: int = 1, ngram_max: int = 4,
                  profile: int | ProfileConfig | None = None, adapt_threads: bool = True) -> None:
         """`profile`: N steps (or a ProfileConfig) to profile, written to ./tokenmill-profile (docs/performance.md).
@@ -55,7 +55,7 @@ class LLM:
             SchedulerConfig(max_num_batched_tokens, max_num_seqs, policy, enable_chunked_prefill),
             num_threads,
             SpeculativeConfig(speculative, num_speculative_tokens, ngram_min, ngram_max, draft_model,
-                              draft_quantization),
+                              draft_quantization, draft_vocab=draft_vocab),
             _profile_config(profile),
             adapt_threads=adapt_threads,
         )

@@ -40,7 +40,7 @@ PARAMS = [greedy(6 + (7 * i) % 19) for i in range(len(PROMPTS))]  # 6..24 new to
 def spec_core(model: TinyModel, method: str, draft: ArchName | None = None, *, k: int = 3, block_size: int = 4,
               num_blocks: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
               seed: int = 0, adaptive: bool = False, draft_quantization: str = "auto",
-              draft_sampling: bool = True) -> EngineCore:
+              draft_sampling: bool = True, draft_vocab: int | None = None) -> EngineCore:
     """`draft_quantization` "auto" keeps a float checkpoint's draft dense, so a model drafting for
     itself guesses exactly its own tokens (the tests of the draft's KV rely on it)."""
     config = EngineConfig(
@@ -48,7 +48,8 @@ def spec_core(model: TinyModel, method: str, draft: ArchName | None = None, *, k
         CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching),
         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens),
         speculative=SpeculativeConfig(method, k, ngram_min=1, ngram_max=3, draft_model=draft, adaptive=adaptive,
-                                      draft_quantization=draft_quantization, draft_sampling=draft_sampling),
+                                      draft_quantization=draft_quantization, draft_sampling=draft_sampling,
+                                      draft_vocab=draft_vocab),
     )
     weights = None if draft is None else (tiny_model(draft).arch, tiny_model(draft).state_dict)
     return EngineCore(config, model.arch, model.state_dict, weights)
@@ -247,6 +248,29 @@ def test_no_block_leak_after_random_speculative_requests_with_aborts() -> None:
     assert proposer.kv.block_tables == {} and proposer.kv.pool.num_free == proposer.kv.num_blocks
 
 
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_a_draft_with_a_cut_head_guesses_only_kept_ids_and_stays_token_identical(arch: ArchName) -> None:
+    """draft_vocab: the draft scores the first 150 ids only. Drafting for itself, its guesses past the
+    cut turn into other ids and are rejected; the output stays the target's."""
+    core = spec_core(tiny_model(arch), "draft", arch, draft_vocab=150)
+    proposer = core.speculator.proposer
+    assert isinstance(proposer, DraftModelProposer)
+    assert proposer.runner.model.lm_head.out_features == 150
+    guessed: list[int] = []
+    propose = proposer.propose
+
+    def recording(*args: object, **kwargs: object) -> list[list[int]]:
+        out = propose(*args, **kwargs)  # type: ignore[arg-type]
+        guessed.extend(t for guesses in out for t in guesses)
+        return out
+
+    proposer.propose = recording  # type: ignore[method-assign]
+    _, accepted = _assert_greedy_identical(core, arch)
+    assert accepted > 0 and guessed and max(guessed) < 150
+    outputs = [t for tokens in plain(arch) for t in tokens]
+    assert max(outputs) >= 150  # the target does emit ids past the cut: the test could fail
+
+
 def _target_distribution(model: TinyModel, prompt: list[int], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """p(t1) and the marginal p(t2) = sum_x p(x) p(t2 | x), from transformers."""
     with torch.no_grad():
@@ -284,13 +308,15 @@ def test_sampling_with_a_mismatched_draft_follows_the_target_distribution() -> N
     assert 0 < accepted < drafts
 
 
-def test_sampled_drafts_from_another_model_follow_the_target_distribution() -> None:
+@pytest.mark.parametrize("draft_vocab", [None, 160])
+def test_sampled_drafts_from_another_model_follow_the_target_distribution(draft_vocab: int | None) -> None:
     """The draft (another architecture's tiny model, same vocabulary) draws its guesses from its own
     distribution at the request's temperature, and verification gets that q: the first and second
-    tokens follow the target's distribution, and guesses are accepted often but not always."""
+    tokens follow the target's distribution, and guesses are accepted often but not always. With a cut
+    head (draft_vocab 160 of 300 ids) q is the draft's distribution over the kept ids, 0 past them."""
     target, prompt, temperature = tiny_model("llama"), [17, 4, 250, 9, 33], 1.0
     p1, p2 = _target_distribution(target, prompt, temperature)
-    core = spec_core(target, "draft", "qwen2", k=2)
+    core = spec_core(target, "draft", "qwen2", k=2, draft_vocab=draft_vocab)
     params = SamplingParams(max_tokens=3, temperature=temperature)
     n = 3000
     outputs, drafts, accepted = _run_counting(core, [prompt] * n, [params] * n)
@@ -303,7 +329,10 @@ def test_sampled_drafts_from_another_model_follow_the_target_distribution() -> N
     with torch.no_grad():
         seqs = torch.tensor([[*prompt, x] for x in range(VOCAB_SIZE)])
         p_next = torch.softmax(target.hf(seqs).logits[:, -1].double() / temperature, dim=-1)
-        q_next = torch.softmax(draft.hf(seqs).logits[:, -1].double() / temperature, dim=-1)
+        q_logits = draft.hf(seqs).logits[:, -1].double() / temperature
+        if draft_vocab is not None:
+            q_logits[:, draft_vocab:] = float("-inf")
+        q_next = torch.softmax(q_logits, dim=-1)
     expected = float((p1 * torch.minimum(p_next, q_next).sum(-1)).sum())
     point_mass = float((p1 * (p_next * q_next).sum(-1)).sum())
     sigma = (expected * (1 - expected) / drafts) ** 0.5

@@ -15,13 +15,17 @@ def test_flags_parse_on_generate_and_serve() -> None:
     args = parser.parse_args(["generate", "m", "hi", "--speculative", "ngram", "--num-speculative-tokens", "6",
                               "--ngram-min", "2", "--ngram-max", "5"])
     assert speculative_kwargs(args) == {"speculative": "ngram", "draft_model": None, "draft_quantization": None,
-                                        "num_speculative_tokens": 6, "ngram_min": 2, "ngram_max": 5}
+                                        "draft_vocab": None, "num_speculative_tokens": 6, "ngram_min": 2,
+                                        "ngram_max": 5}
     args = parser.parse_args(["serve", "m", "--speculative", "draft", "--draft-model", "d"])
     assert (args.speculative, args.draft_model, args.num_speculative_tokens) == ("draft", "d", 0)  # the method's
     assert args.draft_quantization is None  # the target's
     args = parser.parse_args(["serve", "m", "--speculative", "draft", "--draft-model", "d",
                               "--draft-quantization", "q4"])
     assert speculative_config(args) == SpeculativeConfig("draft", draft_model="d", draft_quantization="q4")
+    args = parser.parse_args(["generate", "m", "hi", "--speculative", "draft", "--draft-model", "d",
+                              "--draft-vocab", "65536"])
+    assert speculative_config(args).draft_vocab == 65536
     assert parser.parse_args(["serve"]).speculative is None  # off unless asked
 
 
@@ -33,6 +37,7 @@ def test_flags_parse_on_generate_and_serve() -> None:
     ({"method": "ngram", "num_speculative_tokens": 33}, "num_speculative_tokens"),
     ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, "ngram_min"),
     ({"method": "draft", "draft_model": "d", "draft_quantization": "q3"}, "draft quantization 'q3'"),
+    ({"method": "draft", "draft_model": "d", "draft_vocab": 0}, "draft_vocab"),
 ])
 def test_config_rejects_bad_settings(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(TokenmillError, match=message):

@@ -58,6 +58,9 @@ def add_speculative_arguments(parser: Any) -> None:
                         help="draft model sharing the target's tokenizer (catalog name or path)")
     parser.add_argument("--draft-quantization", default=None, choices=list(QUANTIZATIONS),
                         help="the draft's weight format (default: q4, or none when --quantization is none)")
+    parser.add_argument("--draft-vocab", type=int, default=None,
+                        help="the draft's lm_head keeps only the first N token ids (the frequent ones in a BPE "
+                             "vocabulary): a cheaper draft forward; default: the whole vocabulary")
     parser.add_argument("--num-speculative-tokens", type=int, default=0,
                         help="most tokens proposed per request per step (default: ngram 5, draft 3, ngram-draft 5)")
     parser.add_argument("--ngram-min", type=int, default=1, help="shortest suffix the n-gram lookup matches")
@@ -67,7 +70,7 @@ def add_speculative_arguments(parser: Any) -> None:
 def speculative_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The speculative flags as LLM(...) / SpeculativeConfig keyword arguments."""
     return {"speculative": args.speculative, "draft_model": args.draft_model,
-            "draft_quantization": args.draft_quantization,
+            "draft_quantization": args.draft_quantization, "draft_vocab": args.draft_vocab,
             "num_speculative_tokens": args.num_speculative_tokens, "ngram_min": args.ngram_min,
             "ngram_max": args.ngram_max}
 

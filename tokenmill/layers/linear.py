@@ -20,6 +20,7 @@ kernel, picked once per weight at load).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from abc import ABC, abstractmethod
@@ -119,6 +120,13 @@ class Linear(ABC):
         """Swap each relocatable tensor for `place(tensor)` (a copy elsewhere, same values)."""
         return None
 
+    @abstractmethod
+    def first_rows(self, rows: int) -> Linear:
+        """The same layer computing output rows [0, rows) only, over views of this one's storage
+        (a draft's lm_head over its most frequent tokens: engine/spec/draft.py). Row r of the result
+        is row r here: bit for bit for the quantized kernels (each row is computed alone), to rounding
+        for dense ones (BLAS blocks a narrower matrix differently)."""
+
 
 class DenseLinear(Linear):
     __slots__ = ("bias", "fn", "in_features", "out_features", "weight")
@@ -139,6 +147,14 @@ class DenseLinear(Linear):
     @property
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
+
+    def first_rows(self, rows: int) -> DenseLinear:
+        _check_rows(rows, self.out_features)
+        out = copy.copy(self)  # the kernel choice stays: it takes the weight per call
+        out.weight = self.weight[:rows]
+        out.bias = None if self.bias is None else self.bias[:rows]
+        out.out_features = rows
+        return out
 
     @property
     def storage(self) -> tuple[torch.Tensor, ...]:
@@ -211,6 +227,25 @@ class QuantLinear(Linear):
         self._set_segments([dataclasses.replace(s, qs=place(s.qs), scale=place(s.scale), offset=place(s.offset),
                                                 high=place(s.high)) for s in self.segments])
 
+    def first_rows(self, rows: int) -> QuantLinear:
+        """Whole 8-row groups of the interleaved layout are views; the group holding row `rows - 1`
+        keeps its padding rows, which the kernel computes and drops (QuantMatrix.rows)."""
+        _check_rows(rows, self.out_features)
+        segments, left = [], rows
+        for s in self.segments:
+            if left <= 0:
+                break
+            take = min(s.rows, left)
+            groups = -(-take // qf.ROW_GROUP)
+            segments.append(dataclasses.replace(
+                s, qs=s.qs[:groups], scale=s.scale[:groups], rows=take,
+                offset=s.offset[:groups] if s.offset.numel() else s.offset,
+                high=s.high[:groups] if s.high.numel() else s.high))
+            left -= take
+        bias = None if self.bias is None else self.bias[:rows]
+        out = QuantLinear(segments, bias, self.dtype, self.module, QUANT_ISAS[self.isa], self.passes, self.bf16)
+        return out
+
     def _set_segments(self, segments: list[qf.QuantMatrix]) -> None:
         """The segments and, per segment, the tensors and row counts the kernel call takes."""
         self.segments = segments
@@ -226,6 +261,11 @@ class QuantLinear(Linear):
         another build of the quant kernels)."""
         return module.QuantPlan(self.qs, self.scales, self.offsets, self.rows, self.passes, self.isa, self.bias,
                                 self.highs, -1 if self.bf16 else 0)
+
+
+def _check_rows(rows: int, out_features: int) -> None:
+    if not 0 < rows <= out_features:
+        raise ValueError(f"first_rows needs 1..{out_features} rows, not {rows}")
 
 
 def _check_passes(passes: int) -> None:

@@ -65,6 +65,7 @@ class DraftModelProposer(Proposer):
         engine has probed the memory left after both models' weights. `sample`: draw a sampled
         request's guesses from the draft's distribution (else its argmax)."""
         self.runner = runner
+        self.vocab_size = runner.arch.vocab_size  # a q row's width: its head may score fewer (draft_vocab)
         self.sample = sample
         self.generator = torch.Generator(device=runner.device)
         self.generator.manual_seed(_DRAFT_SEED)
@@ -203,6 +204,8 @@ class DraftModelProposer(Proposer):
                                                                      _DRAFT_SEED) for seq in seqs_drawn])
             picked = argmax_rows(q / noise)
             tokens[rows] = picked
+            if q.shape[1] < self.vocab_size:  # a cut head (draft_vocab): q is 0 past it, a distribution still
+                q = torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[1]))
             for j, (i, token, seq) in enumerate(zip(sampled, picked.tolist(), seqs_drawn, strict=True)):
                 seq.q.append(q[j])  # the distribution of the guess appended below
                 if probs:

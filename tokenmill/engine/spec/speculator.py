@@ -142,6 +142,8 @@ def build_speculator(config: SpeculativeConfig, model_config: ModelConfig, targe
                            quantization=config.draft_weights(model_config.quantization))
     runner = ModelRunner(draft_config, arch, tensors, max_model_len, block_size, None,  # KV: the proposer's
                          max_num_seqs=max_num_seqs)
+    if config.draft_vocab is not None and config.draft_vocab < runner.model.lm_head.out_features:
+        runner.model.lm_head = runner.model.lm_head.first_rows(config.draft_vocab)
     proposer = PROPOSERS["draft"](runner, num_blocks, block_size, max_model_len,  # type: ignore[call-arg]
                                   enable_prefix_caching=enable_prefix_caching, sample=config.draft_sampling)
     if config.method == "ngram-draft":  # lookup where the context repeats, the draft elsewhere (spec/hybrid.py)
