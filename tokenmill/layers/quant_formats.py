@@ -56,7 +56,7 @@ ROW_GROUP = 8  # output rows interleaved per group (the kernel's 8 int32 lanes)
 # q4 and q5 8 (two column pairs per row, in the bytes' low and high nibbles).
 _PAIRS: dict[str, int] = {"q8": 16, "q4": 8, "q5": 8}
 HIGH_BYTES = 32  # q5's fifth-bit plane per (group, block): 8 chunks x 2 nibble halves x uint16
-QUANT_LAYOUT_VERSION = 4  # bump when packed bytes change meaning: it keys the on-disk cache (loading/repack_cache.py)
+QUANT_LAYOUT_VERSION = 5  # bump when packed bytes change meaning: it keys the on-disk cache (loading/repack_cache.py)
 @dataclass(frozen=True, slots=True)
 class RawBlocks:
     """A GGUF tensor's stored blocks, rows in Hugging Face order: uint8 [rows, row_bytes]."""
@@ -226,28 +226,52 @@ def _cat_present(values: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 
 def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantMatrix:
-    """Round a float [rows, cols] matrix (cols a multiple of 32) to `fmt`, round-to-nearest per block."""
+    """Round a float [rows, cols] matrix (cols a multiple of 32) to `fmt`, round-to-nearest per block.
+
+    The scales (and q4's minimums) are rounded to fp16 first and the weights against those, so a
+    weight is within half a step of its block (q4: plus the fp16 rounding of the block's minimum,
+    2⁻¹¹ of it) and the packed matrix reads 0.625 bytes a weight for q4, 1.0625 for q8, where float32
+    scales took 0.75 and 1.125: a q4 draft model streams 17% fewer bytes a forward. A matrix with a
+    scale outside fp16's normal range (under 2⁻¹⁴ or over 65504, e.g. a near-zero block) keeps float32."""
     rows, cols = weight.shape
     if cols % BLOCK:
         raise ValueError(f"in_features {cols} is not a multiple of {BLOCK}")
     w = weight.detach().float().reshape(rows, cols // BLOCK, BLOCK)
-    if fmt == "q8":
-        amax = w.abs().amax(-1)
-        scale = amax / 127.0
-        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-        q = torch.round(w * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-        return interleave("q8", q.reshape(rows, cols), scale, None)
-    if fmt == "q5":  # symmetric, q - 16 in [-15, 15]: round to nearest, half a step at most
-        amax = w.abs().amax(-1)
-        scale = amax / 15.0
-        inv = torch.where(amax > 0, 15.0 / amax, torch.zeros_like(amax))
-        q = (torch.round(w * inv.unsqueeze(-1)).clamp(-15, 15) + 16).to(torch.uint8).reshape(rows, cols)
-        return interleave("q5", _pack_q4(q & 0x0F), scale, None, q >> 4)
-    lo, hi = w.amin(-1), w.amax(-1)
-    scale = (hi - lo) / 15.0
+    if fmt in ("q8", "q5"):
+        top = 127.0 if fmt == "q8" else 15.0  # q5: symmetric, q - 16 in [-15, 15]
+        scale = w.abs().amax(-1) / top
+        lane = torch.float16 if _fp16_safe(scale) else torch.float32
+        scale = scale.to(lane).float()
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        q = torch.round(w * inv.unsqueeze(-1)).clamp(-top, top)
+        if fmt == "q8":
+            return interleave("q8", q.to(torch.int8).reshape(rows, cols), scale.to(lane), None)
+        q5 = (q + 16).to(torch.uint8).reshape(rows, cols)
+        return interleave("q5", _pack_q4(q5 & 0x0F), scale.to(lane), None, q5 >> 4)
+    scale, lo, lane = _q4_lanes(w)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = torch.round((w - lo.unsqueeze(-1)) * inv.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
-    return interleave("q4", _pack_q4(q.reshape(rows, cols)), scale, lo)
+    return interleave("q4", _pack_q4(q.reshape(rows, cols)), scale.to(lane), lo.to(lane))
+
+
+_FP16_TINY, _FP16_MAX = 2.0**-14, 65504.0
+
+
+def _fp16_safe(*values: torch.Tensor) -> bool:
+    """Every nonzero value inside fp16's normal range (so rounding costs at most 2⁻¹¹ relative)."""
+    return all(bool(((v == 0) | ((v.abs() >= _FP16_TINY) & (v.abs() <= _FP16_MAX))).all()) for v in values)
+
+
+def _q4_lanes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """Per block (scale, minimum) as float32 holding the lanes' values, and the lanes' dtype: the
+    minimum rounded to fp16 first, the scale then spanning from it to the block's maximum."""
+    lo, hi = w.amin(-1), w.amax(-1)
+    if _fp16_safe(lo, (hi - lo) / 15.0):
+        lo16 = lo.half().float()
+        scale16 = ((hi - lo16) / 15.0).half().float()
+        if _fp16_safe(scale16):
+            return scale16, lo16, torch.float16
+    return (hi - lo) / 15.0, lo, torch.float32
 
 
 def _pack_q4(q: torch.Tensor) -> torch.Tensor:
