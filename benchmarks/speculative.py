@@ -93,6 +93,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--draft-vocab", type=int, default=None, help="draft: the draft's lm_head keeps the first N ids")
     p.add_argument("--draft-vocab-ab", type=int, nargs="+", default=[],
                    help="draft: also run with the draft's head cut to each N, alternating with the full head")
+    p.add_argument("--draft-fp32-lanes-ab", action="store_true",
+                   help="draft: also run with the draft's quantized layers on float32 scale lanes (same values)")
     p.add_argument("--k", type=int, default=0, help="num_speculative_tokens (0: the method's default)")
     p.add_argument("--ngram-tokens", type=int, default=96, help="max_tokens per request (ngram)")
     p.add_argument("--draft-tokens", type=int, default=32, help="max_tokens per request (draft; the 1.5B is slow)")
@@ -226,7 +228,7 @@ def run_draft(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for c in args.draft_concurrency if c > 1]
     proposer = getattr(llm.core.speculator.proposer, "draft", llm.core.speculator.proposer)
     proposer.sample = args.draft_sampling == "on"
-    variants = head_variants(proposer.runner.model, args.draft_vocab_ab)
+    variants = head_variants(proposer.runner.model, args.draft_vocab_ab, args.draft_fp32_lanes_ab)
     for name, batch in batches:
         result = measure(llm, batch, args.draft_tokens, args.rounds, args.temperature, variants)
         rows.append({"method": args.draft_method, "model": f"{args.target} <- {args.draft}", "prompt": name,
@@ -241,17 +243,36 @@ def run_draft(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def head_variants(model: Any, sizes: list[int]) -> dict[str, Callable[[], None]] | None:
-    """--draft-vocab-ab: the draft's lm_head cut to each size's first ids, as speculating modes beside
-    the full head (restored by "spec")."""
-    if not sizes:
+def head_variants(model: Any, sizes: list[int], fp32_lanes: bool) -> dict[str, Callable[[], None]] | None:
+    """Speculating modes beside the draft as loaded (restored by "spec"): --draft-vocab-ab, its lm_head
+    cut to each size's first ids; --draft-fp32-lanes-ab, its quantized layers with float32 scale lanes
+    (the same values, the bytes before quantize() rounded scales to fp16)."""
+    if not sizes and not fp32_lanes:
         return None
+    import dataclasses
+
+    from tokenmill.layers.linear import QuantLinear
+
     full = model.lm_head
+    linears = {name: lin for name, lin in model.linears().items() if isinstance(lin, QuantLinear)}
+    loaded = {name: lin.segments for name, lin in linears.items()}
+    wide = {name: [dataclasses.replace(seg, scale=seg.scale.float(), offset=seg.offset.float()) for seg in segs]
+            for name, segs in loaded.items()}
 
-    def use(head: Any) -> Callable[[], None]:
-        return lambda: setattr(model, "lm_head", head)
+    def use(head: Any, segments: dict[str, Any]) -> Callable[[], None]:
+        def setup() -> None:
+            for name, lin in linears.items():
+                if lin.segments is not segments[name]:
+                    lin._set_segments(segments[name])
+            model.lm_head = head
+            model.rebind_native_stack()
 
-    return {"spec": use(full), **{f"spec-vocab{n}": use(full.first_rows(n)) for n in sizes}}
+        return setup
+
+    variants = {"spec": use(full, loaded), **{f"spec-vocab{n}": use(full.first_rows(n), loaded) for n in sizes}}
+    if fp32_lanes:
+        variants["spec-fp32-lanes"] = use(full, wide)
+    return variants
 
 
 def run_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
