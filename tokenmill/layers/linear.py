@@ -243,8 +243,7 @@ class QuantLinear(Linear):
                 high=s.high[:groups] if s.high.numel() else s.high))
             left -= take
         bias = None if self.bias is None else self.bias[:rows]
-        out = QuantLinear(segments, bias, self.dtype, self.module, QUANT_ISAS[self.isa], self.passes, self.bf16)
-        return out
+        return QuantLinear(segments, bias, self.dtype, self.module, QUANT_ISAS[self.isa], self.passes, self.bf16)
 
     def _set_segments(self, segments: list[qf.QuantMatrix]) -> None:
         """The segments and, per segment, the tensors and row counts the kernel call takes."""
