@@ -228,50 +228,47 @@ def _cat_present(values: list[torch.Tensor | None]) -> torch.Tensor | None:
 def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantMatrix:
     """Round a float [rows, cols] matrix (cols a multiple of 32) to `fmt`, round-to-nearest per block.
 
-    The scales (and q4's minimums) are rounded to fp16 first and the weights against those, so a
-    weight is within half a step of its block (q4: plus the fp16 rounding of the block's minimum,
-    2⁻¹¹ of it) and the packed matrix reads 0.625 bytes a weight for q4, 1.0625 for q8, where float32
-    scales took 0.75 and 1.125: a q4 draft model streams 17% fewer bytes a forward. A matrix with a
-    scale outside fp16's normal range (under 2⁻¹⁴ or over 65504, e.g. a near-zero block) keeps float32."""
+    The lanes are fp16: each block's scale is rounded up to an fp16 value (q4: its minimum rounded
+    down first, the scale then spanning from it to the block's maximum) and the weights are rounded
+    against the stored values, so every weight is within half of its block's fp16 step, which exceeds
+    the exact step by at most 2⁻¹⁰ of it or 2⁻²⁴ (a near-zero block's subnormal), and nothing clips.
+    0.625 bytes a weight for q4 and 1.0625 for q8, where float32 lanes took 0.75 and 1.125: a q4
+    draft model streams 17% fewer bytes a forward. Lanes past fp16's range (65504) keep float32."""
     rows, cols = weight.shape
     if cols % BLOCK:
         raise ValueError(f"in_features {cols} is not a multiple of {BLOCK}")
     w = weight.detach().float().reshape(rows, cols // BLOCK, BLOCK)
     if fmt in ("q8", "q5"):
         top = 127.0 if fmt == "q8" else 15.0  # q5: symmetric, q - 16 in [-15, 15]
-        scale = w.abs().amax(-1) / top
-        lane = torch.float16 if _fp16_safe(scale) else torch.float32
-        scale = scale.to(lane).float()
-        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-        q = torch.round(w * inv.unsqueeze(-1)).clamp(-top, top)
+        scale = _fp16_lanes(w.abs().amax(-1) / top, up=True)
+        inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
+        q = torch.round(w * inv.unsqueeze(-1)).clamp(-top, top)  # the clamp only guards 1 / scale's rounding
         if fmt == "q8":
-            return interleave("q8", q.to(torch.int8).reshape(rows, cols), scale.to(lane), None)
+            return interleave("q8", q.to(torch.int8).reshape(rows, cols), scale, None)
         q5 = (q + 16).to(torch.uint8).reshape(rows, cols)
-        return interleave("q5", _pack_q4(q5 & 0x0F), scale.to(lane), None, q5 >> 4)
-    scale, lo, lane = _q4_lanes(w)
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = torch.round((w - lo.unsqueeze(-1)) * inv.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
-    return interleave("q4", _pack_q4(q.reshape(rows, cols)), scale.to(lane), lo.to(lane))
-
-
-_FP16_TINY, _FP16_MAX = 2.0**-14, 65504.0
-
-
-def _fp16_safe(*values: torch.Tensor) -> bool:
-    """Every nonzero value inside fp16's normal range (so rounding costs at most 2⁻¹¹ relative)."""
-    return all(bool(((v == 0) | ((v.abs() >= _FP16_TINY) & (v.abs() <= _FP16_MAX))).all()) for v in values)
-
-
-def _q4_lanes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    """Per block (scale, minimum) as float32 holding the lanes' values, and the lanes' dtype: the
-    minimum rounded to fp16 first, the scale then spanning from it to the block's maximum."""
+        return interleave("q5", _pack_q4(q5 & 0x0F), scale, None, q5 >> 4)
     lo, hi = w.amin(-1), w.amax(-1)
-    if _fp16_safe(lo, (hi - lo) / 15.0):
-        lo16 = lo.half().float()
-        scale16 = ((hi - lo16) / 15.0).half().float()
-        if _fp16_safe(scale16):
-            return scale16, lo16, torch.float16
-    return (hi - lo) / 15.0, lo, torch.float32
+    lo = _fp16_lanes(lo, up=False)
+    scale = _fp16_lanes((hi - lo.float()) / 15.0, up=True)
+    if lo.dtype != scale.dtype:  # one lane dtype a matrix
+        lo, scale = lo.float(), scale.float()
+    inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
+    q = torch.round((w - lo.float().unsqueeze(-1)) * inv.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
+    return interleave("q4", _pack_q4(q.reshape(rows, cols)), scale, lo)
+
+
+_FP16_MAX = 65504.0
+
+
+def _fp16_lanes(values: torch.Tensor, up: bool) -> torch.Tensor:
+    """`values` as fp16, each rounded toward +inf (`up`) or -inf; float32 unchanged where any would
+    leave fp16's range."""
+    if bool((values.abs() > _FP16_MAX).any()):
+        return values
+    half = values.half()
+    off = half.float() < values if up else half.float() > values
+    toward = torch.full_like(half, float("inf") if up else float("-inf"))
+    return torch.where(off, torch.nextafter(half, toward), half)
 
 
 def _pack_q4(q: torch.Tensor) -> torch.Tensor:
