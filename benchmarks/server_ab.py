@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import statistics
 import sys
 from pathlib import Path
 
@@ -48,10 +49,12 @@ def main() -> None:
     sides = {"base": ((args.base or common.ROOT).resolve(), shlex.split(args.base_flags)),
              "new": (common.ROOT, shlex.split(args.new_flags))}
     rows, pairs = wc.ab_pairs(args, args.phase, sides, args.rounds)
+    medians = {k: statistics.median(p[k] for p in pairs) for k in pairs[0]} if pairs else {}
+    print("median new / base over the pairs: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
     common.save_json(f"server_ab_{args.phase}", args.model, {
         "args": {k: str(v) for k, v in vars(args).items()}, "base": str(sides["base"][0]),
         "base_flags": args.base_flags, "new_flags": args.new_flags, "runs": rows,
-        "new_over_base": pairs})
+        "new_over_base": pairs, "median_new_over_base": medians})
 
 
 if __name__ == "__main__":
