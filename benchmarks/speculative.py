@@ -8,7 +8,9 @@
          of the speed-up against concurrency
   draft  Qwen2.5-Coder-1.5B (--target) with Qwen2.5-Coder-0.5B (--draft) proposing, batch 1, code
          edits and chat prompts (--draft-edits, --draft-chats), each prompt alone; with
-         --draft-concurrency c > 1 also c requests at once, the edits and chats in turn
+         --draft-concurrency c > 1 also c requests at once, the edits and chats in turn; with
+         --draft-vocab-ab N... / --draft-fp32-lanes-ab also the draft with its lm_head cut to N ids /
+         on float32 scale lanes, as more speculating modes in the same rotated rounds
   llama  the same prompts through llama-server (when built: benchmarks/llama_server.py), with and
          without its own speculation (--spec-type ngram-simple; -md for the draft), batch 1
 
