@@ -18,7 +18,7 @@ import math
 from typing import Any
 
 import common  # type: ignore[import-not-found]
-from speculative import CHATS, edit_prompt  # type: ignore[import-not-found]
+from spec_prompts import CHATS, edit_prompt  # type: ignore[import-not-found]
 
 
 def parse_args() -> argparse.Namespace:

@@ -34,44 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import common  # type: ignore[import-not-found]
-
-FUNCTIONS = [
-    '''def merge_intervals(intervals):
-    intervals.sort(key=lambda x: x[0])
-    merged = []
-    for start, end in intervals:
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
-''',
-    '''def word_counts(path, min_len=1):
-    counts = {}
-    with open(path) as f:
-        for line in f:
-            for word in line.lower().split():
-                word = word.strip(".,;:!?")
-                if len(word) >= min_len:
-                    counts[word] = counts.get(word, 0) + 1
-    return sorted(counts.items(), key=lambda kv: -kv[1])
-''',
-    '''def binary_search(items, target):
-    lo, hi = 0, len(items) - 1
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if items[mid] == target:
-            return mid
-        if items[mid] < target:
-            lo = mid + 1
-        else:
-            hi = mid - 1
-    return -1
-''',
-]
-CHAT = "Explain in three short paragraphs how a hash map handles collisions."
-CHATS = [CHAT, "Write a short story about a robot learning to paint.",
-         "What are the main differences between TCP and UDP?"]
+from spec_prompts import CHAT, CHATS, edit_prompt  # type: ignore[import-not-found]
 
 
 def parse_args() -> argparse.Namespace:
@@ -110,11 +73,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip", choices=["steps", "ngram", "draft", "llama"], action="append", default=[])
     p.add_argument("--tag", default="", help="suffix of the result file names")
     return p.parse_args()
-
-
-def edit_prompt(i: int) -> list[dict[str, str]]:
-    code = FUNCTIONS[i % len(FUNCTIONS)]
-    return [{"role": "user", "content": f"Rewrite this function with type hints. Change nothing else.\n\n{code}"}]
 
 
 class StepCounter:
@@ -159,9 +117,8 @@ def measure(llm: Any, messages: list[list[dict[str, str]]], max_tokens: int, rou
     keys = ("drafts", "draft_tokens", "accepted", "steps", "controller_off_steps")
     stats = {m: dict.fromkeys(keys, 0) for m in modes}
     for round_index in range(rounds):
-        shift = round_index % len(modes)
-        order = modes[shift:] + modes[:shift] if len(modes) > 2 else (modes if shift == 0 else modes[::-1])
-        for mode in order:
+        shift = round_index % len(modes)  # rotated: no mode always goes first
+        for mode in modes[shift:] + modes[:shift]:
             if mode != "plain":
                 setups[mode]()
             llm.core.speculator = None if mode == "plain" else speculator
@@ -230,7 +187,7 @@ def run_draft(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for c in args.draft_concurrency if c > 1]
     proposer = getattr(llm.core.speculator.proposer, "draft", llm.core.speculator.proposer)
     proposer.sample = args.draft_sampling == "on"
-    variants = head_variants(proposer.runner.model, args.draft_vocab_ab, args.draft_fp32_lanes_ab)
+    variants = draft_variants(proposer.runner.model, args.draft_vocab_ab, args.draft_fp32_lanes_ab)
     for name, batch in batches:
         result = measure(llm, batch, args.draft_tokens, args.rounds, args.temperature, variants)
         rows.append({"method": args.draft_method, "model": f"{args.target} <- {args.draft}", "prompt": name,
@@ -245,7 +202,7 @@ def run_draft(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def head_variants(model: Any, sizes: list[int], fp32_lanes: bool) -> dict[str, Callable[[], None]] | None:
+def draft_variants(model: Any, sizes: list[int], fp32_lanes: bool) -> dict[str, Callable[[], None]] | None:
     """Speculating modes beside the draft as loaded (restored by "spec"): --draft-vocab-ab, its lm_head
     cut to each size's first ids; --draft-fp32-lanes-ab, its quantized layers with float32 scale lanes
     (the same values, the bytes before quantize() rounded scales to fp16)."""

@@ -34,7 +34,7 @@ import torch
 
 from tokenmill.layers.attention import AttentionMetadata, PagedAttention
 from tokenmill.layers.kv_cache import LayerKVCache
-from tokenmill.layers.linear import DenseLinear, Linear, QuantLinear
+from tokenmill.layers.linear_layers import DenseLinear, Linear, QuantLinear
 
 _handles = itertools.count(1)
 _LINEARS: dict[int, Linear] = {}

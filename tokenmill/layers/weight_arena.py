@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.layers.linear import Linear
+from tokenmill.layers.linear_layers import Linear
 from tokenmill.platform import libc
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from tokenmill.kernels import cpu_kernels, glue_kernels, quant_kernels, stack_ke
 from tokenmill.layers.attention import AttentionMetadata
 from tokenmill.layers.dense_kernels import SKINNY_MAX_ROWS, skinny_path
 from tokenmill.layers.kv_cache import DenseKVCache, Int8KVCache, LayerKVCache
-from tokenmill.layers.linear import DenseLinear, Linear, QuantLinear
+from tokenmill.layers.linear_layers import DenseLinear, Linear, QuantLinear
 from tokenmill.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
