@@ -89,17 +89,21 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def server_process(argv: list[str], ready_url: str, log_path: Path, threads: int,
-                   timeout_s: float = 300.0) -> Iterator[int]:
+                   timeout_s: float = 300.0, root: Path | None = None) -> Iterator[int]:
     """The pid of a server started from `argv` (log to `log_path`), once `ready_url` answers 200;
-    stopped (SIGTERM, then SIGKILL) on the way out. A server that dies first is a one-line exit."""
+    stopped (SIGTERM, then SIGKILL) on the way out. A server that dies first is a one-line exit.
+    `root` (default ROOT): the checkout it runs, as its working directory and PYTHONPATH. Both: for
+    `python -m`, the working directory comes first on sys.path, so a PYTHONPATH alone loses to the
+    checkout the bench was started from (an A/B of two checkouts then ran one of them twice)."""
     import subprocess
 
     import httpx
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    root = root or ROOT
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(root)}
     with log_path.open("w") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
         try:
             deadline = time.monotonic() + timeout_s
             while True:

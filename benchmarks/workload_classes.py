@@ -38,7 +38,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import common
 import httpx
 from common import (
     ROOT,
@@ -103,12 +102,13 @@ def mixed_config(args: argparse.Namespace, phases: tuple[str, ...], seed: int = 
 
 
 @contextlib.contextmanager
-def serving(args: argparse.Namespace, name: str, extra: list[str]) -> Iterator[tuple[str, int]]:
+def serving(args: argparse.Namespace, name: str, extra: list[str],
+            root: Path | None = None) -> Iterator[tuple[str, int]]:
     port = free_port()
     argv = [sys.executable, "-m", "tokenmill", "serve", args.model, "--port", str(port), "--threads",
             str(args.threads), "--log-level", "warning", *args.serve_arg, *extra]
     url = f"http://127.0.0.1:{port}"
-    with server_process(argv, url + "/ready", LOG_DIR / f"{name}.log", args.threads, timeout_s=600) as pid:
+    with server_process(argv, url + "/ready", LOG_DIR / f"{name}.log", args.threads, timeout_s=600, root=root) as pid:
         yield url, pid
 
 
@@ -151,16 +151,12 @@ def run_server(args: argparse.Namespace, name: str, extra: list[str], phases: tu
 
 
 def ab_run(args: argparse.Namespace, phase: str, name: str, root: Path, flags: list[str], index: int) -> dict[str, Any]:
-    """One phase on a fresh server from checkout `root` (server_process puts it on the PYTHONPATH)."""
-    saved, common.ROOT = common.ROOT, root
-    try:
-        wait_for_quiet(args.quiet_wait_s)
-        with serving(args, f"ab-{name}-{index}", flags) as (url, pid):
-            noise = NoiseMeter((pid,))
-            result = run_round(args, url, (phase,), seed=index // 2)
-            others = noise.others_cores()
-    finally:
-        common.ROOT = saved
+    """One phase on a fresh server running checkout `root`."""
+    wait_for_quiet(args.quiet_wait_s)
+    with serving(args, f"ab-{name}-{index}", flags, root) as (url, pid):
+        noise = NoiseMeter((pid,))
+        result = run_round(args, url, (phase,), seed=index // 2)
+        others = noise.others_cores()
     found = result.phase(phase)
     assert found is not None
     row: dict[str, Any] = {"version": name, "pair": index // 2, "others_cores": round(others, 3),
