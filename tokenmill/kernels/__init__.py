@@ -77,6 +77,25 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     return frozenset()
 
 
+def cpu_vendor_family(cpuinfo: str | None = None) -> tuple[str, int]:
+    """(vendor_id, cpu family) of an x86 CPU from /proc/cpuinfo, e.g. ("AuthenticAMD", 26) for Zen 5;
+    ("", 0) elsewhere. Kernel choices that differ by microarchitecture, not by flag, key on it."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if not line.strip() and fields:
+            break  # the first processor's block is enough
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    family = fields.get("cpu family", "")
+    return fields.get("vendor_id", ""), int(family) if family.isdigit() else 0
+
+
 def isa_key(flags: frozenset[str] | None = None, machine: str | None = None) -> str:
     """A short hash naming the instruction set a native build was compiled for."""
     flags = cpu_flags() if flags is None else flags

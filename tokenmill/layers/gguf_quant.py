@@ -2,7 +2,7 @@
 
 GGUF types map without a second rounding where the arithmetic allows:
     Q8_0 → q8 (scale = d)                Q5_0 → q8 (q - 16 fits int8; scale = d), or q5 (scale = d)
-                                         under --quantization q5 or a Q5_ISAS path: gguf_format()
+                                         under --quantization q5 or where q5_0_format() says so
     Q4_0 → q4 (scale d, offset -8d)      Q4_1 → q4 (scale d, offset m)
     Q4_K → q4 (each 32-weight sub-block: scale d*sc, offset -dmin*m; fp16 x 6-bit is exact in fp32)
     Q5_1, Q5_K, Q6_K → dequantized, then re-quantized to q8 (one rounding, measured in the tests)
@@ -13,6 +13,8 @@ dequantizer and `quant_formats.quantize`, in slices of rows.
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -20,6 +22,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
 
+from tokenmill.errors import TokenmillError
+from tokenmill.kernels import cpu_vendor_family as _read_vendor_family
 from tokenmill.layers.quant_formats import ROW_GROUP, QuantFormat, QuantMatrix, concat, interleave, quantize
 
 _T = GGMLQuantizationType
@@ -30,18 +34,36 @@ GGUF_MAPPING: dict[GGMLQuantizationType, tuple[QuantFormat, bool]] = {
     _T.Q4_0: ("q4", True), _T.Q4_1: ("q4", True), _T.Q4_K: ("q4", True),
     _T.Q5_1: ("q8", False), _T.Q5_K: ("q8", False), _T.Q6_K: ("q8", False),
 }  # fmt: skip
-# Quant paths where `auto` packs Q5_0 as q5 (0.69 bytes a weight) rather than q8 (1.06): none yet.
-# AVX-512BW's mask registers add the fifth bits with one masked add per 32 weights, and the GEMM alone
-# reads 1.1-1.2x faster at 1-2 rows on Zen 4, but Qwen2.5-Coder-0.5B's whole decode step measured
-# 0.92x of q8 there (docs/quantization.md): at these core counts the kernel is partly compute-bound,
-# and q5's unpacking costs more per weight than q8's widening. `--quantization q5` runs it anywhere.
-Q5_ISAS: frozenset[str] = frozenset()
+# Where `auto` packs Q5_0 as q5 (0.69 bytes a weight) rather than q8 (1.06): the same integers either
+# way, so a question of speed only, which depends on the microarchitecture, not just the path. Qwen2.5-
+# Coder-0.5B's whole decode step, q5 against q8 (docs/quantization.md, "q5 (Q5_0 kept at 5 bits)"):
+# AMD Zen 5 (family 26), avx512vnni: 1.06x at batch 1, 1.13x at 4, 1.08x at 16 — full-width 512-bit
+# units leave the fifth bits' masked adds time to hide under the stream; Zen 4 (family 25, 512-bit ops
+# as two halves): 0.92x at batch 1; Zen 3, avx2: 1.09x at batch 1 but 0.78x at 16. Intel hosts are
+# unmeasured and keep q8. $TOKENMILL_Q5_0 = q5 | q8 overrides (A/B runs); `--quantization q5` packs
+# every tensor as q5.
+Q5_0_ENV = "TOKENMILL_Q5_0"
+
+
+@functools.cache
+def cpu_vendor_family() -> tuple[str, int]:
+    return _read_vendor_family()
+
+
+def q5_0_format(isa: str, vendor: str, family: int) -> QuantFormat:
+    """The format `auto` packs Q5_0 into on quant path `isa` of a CPU (vendor_id, cpu family)."""
+    forced = os.environ.get(Q5_0_ENV, "").strip().lower()
+    if forced in ("q5", "q8"):
+        return "q5" if forced == "q5" else "q8"
+    if forced:
+        raise TokenmillError(f"{Q5_0_ENV}={forced!r}: use q5 or q8")
+    return "q5" if isa == "avx512vnni" and vendor == "AuthenticAMD" and family >= 26 else "q8"
 
 
 def gguf_format(ggml_type: GGMLQuantizationType, isa: str) -> tuple[QuantFormat, bool] | None:
-    """(format, exact) a GGUF type packs to under quant path `isa`; None: no native mapping."""
-    if ggml_type == _T.Q5_0 and isa in Q5_ISAS:
-        return ("q5", True)
+    """(format, exact) a GGUF type packs to under quant path `isa` on this CPU; None: no native mapping."""
+    if ggml_type == _T.Q5_0:
+        return (q5_0_format(isa, *cpu_vendor_family()), True)
     return GGUF_MAPPING.get(ggml_type)
 
 
