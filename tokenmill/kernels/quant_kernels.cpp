@@ -234,11 +234,15 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
   for (int64_t b = 0; b < w.nb; ++b) {                                                                                 \
     const uint8_t* blk = w.block(g, b);                                                                                \
     if (first_pass) prefetch_ahead<Q4, Q5>(w, g, b);  /* the first tile's pass over a chunk only */                  \
-    __m256i isum[RM];                                                                                                  \
-    for (int r = 0; r < RM; ++r) isum[r] = _mm256_setzero_si256();                                                     \
+    /* NCH independent integer chains per row where kSplitChains (VNNI): vpdpwssd is the madd and the add \
+       in one, so a row's sums form one dependent chain of its latency; 1-2-row tiles split it (summed     \
+       exactly at the block's end: the bits do not change). AVX2's chain is the 1-cycle add. */           \
+    constexpr int NCH = !kSplitChains ? 1 : RM == 1 ? 4 : RM == 2 ? 2 : 1;                                             \
+    __m256i isum[RM][NCH];                                                                                             \
+    for (int r = 0; r < RM; ++r) for (int k = 0; k < NCH; ++k) isum[r][k] = _mm256_setzero_si256();                    \
     if (Q4) {                                                                                                          \
       const __m256i low = _mm256_set1_epi16(0x0F);                                                                     \
-      for (int c = 0; c < 8; ++c) {                                                                                    \
+      auto chunk = [&](int c) {                                                                                        \
         const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * c)));     \
         __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_srli_epi16(raw, 4);                                       \
         if (Q5) {  /* the fifth bits: lane i of lo (hi) gets 16 where bit i of its mask word is set */                 \
@@ -247,24 +251,35 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
           lo = add_high(lo, words & 0xFFFF);                                                                           \
           hi = add_high(hi, words >> 16);                                                                              \
         }                                                                                                              \
+        const int k0 = (2 * c) % NCH, k1 = (2 * c + 1) % NCH;                                                          \
         for (int r = 0; r < RM; ++r) {                                                                                 \
           const int16_t* ab = arow[r] + b * QK + 2 * c;                                                                \
-          isum[r] = madd_acc(madd_acc(isum[r], lo, bcast_pair(ab)), hi, bcast_pair(ab + 16));                          \
+          isum[r][k0] = madd_acc(isum[r][k0], lo, bcast_pair(ab));                                                     \
+          isum[r][k1] = madd_acc(isum[r][k1], hi, bcast_pair(ab + 16));                                                \
         }                                                                                                              \
-      }                                                                                                                \
+      };                                                                                                               \
+      if constexpr (NCH > 1) { _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) chunk(c); }                         \
+      else { for (int c = 0; c < 8; ++c) chunk(c); }                                                                   \
     } else {                                                                                                           \
       auto pair = [&](int p) {                                                                                         \
         const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * p)));     \
-        for (int r = 0; r < RM; ++r) isum[r] = madd_acc(isum[r], wv, bcast_pair(arow[r] + b * QK + 2 * p));            \
+        for (int r = 0; r < RM; ++r) isum[r][p % NCH] = madd_acc(isum[r][p % NCH], wv, bcast_pair(arow[r] + b * QK + 2 * p)); \
       };                                                                                                               \
-      /* Unrolled twice for 3-4-row tiles; at 1-2 rows the unroll lost (docs/quantization.md). */                      \
-      if (RM > 2) { _Pragma("GCC unroll 2") for (int p = 0; p < 16; ++p) pair(p); }                                 \
+      /* Unrolled where chains split (the chain index must be a constant) and for 3-4-row tiles; one chain \
+         at 1-2 rows lost with the unroll on Zen 3 (docs/quantization.md). */                               \
+      if constexpr (NCH > 1) { _Pragma("GCC unroll 16") for (int p = 0; p < 16; ++p) pair(p); }                        \
+      else if constexpr (RM > 2) { _Pragma("GCC unroll 2") for (int p = 0; p < 16; ++p) pair(p); }                     \
       else { for (int p = 0; p < 16; ++p) pair(p); }                                                                   \
+    }                                                                                                                  \
+    __m256i isum_r[RM];                                                                                                \
+    for (int r = 0; r < RM; ++r) {                                                                                     \
+      isum_r[r] = isum[r][0];                                                                                          \
+      for (int k = 1; k < NCH; ++k) isum_r[r] = _mm256_add_epi32(isum_r[r], isum[r][k]);                               \
     }                                                                                                                  \
     const __m256 sw = lanes8(w, w.scale, w.lanes(g, b));                                                               \
     for (int r = 0; r < RM; ++r) {                                                                                     \
       const __m256 scale = _mm256_mul_ps(sw, _mm256_set1_ps(a.d[(m0 + r) * a.nb + b]));                                \
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);                                            \
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum_r[r]), scale, acc[r]);                                          \
     }                                                                                                                  \
     if (Q4) {  /* q5's offset is -16 * scale (exact: a power of two) */                                              \
       const __m256 off = Q5 ? _mm256_mul_ps(sw, _mm256_set1_ps(-16.f)) : lanes8(w, w.offset, w.lanes(g, b));          \
@@ -311,6 +326,7 @@ void groups256(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
+constexpr bool kSplitChains = false;
 inline __m256i madd_acc(__m256i acc, __m256i w, __m256i a) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a)); }
 // v | 16 in the int16 lanes whose bit is set in `mask` (AVX2 has no mask registers: broadcast, and
 // with each lane's bit, compare, and 16, or: five ops per 16 lanes, where VNNI's path takes one).
@@ -389,6 +405,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t P, int8_t* qa, 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 namespace vnni {
+constexpr bool kSplitChains = true;
 inline __m256i madd_acc(__m256i acc, __m256i w, __m256i a) { return _mm256_dpwssd_epi32(acc, w, a); }
 inline __m256i add_high(__m256i v, uint32_t mask) {  // one masked add (AVX-512BW + VL; v < 16, so an OR)
   return _mm256_mask_add_epi16(v, static_cast<__mmask16>(mask), v, _mm256_set1_epi16(16));
