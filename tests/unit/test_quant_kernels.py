@@ -23,7 +23,7 @@ from tokenmill.layers import quant_formats as qf
 T = GGMLQuantizationType
 GGUF_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]  # every type in the four packaged files
 # (GGUF type, format) pairs a load can pick: each type's default mapping, and Q5_0 → q5 (--quantization
-# q5, or gguf_format() on a Q5_ISAS path; every path computes it).
+# q5, or gguf_format() where q5_0_format() picks it; every path computes it).
 CASES = [pytest.param(t, gq.GGUF_MAPPING[t][0], id=t.name) for t in GGUF_TYPES] + [
     pytest.param(T.Q5_0, "q5", id="Q5_0-q5")]
 ROWS = [1, 2, 3, 4, 5, 6, 7, 10, 16, 64]  # 5, 6, 10: tiles of 5-6 rows (a 1-2-row rest joins)
