@@ -28,7 +28,8 @@ from tokenmill.layers.linear import QuantLinear
 T = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(quant_kernels() is None, reason="native quantized kernels cannot be built here")
 
-EXPECTED_QKV = ["q4+q8", "q4+q8"]
+# Layer 1's v is Q5_0: q8 or q5 as gguf_quant.q5_0_format decides for the CPU; pinned here both ways.
+EXPECTED_QKV = {"q8": ["q4+q8", "q4+q8"], "q5": ["q4+q8", "q4+q5"]}
 
 
 def _llm(path: Path, quantization: str) -> LLM:
@@ -40,14 +41,16 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 263, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.mark.parametrize("q5_0", ["q8", "q5"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_auto_runs_gguf_blocks_natively_and_tracks_the_dequantized_path(
-        arch: str, quant_gguf: Callable[[str], Path]) -> None:
+        arch: str, q5_0: str, quant_gguf: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(gguf_quant.Q5_0_ENV, q5_0)
     path = quant_gguf(arch)
     native, reference = _llm(path, "auto"), _llm(path, "none")
     model = native.core.runner.model
     methods = {name: linear.method for name, linear in model.linears().items()}
-    assert [methods[f"layers.{i}.qkv_proj"] for i in range(2)] == EXPECTED_QKV
+    assert [methods[f"layers.{i}.qkv_proj"] for i in range(2)] == EXPECTED_QKV[q5_0]
     assert methods["layers.0.gate_up_proj"] == "q4" and methods["layers.1.gate_up_proj"] == "q8"
     # Tied heads pack the Q8_0 embedding; qwen2's separate head is F16 in the file: it stays dense.
     assert (methods["lm_head"] == "q8") if arch != "qwen2" else not methods["lm_head"].startswith("q")
