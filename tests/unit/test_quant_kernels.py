@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tests.fixtures.gguf_blocks import gguf_blocks
-from tokenmill.kernels import QUANT_ISAS, quant_kernels
+from tokenmill.kernels import QUANT_ISAS, cpu_vendor_family, quant_kernels
 from tokenmill.layers import gguf_quant as gq
 from tokenmill.layers import quant_formats as qf
 
@@ -308,7 +308,7 @@ def test_parts_of_one_format_with_fp16_and_float32_scales_join_as_float32() -> N
 
 
 def test_wide_tile_threshold_is_the_cpus_and_can_be_overridden() -> None:
-    """avx512vnni runs 512-bit tiles from wide_min_rows() activation rows up (5 on Zen 4, else 4; the
+    """avx512vnni runs 512-bit tiles from wide_min_rows() activation rows up (5 on Zen 4, 8 on Zen 5, else 4; the
     outputs are the same bits either way, test above); TOKENMILL_QUANT_WIDE_ROWS pins it for A/B runs."""
     import os
     import subprocess
@@ -317,8 +317,8 @@ def test_wide_tile_threshold_is_the_cpus_and_can_be_overridden() -> None:
 
     assert kernels is not None
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    family = next((line.split(":")[1].strip() for line in cpuinfo.splitlines() if line.startswith("cpu family")), None)
-    expected = 5 if "AuthenticAMD" in cpuinfo and family == "25" else 4
+    vendor, family = cpu_vendor_family(cpuinfo)
+    expected = 4 if vendor != "AuthenticAMD" else 5 if family == 25 else 8 if family >= 26 else 4
     if "TOKENMILL_QUANT_WIDE_ROWS" not in os.environ:
         assert kernels.wide_min_rows() == expected
     code = "from tokenmill.kernels import quant_kernels; print(quant_kernels().wide_min_rows())"

@@ -541,8 +541,9 @@ void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, f
 #endif  // TM_X86
 
 // Least activation rows for the 512-bit tiles: TOKENMILL_QUANT_WIDE_ROWS when set (tests, A/B runs),
-// else 5 on AMD family 25 (Zen 4: 512-bit ops double-pumped; measured), else 4 (Zen 5 measured the
-// 512-bit tiles 1.5-2.1x faster from 4 rows). A property of the CPU, read once.
+// else 5 on AMD family 25 (Zen 4: 512-bit ops double-pumped; measured), 8 on AMD family 26 and later
+// (Zen 5, whole-model steps of 4-6 rows 1.1-1.4x faster on the 256-bit tiles, q8 and q5 alike, even at
+// 8; docs/quantization.md), else 4 (unmeasured elsewhere). A property of the CPU, read once.
 int64_t wide_min_rows() {
   static const int64_t rows = [] {
     if (const char* env = std::getenv("TOKENMILL_QUANT_WIDE_ROWS")) return static_cast<int64_t>(std::atoll(env));
@@ -552,6 +553,7 @@ int64_t wide_min_rows() {
         __get_cpuid(1, &eax, &ebx, &ecx, &edx)) {
       const unsigned base = (eax >> 8) & 0xF, family = base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
       if (family == 0x19) return static_cast<int64_t>(5);
+      if (family >= 0x1A) return static_cast<int64_t>(8);
     }
 #endif
     return static_cast<int64_t>(4);
