@@ -108,6 +108,33 @@ def _put_all(items: list[tuple[asyncio.Queue[RequestOutput | BaseException], Req
 StatsListener = Callable[[StepStats, list[RequestOutput]], None]
 
 
+def load_on_exiting_thread(config: EngineConfig) -> LoadedEngine:
+    """load_engine on a thread of its own that ends with the load.
+
+    Loading runs OpenMP regions (packing, the KV calibration's prefill), and libgomp keeps the team of
+    every thread that ran one until that thread exits. A caller thread that lives on (the server's
+    executor thread) left a second team beside the engine thread's, and libgomp, counting more of its
+    threads than CPUs, then spins only briefly at every barrier: the compute threads slept and were
+    woken ~190 times a decode step, and a batch-16 Qwen2.5-Coder-0.5B step took 52-54 ms in the server
+    against 45-47 ms in-process on a 2-core Zen 5 (docs/performance.md). A thread that exits frees its
+    team."""
+    result: list[LoadedEngine] = []
+    error: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            result.append(load_engine(config))
+        except BaseException as exc:  # re-raised on the caller's thread
+            error.append(exc)
+
+    thread = threading.Thread(target=load, name="tokenmill-load")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
 class AsyncEngine:
     def __init__(self, loaded: LoadedEngine) -> None:
         self.loaded = loaded
@@ -130,7 +157,7 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(load_engine(config))
+        return cls(load_on_exiting_thread(config))
 
     def add_stats_listener(self, listener: StatsListener) -> None:
         self._listeners.append(listener)
