@@ -224,6 +224,21 @@ inline __m256i bcast_pair(const int16_t* p) {                                   
   std::memcpy(&v, p, sizeof v);                                                                                        \
   return _mm256_set1_epi32(v);                                                                                         \
 }                                                                                                                      \
+/* Chunk c of a q4/q5 block: 16 bytes → its low and high nibbles as int16 (c's pairs and c + 8's), q5's                \
+   fifth bits added: lane i of lo (hi) gets 16 where bit i of its mask word is set. */                                 \
+template <bool Q5>                                                                                                     \
+inline void unpack_chunk(const Weights& w, const uint8_t* blk, int64_t g, int64_t b, int c, __m256i low, __m256i& lo,  \
+                         __m256i& hi) {                                                                                \
+  const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * c)));           \
+  lo = _mm256_and_si256(raw, low);                                                                                     \
+  hi = _mm256_srli_epi16(raw, 4);                                                                                      \
+  if (Q5) {                                                                                                            \
+    uint32_t words;                                                                                                    \
+    std::memcpy(&words, w.high_block(g, b) + 4 * c, sizeof words);                                                     \
+    lo = add_high(lo, words & 0xFFFF);                                                                                 \
+    hi = add_high(hi, words >> 16);                                                                                    \
+  }                                                                                                                    \
+}                                                                                                                      \
 /* Group g (8 output rows) against activation rows m0 .. m0 + RM - 1: one int32 vector per row and                     \
    block (lane r = row r's block sum), then y += sum * (8 weight scales x the row's scale). */                         \
 template <int RM, bool Q4, bool Q5>                                                                                    \
@@ -242,24 +257,26 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
     for (int r = 0; r < RM; ++r) for (int k = 0; k < NCH; ++k) isum[r][k] = _mm256_setzero_si256();                    \
     if (Q4) {                                                                                                          \
       const __m256i low = _mm256_set1_epi16(0x0F);                                                                     \
-      auto chunk = [&](int c) {                                                                                        \
-        const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * c)));     \
-        __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_srli_epi16(raw, 4);                                       \
-        if (Q5) {  /* the fifth bits: lane i of lo (hi) gets 16 where bit i of its mask word is set */                 \
-          uint32_t words;                                                                                              \
-          std::memcpy(&words, w.high_block(g, b) + 4 * c, sizeof words);                                               \
-          lo = add_high(lo, words & 0xFFFF);                                                                           \
-          hi = add_high(hi, words >> 16);                                                                              \
+      if constexpr (NCH == 1) {                                                                                        \
+        for (int c = 0; c < 8; ++c) {                                                                                  \
+          __m256i lo, hi;                                                                                              \
+          unpack_chunk<Q5>(w, blk, g, b, c, low, lo, hi);                                                              \
+          for (int r = 0; r < RM; ++r) {                                                                               \
+            const int16_t* ab = arow[r] + b * QK + 2 * c;                                                              \
+            isum[r][0] = madd_acc(madd_acc(isum[r][0], lo, bcast_pair(ab)), hi, bcast_pair(ab + 16));                  \
+          }                                                                                                            \
         }                                                                                                              \
-        const int k0 = (2 * c) % NCH, k1 = (2 * c + 1) % NCH;                                                          \
-        for (int r = 0; r < RM; ++r) {                                                                                 \
-          const int16_t* ab = arow[r] + b * QK + 2 * c;                                                                \
-          isum[r][k0] = madd_acc(isum[r][k0], lo, bcast_pair(ab));                                                     \
-          isum[r][k1] = madd_acc(isum[r][k1], hi, bcast_pair(ab + 16));                                                \
+      } else {                                                                                                         \
+        _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) {                                                          \
+          __m256i lo, hi;                                                                                              \
+          unpack_chunk<Q5>(w, blk, g, b, c, low, lo, hi);                                                              \
+          for (int r = 0; r < RM; ++r) {                                                                               \
+            const int16_t* ab = arow[r] + b * QK + 2 * c;                                                              \
+            isum[r][(2 * c) % NCH] = madd_acc(isum[r][(2 * c) % NCH], lo, bcast_pair(ab));                             \
+            isum[r][(2 * c + 1) % NCH] = madd_acc(isum[r][(2 * c + 1) % NCH], hi, bcast_pair(ab + 16));                \
+          }                                                                                                            \
         }                                                                                                              \
-      };                                                                                                               \
-      if constexpr (NCH > 1) { _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) chunk(c); }                         \
-      else { for (int c = 0; c < 8; ++c) chunk(c); }                                                                   \
+      }                                                                                                                \
     } else {                                                                                                           \
       auto pair = [&](int p) {                                                                                         \
         const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * p)));     \
