@@ -250,8 +250,9 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
     const uint8_t* blk = w.block(g, b);                                                                                \
     if (first_pass) prefetch_ahead<Q4, Q5>(w, g, b);  /* the first tile's pass over a chunk only */                  \
     /* NCH independent integer chains per row where kSplitChains (VNNI): vpdpwssd is the madd and the add \
-       in one, so a row's sums form one dependent chain of its latency; 1-2-row tiles split it (summed     \
-       exactly at the block's end: the bits do not change). AVX2's chain is the 1-cycle add. */           \
+       in one, so a row's sums form one dependent chain of its latency; a 1-row tile splits it in 4, 2-6- \
+       row tiles in 2 (summed exactly at the block's end: the bits do not change; measured on Zen 5,     \
+       docs/quantization.md). AVX2's chain is the 1-cycle add. */                                          \
     constexpr int NCH = !kSplitChains ? 1 : RM == 1 ? 4 : RM <= 6 ? 2 : 1;                                             \
     __m256i isum[RM][NCH];                                                                                             \
     for (int r = 0; r < RM; ++r) for (int k = 0; k < NCH; ++k) isum[r][k] = _mm256_setzero_si256();                    \
