@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from tokenmill.config import EngineConfig
@@ -117,22 +118,9 @@ def load_on_exiting_thread(config: EngineConfig) -> LoadedEngine:
     threads than CPUs, then spins only briefly at every barrier: the compute threads slept and were
     woken ~190 times a decode step, and a batch-16 Qwen2.5-Coder-0.5B step took 52-54 ms in the server
     against 45-47 ms in-process on a 2-core Zen 5 (docs/performance.md). A thread that exits frees its
-    team."""
-    result: list[LoadedEngine] = []
-    error: list[BaseException] = []
-
-    def load() -> None:
-        try:
-            result.append(load_engine(config))
-        except BaseException as exc:  # re-raised on the caller's thread
-            error.append(exc)
-
-    thread = threading.Thread(target=load, name="tokenmill-load")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
+    team. (Leaving the `with` joins the executor's one thread; result() re-raises a failed load here.)"""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-load") as executor:
+        return executor.submit(load_engine, config).result()
 
 
 class AsyncEngine:

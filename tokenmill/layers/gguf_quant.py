@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
 
 from tokenmill.errors import TokenmillError
-from tokenmill.kernels import cpu_vendor_family as _read_vendor_family
+from tokenmill.kernels import cpu_vendor_family
 from tokenmill.layers.quant_formats import ROW_GROUP, QuantFormat, QuantMatrix, concat, interleave, quantize
 
 _T = GGMLQuantizationType
@@ -46,8 +46,8 @@ Q5_0_ENV = "TOKENMILL_Q5_0"
 
 
 @functools.cache
-def cpu_vendor_family() -> tuple[str, int]:
-    return _read_vendor_family()
+def _host_vendor_family() -> tuple[str, int]:
+    return cpu_vendor_family()  # /proc/cpuinfo once a process, not once a tensor
 
 
 def q5_0_format(isa: str, vendor: str, family: int) -> QuantFormat:
@@ -63,7 +63,7 @@ def q5_0_format(isa: str, vendor: str, family: int) -> QuantFormat:
 def gguf_format(ggml_type: GGMLQuantizationType, isa: str) -> tuple[QuantFormat, bool] | None:
     """(format, exact) a GGUF type packs to under quant path `isa` on this CPU; None: no native mapping."""
     if ggml_type == _T.Q5_0:
-        return (q5_0_format(isa, *cpu_vendor_family()), True)
+        return (q5_0_format(isa, *_host_vendor_family()), True)
     return GGUF_MAPPING.get(ggml_type)
 
 
