@@ -15,7 +15,6 @@ import importlib.util
 import io
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,8 +25,11 @@ from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
+
 if importlib.util.find_spec("tokenmill") is None and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # else: an installed tokenmill, or one on PYTHONPATH, wins
+
+from host_info import environment, host_label  # noqa: E402  (re-exported: benchmarks import them from here)
 
 MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b")
 T = TypeVar("T")
@@ -279,71 +281,6 @@ def kv_bytes_per_token(arch: Any, dtype: Any) -> int:
 
 
 # ---------------------------------------------------------------- results
-
-
-def environment() -> dict[str, Any]:
-    import torch
-
-    info: dict[str, Any] = {
-        "python": platform.python_version(), "torch": torch.__version__, "num_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(), "cpu": _cpu_model(), "cpu_flags": _cpu_flags(), "loadavg": os.getloadavg(),
-        "date": _dt.datetime.now().isoformat(timespec="seconds"),
-    }
-    info["git"] = _git_state()
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    return info
-
-
-def _git_state() -> dict[str, str | bool]:
-    """The commit measured, and whether the engine's sources differed from it."""
-    import subprocess
-
-    def git(*argv: str) -> str:
-        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    import tokenmill
-
-    return {"commit": git("rev-parse", "HEAD"), "tokenmill_dirty": bool(git("status", "--porcelain", "tokenmill")),
-            "tokenmill_path": str(Path(tokenmill.__file__).parent)}
-
-
-def _cpu_flags() -> list[str]:
-    """The instruction sets that decide which dtype is fast here."""
-    wanted = {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8"}
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return sorted(wanted & set(flags))
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def host_label() -> str:
-    """The machine kind in result names, e.g. `avx512vnni-7f21b0`: the best quant ISA and a hash of the
-    CPU's instruction-set flags. Sessions land on different hosts on the same day, and a run on one
-    must not overwrite another's figures (it did, three times, on 2026-12-02)."""
-    from tokenmill.kernels import cpu_flags, isa_key
-
-    flags = cpu_flags()
-    isa = ("amx" if "amx_int8" in flags else "avx512vnni" if "avx512_vnni" in flags else "avx2" if "avx2" in flags
-           else platform.machine())
-    return f"{isa}-{isa_key()[:6]}"
 
 
 def result_path(benchmark: str, model: str, suffix: str) -> Path:

@@ -63,13 +63,17 @@ def triton_available() -> bool:
     return True
 
 
+def _read_cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     """The instruction-set flags of this CPU (x86 `flags`, Arm `Features`), from /proc/cpuinfo."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            cpuinfo = ""
+        cpuinfo = _read_cpuinfo()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
@@ -81,10 +85,7 @@ def cpu_vendor_family(cpuinfo: str | None = None) -> tuple[str, int]:
     """(vendor_id, cpu family) of an x86 CPU from /proc/cpuinfo, e.g. ("AuthenticAMD", 26) for Zen 5;
     ("", 0) elsewhere. Kernel choices that differ by microarchitecture, not by flag, key on it."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            cpuinfo = ""
+        cpuinfo = _read_cpuinfo()
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         key, sep, value = line.partition(":")
