@@ -55,12 +55,14 @@ def is_exact(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat) -> bool:
 AMX = QUANT_ISAS.index("amx")
 
 
-def run(mat: qf.QuantMatrix, x: torch.Tensor, isa: int, passes: int = 2, bf16_rows: int = 0) -> torch.Tensor:
+def run(mat: qf.QuantMatrix, x: torch.Tensor, isa: int, passes: int = 2, bf16_rows: int = 0,
+        duo_rows: int = -1) -> torch.Tensor:
     """The kernel on path `isa`; on amx, its int8 tiles at every M (bf16_rows 0), or from bf16_rows
-    rows up its bf16 tiles (their own rounding, tested apart)."""
+    rows up its bf16 tiles (their own rounding, tested apart). duo_rows: below it (at most 8) the
+    avx512vnni path runs its duo tiles (-1: the CPU's default, 0: never)."""
     assert kernels is not None
     return kernels.quant_linear(x, [mat.qs], [mat.scale], [mat.offset], [mat.rows], passes, isa, [mat.high],
-                                amx_rows=1, bf16_rows=bf16_rows)
+                                amx_rows=1, bf16_rows=bf16_rows, duo_rows=duo_rows)
 
 
 def combined(qa: torch.Tensor) -> torch.Tensor:
@@ -218,19 +220,21 @@ def test_paths_agree_with_each_other(passes: int) -> None:
 @pytest.mark.parametrize(("ggml_type", "fmt"), [(T.Q4_0, "q4"), (T.Q4_1, "q4"), (T.Q8_0, "q8"), (T.Q4_K, "q4"),
                                                (T.Q6_K, "q8"), (T.Q5_0, "q5")], ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("out_features", [8, 37, 64, 72])
+@pytest.mark.parametrize("duo_rows", [0, 8], ids=["no-duo", "duo"])
 def test_512_bit_tiles_equal_the_256_bit_path_bit_for_bit(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat,
-                                                         out_features: int) -> None:
+                                                         out_features: int, duo_rows: int) -> None:
     """avx512vnni puts two row groups in one zmm (16 rows a vpdpwssd) and up to 8 activation rows in a
-    tile; every lane still takes the 256-bit tile's integer and float steps in order, so the outputs
-    are equal bit for bit: an odd group left over (37 and 72 rows: 5 and 9 groups), a partial last
-    group, every remainder of rows under the tile height, fp16 (Q4_0, Q8_0) and float32 scales."""
+    tile, or (duo tiles, 1-7 rows) two column pairs of one group, permuted row by row; every lane still
+    takes the 256-bit tile's integer sums and float steps in order, so the outputs are equal bit for
+    bit: an odd group left over (37 and 72 rows: 5 and 9 groups), a partial last group, every
+    remainder of rows under the tile height, fp16 (Q4_0, Q8_0) and float32 scales."""
     assert kernels is not None
     raw = gguf_blocks(ggml_type, out_features, 512, seed=out_features)
     mat = gq.from_gguf(raw, ggml_type, 512, fmt)
     for rows in [*range(1, 18), 64]:
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
         for passes in PASSES:
-            assert torch.equal(run(mat, x, 2, passes), run(mat, x, 1, passes)), (rows, passes)
+            assert torch.equal(run(mat, x, 2, passes, duo_rows=duo_rows), run(mat, x, 1, passes)), (rows, passes)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -307,7 +311,7 @@ def test_parts_of_one_format_with_fp16_and_float32_scales_join_as_float32() -> N
     assert same.scale.dtype == torch.float16
 
 
-def test_wide_tile_threshold_is_the_cpus_and_can_be_overridden() -> None:
+def test_wide_and_duo_tile_choices_are_the_cpus_and_can_be_overridden() -> None:
     """avx512vnni runs 512-bit tiles from wide_min_rows() activation rows up (5 on Zen 4, 8 on Zen 5, else 4; the
     outputs are the same bits either way, test above); TOKENMILL_QUANT_WIDE_ROWS pins it for A/B runs."""
     import os
@@ -325,6 +329,14 @@ def test_wide_tile_threshold_is_the_cpus_and_can_be_overridden() -> None:
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TOKENMILL_QUANT_WIDE_ROWS": "1"},
                          capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "1"
+    # The duo tiles (below wide_min_rows()): on by default where measured (Zen 5), off elsewhere.
+    if "TOKENMILL_QUANT_DUO" not in os.environ:
+        assert kernels.duo_tiles() == (vendor == "AuthenticAMD" and family >= 26)
+    code = "from tokenmill.kernels import quant_kernels; print(quant_kernels().duo_tiles())"
+    flipped = "0" if kernels.duo_tiles() else "1"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TOKENMILL_QUANT_DUO": flipped},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == str(flipped == "1")
 
 
 AMX_CASES = [(T.Q4_0, "q4"), (T.Q4_1, "q4"), (T.Q8_0, "q8"), (T.Q4_K, "q4"), (T.Q6_K, "q8"), (T.Q5_0, "q5")]

@@ -504,6 +504,111 @@ void tile2(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, in
   for (int r = 0; r < RM; ++r) _mm512_mask_storeu_ps(out + (m0 + r) * ld + g * RG, mask, acc[r]);
 }
 
+// Duo tiles (few activation rows): one group, two neighbouring 16-byte pairs p, p + 1 per zmm. The
+// 32 bytes are widened at once and their 32-bit lanes permuted so lane 2r holds row r's pair p and
+// lane 2r + 1 its pair p + 1; one 8-byte broadcast of the activation pairs p, p + 1 ([p, p+1] in each
+// 64-bit lane) then meets every row with a full-width vpdpwssd. Per 8 weights of a row (q4) that is
+// one widening, one permute, one and, one shift and a vpdpwssd a row, where the 256-bit tile takes
+// two widenings, two ands, two shifts and two vpdpwssd a row. At a block's end lanes 2r and 2r + 1
+// are added (exact int32) and packed to the 256-bit tile's eight lanes, whose float steps follow in
+// the same order: the same bits as `tile`. Worth it where a 512-bit op runs at full width (Zen 5).
+inline __m512i duo_order(__m512i v) {
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), v);
+}
+inline __m512i bcast_duo(const int16_t* p) {  // activation pairs p, p + 1 in every 64-bit lane
+  int64_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi64(v);
+}
+// q5: the fifth-bit masks of a duo's lanes, from chunks c and c + 1's mask words (16 lanes each):
+// bits 2r, 2r + 1 of chunk c's word go to 4r, 4r + 1 and chunk c + 1's to 4r + 2, 4r + 3.
+__attribute__((target("bmi2"))) inline __mmask32 duo_mask(uint32_t first, uint32_t second) {
+  return static_cast<__mmask32>(_pdep_u32(first, 0x33333333u) | _pdep_u32(second, 0xCCCCCCCCu));
+}
+
+template <int RM, bool Q4, bool Q5>
+__attribute__((target("bmi2"))) void tile_duo(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out,
+                                              int64_t ld) {
+  // Independent vpdpwssd chains a row, summed exactly at the block's end: vpdpwssd's latency is 4 cycles
+  // at two a cycle on Zen 5 (measured), so a tile keeps at least 8 chains in flight.
+  constexpr int NCH = RM <= 2 ? 4 : 2;
+  __m256 acc[RM];
+  const int16_t* arow[RM];
+  for (int r = 0; r < RM; ++r) { acc[r] = _mm256_setzero_ps(); arow[r] = a.a + (m0 + r) * a.K; }
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* blk = w.block(g, b);
+    prefetch_ahead<Q4, Q5>(w, g, b);
+    __m512i isum[RM][NCH];
+    for (int r = 0; r < RM; ++r) for (int k = 0; k < NCH; ++k) isum[r][k] = _mm512_setzero_si512();
+    if (Q4) {
+      const __m512i low = _mm512_set1_epi16(0x0F);
+      #pragma GCC unroll 4
+      for (int c = 0; c < 8; c += 2) {
+        const __m512i raw = duo_order(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * c))));
+        __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_srli_epi16(raw, 4);
+        if (Q5) {  // mask words of chunks c, c + 1: [low c, high c, low c + 1, high c + 1]
+          uint32_t words[2];
+          std::memcpy(words, w.high_block(g, b) + 4 * c, sizeof words);
+          const __m512i sixteen = _mm512_set1_epi16(16);
+          lo = _mm512_mask_add_epi16(lo, duo_mask(words[0] & 0xFFFF, words[1] & 0xFFFF), lo, sixteen);
+          hi = _mm512_mask_add_epi16(hi, duo_mask(words[0] >> 16, words[1] >> 16), hi, sixteen);
+        }
+        for (int r = 0; r < RM; ++r) {
+          const int16_t* ab = arow[r] + b * QK + 2 * c;
+          isum[r][c % NCH] = _mm512_dpwssd_epi32(isum[r][c % NCH], lo, bcast_duo(ab));
+          isum[r][(c + 1) % NCH] = _mm512_dpwssd_epi32(isum[r][(c + 1) % NCH], hi, bcast_duo(ab + 16));
+        }
+      }
+    } else {
+      #pragma GCC unroll 8
+      for (int p = 0; p < 16; p += 2) {
+        const __m512i wv = duo_order(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * p))));
+        for (int r = 0; r < RM; ++r) {
+          const int k = (p / 2) % NCH;
+          isum[r][k] = _mm512_dpwssd_epi32(isum[r][k], wv, bcast_duo(arow[r] + b * QK + 2 * p));
+        }
+      }
+    }
+    const __m256 sw = lanes8(w, w.scale, w.lanes(g, b));
+    for (int r = 0; r < RM; ++r) {
+      __m512i s = isum[r][0];
+      for (int k = 1; k < NCH; ++k) s = _mm512_add_epi32(s, isum[r][k]);
+      const __m256i folded = _mm512_cvtepi64_epi32(_mm512_add_epi32(s, _mm512_srli_epi64(s, 32)));
+      const __m256 scale = _mm256_mul_ps(sw, _mm256_set1_ps(a.d[(m0 + r) * a.nb + b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded), scale, acc[r]);
+    }
+    if (Q4) {  // q5's offset is -16 * scale (exact: a power of two)
+      const __m256 off = Q5 ? _mm256_mul_ps(sw, _mm256_set1_ps(-16.f)) : lanes8(w, w.offset, w.lanes(g, b));
+      for (int r = 0; r < RM; ++r) acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(a.s[(m0 + r) * a.nb + b]), acc[r]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(RG, w.rows - g * RG);
+  const __mmask8 mask = valid >= RG ? static_cast<__mmask8>(0xFF) : static_cast<__mmask8>((1u << valid) - 1);
+  for (int r = 0; r < RM; ++r) _mm256_mask_storeu_ps(out + (m0 + r) * ld + g * RG, mask, acc[r]);
+}
+
+template <int RM>
+void span_duo(const Weights& w, int64_t g0, int64_t g1, const Act& a, int64_t m0, float* out, int64_t ld) {
+  for (int64_t g = g0; g < g1; ++g) {
+    if (w.q5) tile_duo<RM, true, true>(w, g, a, m0, out, ld);
+    else if (w.q4) tile_duo<RM, true, false>(w, g, a, m0, out, ld);
+    else tile_duo<RM, false, false>(w, g, a, m0, out, ld);
+  }
+}
+
+// All M (< 8) rows in one tile: each group's weights are decoded once for every row.
+void groups_duo(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld) {
+  switch (M) {
+    case 1: return span_duo<1>(w, g0, g1, a, 0, out, ld);
+    case 2: return span_duo<2>(w, g0, g1, a, 0, out, ld);
+    case 3: return span_duo<3>(w, g0, g1, a, 0, out, ld);
+    case 4: return span_duo<4>(w, g0, g1, a, 0, out, ld);
+    case 5: return span_duo<5>(w, g0, g1, a, 0, out, ld);
+    case 6: return span_duo<6>(w, g0, g1, a, 0, out, ld);
+    default: return span_duo<7>(w, g0, g1, a, 0, out, ld);
+  }
+}
+
 template <int RM>
 void tile2(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld) {
   if (w.q5) tile2<RM, true, true>(w, g, a, m0, out, ld, m0 == 0);
@@ -535,10 +640,11 @@ void rest2(int64_t rest, const Weights& w, int64_t c0, int64_t c1, const Act& a,
 }
 
 void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld,
-            int64_t wide_rows) {
+            int64_t wide_rows, int64_t duo_rows) {
   // Few activation rows: the 256-bit tiles (still vpdpwssd). On Zen 4, which runs a 512-bit op as two
   // 256-bit halves, the 512-bit tiles were 1.2-1.7x slower below 4-5 rows and 1.3-1.5x faster from 6
   // (docs/quantization.md); both give the same bits.
+  if (M < std::min<int64_t>(duo_rows, 8)) return groups_duo(w, a, M, g0, g1, out, ld);
   if (M < wide_rows) return groups256(w, a, M, g0, g1, out, ld);
   // As groups256: ~128 KiB chunks of weights (an even number of groups) that every m-tile passes over.
   const int64_t group_bytes = w.nb * w.block_bytes();
@@ -558,6 +664,19 @@ void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, f
 
 #endif  // TM_X86
 
+// The CPU family of an AMD CPU (0x19 Zen 3/4, 0x1A Zen 5), 0 on any other vendor.
+unsigned amd_family() {
+#ifdef TM_X86
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) && ebx == 0x68747541u /* "Auth" enticAMD */ &&
+      __get_cpuid(1, &eax, &ebx, &ecx, &edx)) {
+    const unsigned base = (eax >> 8) & 0xF;
+    return base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
+  }
+#endif
+  return 0;
+}
+
 // Least activation rows for the 512-bit tiles: TOKENMILL_QUANT_WIDE_ROWS when set (tests, A/B runs),
 // else 5 on AMD family 25 (Zen 4: 512-bit ops double-pumped; measured), 8 on AMD family 26 and later
 // (Zen 5, whole-model steps of 4-6 rows 1.1-1.4x faster on the 256-bit tiles, q8 and q5 alike, even at
@@ -565,18 +684,23 @@ void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, f
 int64_t wide_min_rows() {
   static const int64_t rows = [] {
     if (const char* env = std::getenv("TOKENMILL_QUANT_WIDE_ROWS")) return static_cast<int64_t>(std::atoll(env));
-#ifdef TM_X86
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) && ebx == 0x68747541u /* "Auth" enticAMD */ &&
-        __get_cpuid(1, &eax, &ebx, &ecx, &edx)) {
-      const unsigned base = (eax >> 8) & 0xF, family = base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
-      if (family == 0x19) return static_cast<int64_t>(5);
-      if (family >= 0x1A) return static_cast<int64_t>(8);
-    }
-#endif
+    const unsigned family = amd_family();
+    if (family == 0x19) return static_cast<int64_t>(5);
+    if (family >= 0x1A) return static_cast<int64_t>(8);
     return static_cast<int64_t>(4);
   }();
   return rows;
+}
+
+// Whether the avx512vnni path runs its duo tiles below wide_min_rows() (else the 256-bit tiles; the
+// same bits): TOKENMILL_QUANT_DUO=0|1 when set (tests, A/B runs), else on AMD family 26 and later,
+// where a 512-bit op runs at full width (measured in docs/quantization.md); off elsewhere, unmeasured.
+bool duo_tiles() {
+  static const bool on = [] {
+    if (const char* env = std::getenv("TOKENMILL_QUANT_DUO")) return std::atoll(env) != 0;
+    return amd_family() >= 0x1A;
+  }();
+  return on;
 }
 
 // Least activation rows the amx path runs its tiles for (below: the avx512vnni tiles, the same bits):
@@ -676,7 +800,8 @@ void quantize_activations(const float* x, int64_t M, int64_t K, int64_t P, int8_
   });
 }
 
-void run_groups_panel(const Weights& w, const Act& a, int64_t M, float* out, int64_t ld, int64_t isa, int64_t amx_rows) {
+void run_groups_panel(const Weights& w, const Act& a, int64_t M, float* out, int64_t ld, int64_t isa, int64_t amx_rows,
+                      int64_t duo_rows) {
   // Grain: enough groups per task that each thread streams a long run of the weight matrix.
   const int64_t groups = (w.rows + RG - 1) / RG;
   const int64_t group_bytes = w.nb * w.block_bytes() * std::max<int64_t>(1, M / 4);
@@ -692,14 +817,15 @@ void run_groups_panel(const Weights& w, const Act& a, int64_t M, float* out, int
 #endif
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
 #ifdef TM_X86
-    if (isa == AVX512VNNI || isa == AMX) return vnni::groups(w, a, M, g0, g1, out, ld, wide_rows);
+    if (isa == AVX512VNNI || isa == AMX) return vnni::groups(w, a, M, g0, g1, out, ld, wide_rows, duo_rows);
     if (isa == AVX2) return avx2::groups(w, a, M, g0, g1, out, ld);
 #endif
     groups_portable(w, a, M, g0, g1, out, ld);
   });
 }
 
-void run_groups(const Weights& w, const Act& a, int64_t M, float* out, int64_t ld, int64_t isa, int64_t amx_rows) {
+void run_groups(const Weights& w, const Act& a, int64_t M, float* out, int64_t ld, int64_t isa, int64_t amx_rows,
+                int64_t duo_rows) {
   // Activation rows in panels of ~kPanelBytes: every m-tile passes over each L2-resident weight chunk,
   // so all of a panel's rows are read once per chunk; past L2 (a 1,760-token prefill at K = 896 is
   // 3 MB of int16 rows) they came from L3 on every chunk and the GEMM fell from ~265 to ~180 G
@@ -707,7 +833,7 @@ void run_groups(const Weights& w, const Act& a, int64_t M, float* out, int64_t l
   const int64_t panel = std::max<int64_t>(64, kPanelBytes / (2 * a.K) / RG * RG);
   for (int64_t p0 = 0; p0 < M; p0 += panel) {
     const Act part{a.a + p0 * a.K, a.d + p0 * a.nb, a.s + p0 * a.nb, a.K, a.nb, a.q + p0 * a.nb * a.P * QK, a.P};
-    run_groups_panel(w, part, std::min(panel, M - p0), out + p0 * ld, ld, isa, amx_rows);
+    run_groups_panel(w, part, std::min(panel, M - p0), out + p0 * ld, ld, isa, amx_rows, duo_rows);
   }
 }
 
@@ -755,7 +881,9 @@ std::vector<Weights> checked_weights(const std::vector<at::Tensor>& qs, const st
 // the amx path's thresholds (amx_min_rows(), amx_bf16_rows()) for this call where >= 0 (bf16_rows 0:
 // never), so tests reach every tile kind at any M.
 void quant_linear_into(const float* x, int64_t M, int64_t K, const std::vector<Weights>& ws, int64_t passes,
-                       int64_t isa, int64_t amx_rows, int64_t bf16_rows, float* y, int64_t ld) {
+                       int64_t isa, int64_t amx_rows, int64_t bf16_rows, float* y, int64_t ld,
+                       int64_t duo_rows = -1) {
+  if (duo_rows < 0) duo_rows = duo_tiles() ? wide_min_rows() : 0;
   if (amx_rows < 0) amx_rows = amx_min_rows();
   if (amx_rows == 0) amx_rows = 1;
   if (bf16_rows < 0) bf16_rows = amx_bf16_rows();
@@ -795,7 +923,7 @@ void quant_linear_into(const float* x, int64_t M, int64_t K, const std::vector<W
   const Act act{a16, d, s, K, nb, qa, passes};
   int64_t col = 0;
   for (const Weights& w : ws) {
-    run_groups(w, act, M, y + col, ld, isa, amx_rows);
+    run_groups(w, act, M, y + col, ld, isa, amx_rows, duo_rows);
     col += w.rows;
   }
 }
@@ -813,7 +941,7 @@ int64_t call_work(int64_t M, int64_t K, int64_t N) { return std::max(K * N, M * 
 at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, const std::vector<at::Tensor>& scales,
                         const std::vector<at::Tensor>& offsets, const std::vector<int64_t>& rows, int64_t passes,
                         int64_t isa, const std::vector<at::Tensor>& highs, int64_t amx_rows = -1,
-                        int64_t bf16_rows = -1) {
+                        int64_t bf16_rows = -1, int64_t duo_rows = -1) {
   check_isa(isa, passes);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   const std::vector<Weights> ws = checked_weights(qs, scales, offsets, rows, highs, x.size(1));
@@ -821,7 +949,7 @@ at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, 
   at::Tensor out = at::empty({x.size(0), total}, x.options());
   const tokenmill_capi::ReleaseGilIfLong gil(call_work(x.size(0), x.size(1), total));  // called from Python only
   quant_linear_into(x.data_ptr<float>(), x.size(0), x.size(1), ws, passes, isa, amx_rows, bf16_rows,
-                    out.data_ptr<float>(), total);
+                    out.data_ptr<float>(), total, duo_rows);
   return out;
 }
 
@@ -918,8 +1046,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "y = x W^T for interleaved q8/q4/q5 block-quantized W, int16 activations (CPU)",
         pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("rows"),
         pybind11::arg("passes"), pybind11::arg("isa"), pybind11::arg("highs") = std::vector<at::Tensor>{},
-        pybind11::arg("amx_rows") = -1, pybind11::arg("bf16_rows") = -1);
+        pybind11::arg("amx_rows") = -1, pybind11::arg("bf16_rows") = -1, pybind11::arg("duo_rows") = -1);
   m.def("quantize_activations", &quantize_activations_op, "int8 blocks of 32 per row, 1 or 2 passes: (qa, scale, sum)");
+  m.def("duo_tiles", &duo_tiles, "whether the avx512vnni path runs its duo tiles below wide_min_rows()");
   m.def("wide_min_rows", &wide_min_rows, "least activation rows the avx512vnni path runs 512-bit tiles for");
   m.def("amx_bf16_rows", &amx_bf16_rows, "least activation rows the amx path runs bf16 tiles for (0: never)");
   m.def("amx_min_rows", &amx_min_rows, "least activation rows the amx path runs AMX tiles for");
