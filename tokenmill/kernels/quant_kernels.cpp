@@ -452,16 +452,16 @@ inline __m512i bcast_pair512(const int16_t* p) {
 }
 
 template <int RM, bool Q4, bool Q5>
-void tile2(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld, bool first_pass) {
+void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, float* out, int64_t ld, bool first_pass) {
   __m512 acc[RM];
   const int16_t* arow[RM];
   for (int r = 0; r < RM; ++r) { acc[r] = _mm512_setzero_ps(); arow[r] = a.a + (m0 + r) * a.K; }
   for (int64_t b = 0; b < w.nb; ++b) {
     const uint8_t* b0 = w.block(g, b);
-    const uint8_t* b1 = w.block(g + 1, b);
+    const uint8_t* b1 = w.block(g2, b);
     if (first_pass) {  // as the 256-bit tile, for both groups' streams
       prefetch_ahead<Q4, Q5>(w, g, b);
-      prefetch_ahead<Q4, Q5>(w, g + 1, b);
+      prefetch_ahead<Q4, Q5>(w, g2, b);
     }
     __m512i isum[RM];
     for (int r = 0; r < RM; ++r) isum[r] = _mm512_setzero_si512();
@@ -470,10 +470,10 @@ void tile2(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, in
       for (int c = 0; c < 8; ++c) {
         const __m512i raw = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(load_two(b0 + 16 * c, b1 + 16 * c)));
         __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_srli_epi16(raw, 4);
-        if (Q5) {  // lanes 0-15 are group g's chunk, 16-31 group g + 1's: their two mask words side by side
+        if (Q5) {  // lanes 0-15 are group g's chunk, 16-31 group g2's: their two mask words side by side
           uint32_t w0, w1;
           std::memcpy(&w0, w.high_block(g, b) + 4 * c, sizeof w0);
-          std::memcpy(&w1, w.high_block(g + 1, b) + 4 * c, sizeof w1);
+          std::memcpy(&w1, w.high_block(g2, b) + 4 * c, sizeof w1);
           const __m512i sixteen = _mm512_set1_epi16(16);
           lo = _mm512_mask_add_epi16(lo, static_cast<__mmask32>((w0 & 0xFFFF) | (w1 << 16)), lo, sixteen);
           hi = _mm512_mask_add_epi16(hi, static_cast<__mmask32>((w0 >> 16) | (w1 & 0xFFFF0000u)), hi, sixteen);
@@ -489,19 +489,27 @@ void tile2(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, in
         for (int r = 0; r < RM; ++r) isum[r] = _mm512_dpwssd_epi32(isum[r], wv, bcast_pair512(arow[r] + b * QK + 2 * p));
       }
     }
-    const __m512 sw = lanes16(w, w.scale, w.lanes(g, b), w.lanes(g + 1, b));
+    const __m512 sw = lanes16(w, w.scale, w.lanes(g, b), w.lanes(g2, b));
     for (int r = 0; r < RM; ++r) {
       const __m512 scale = _mm512_mul_ps(sw, _mm512_set1_ps(a.d[(m0 + r) * a.nb + b]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
     }
     if (Q4) {
-      const __m512 off = Q5 ? _mm512_mul_ps(sw, _mm512_set1_ps(-16.f)) : lanes16(w, w.offset, w.lanes(g, b), w.lanes(g + 1, b));
+      const __m512 off = Q5 ? _mm512_mul_ps(sw, _mm512_set1_ps(-16.f)) : lanes16(w, w.offset, w.lanes(g, b), w.lanes(g2, b));
       for (int r = 0; r < RM; ++r) acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(a.s[(m0 + r) * a.nb + b]), acc[r]);
     }
   }
-  const int64_t valid = std::min<int64_t>(2 * RG, w.rows - g * RG);
-  const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
-  for (int r = 0; r < RM; ++r) _mm512_mask_storeu_ps(out + (m0 + r) * ld + g * RG, mask, acc[r]);
+  // Lanes 0-7 are group g's rows, 8-15 group g2's (only the matrix's last group may be partial).
+  auto rows_mask = [&](int64_t grp) {
+    const int64_t valid = std::min<int64_t>(RG, w.rows - grp * RG);
+    return static_cast<__mmask8>(valid >= RG ? 0xFF : (1u << valid) - 1);
+  };
+  const __mmask8 mask = rows_mask(g), mask2 = rows_mask(g2);
+  for (int r = 0; r < RM; ++r) {
+    float* y = out + (m0 + r) * ld;
+    _mm256_mask_storeu_ps(y + g * RG, mask, _mm512_castps512_ps256(acc[r]));
+    _mm256_mask_storeu_ps(y + g2 * RG, mask2, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+  }
 }
 
 // Duo tiles (few activation rows): one group, two neighbouring 16-byte pairs p, p + 1 per zmm. The
@@ -596,32 +604,40 @@ void span_duo(const Weights& w, int64_t g0, int64_t g1, const Act& a, int64_t m0
   }
 }
 
-// All M (< 8) rows in one tile: each group's weights are decoded once for every row.
-void groups_duo(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld) {
-  switch (M) {
-    case 1: return span_duo<1>(w, g0, g1, a, 0, out, ld);
-    case 2: return span_duo<2>(w, g0, g1, a, 0, out, ld);
-    case 3: return span_duo<3>(w, g0, g1, a, 0, out, ld);
-    case 4: return span_duo<4>(w, g0, g1, a, 0, out, ld);
-    case 5: return span_duo<5>(w, g0, g1, a, 0, out, ld);
-    case 6: return span_duo<6>(w, g0, g1, a, 0, out, ld);
-    default: return span_duo<7>(w, g0, g1, a, 0, out, ld);
+// Activation rows m0 .. m0 + rows - 1 (rows < 8) in one tile: each group's weights are decoded once
+// for every row.
+void groups_duo(const Weights& w, const Act& a, int64_t m0, int64_t rows, int64_t g0, int64_t g1, float* out,
+                int64_t ld) {
+  switch (rows) {
+    case 1: return span_duo<1>(w, g0, g1, a, m0, out, ld);
+    case 2: return span_duo<2>(w, g0, g1, a, m0, out, ld);
+    case 3: return span_duo<3>(w, g0, g1, a, m0, out, ld);
+    case 4: return span_duo<4>(w, g0, g1, a, m0, out, ld);
+    case 5: return span_duo<5>(w, g0, g1, a, m0, out, ld);
+    case 6: return span_duo<6>(w, g0, g1, a, m0, out, ld);
+    default: return span_duo<7>(w, g0, g1, a, m0, out, ld);
   }
 }
 
 template <int RM>
-void tile2(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld) {
-  if (w.q5) tile2<RM, true, true>(w, g, a, m0, out, ld, m0 == 0);
-  else if (w.q4) tile2<RM, true, false>(w, g, a, m0, out, ld, m0 == 0);
-  else tile2<RM, false, false>(w, g, a, m0, out, ld, m0 == 0);
+void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, float* out, int64_t ld) {
+  if (w.q5) tile2<RM, true, true>(w, g, g2, a, m0, out, ld, m0 == 0);
+  else if (w.q4) tile2<RM, true, false>(w, g, g2, a, m0, out, ld, m0 == 0);
+  else tile2<RM, false, false>(w, g, g2, a, m0, out, ld, m0 == 0);
 }
 
 constexpr int kRM512 = 8;  // activation rows per 512-bit tile
 
+// Groups c0 .. c1 - 1 paired half the span apart, (c0 + i, c0 + h + i): each half is read as one
+// sequential stream across the tiles. Pairing neighbours (g, g + 1) started a fresh stream every two
+// groups, which the hardware prefetchers had to pick up again each time: from DRAM (the 145 MB lm_head
+// of Qwen2.5-Coder-0.5B at 8 rows) one thread took twice its L3-resident time, at 10 GB/s (measured in
+// docs/quantization.md; software prefetch at any distance did not help).
 template <int RM>
 void span2(const Weights& w, int64_t c0, int64_t c1, const Act& a, int64_t m0, float* out, int64_t ld) {
-  int64_t g = c0;
-  for (; g + 2 <= c1; g += 2) tile2<RM>(w, g, a, m0, out, ld);
+  const int64_t h = (c1 - c0) / 2;
+  for (int64_t i = 0; i < h; ++i) tile2<RM>(w, c0 + i, c0 + h + i, a, m0, out, ld);
+  const int64_t g = c0 + 2 * h;
   if (g == c1) return;
   int64_t m = m0;  // an odd group left over: the 256-bit tiles, 4 rows at a time
   for (; m + 4 <= m0 + RM; m += 4) tile<4>(w, g, a, m, out, ld);
@@ -644,17 +660,23 @@ void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, f
   // Few activation rows: the 256-bit tiles (still vpdpwssd). On Zen 4, which runs a 512-bit op as two
   // 256-bit halves, the 512-bit tiles were 1.2-1.7x slower below 4-5 rows and 1.3-1.5x faster from 6
   // (docs/quantization.md); both give the same bits.
-  if (M < std::min<int64_t>(duo_rows, 8)) return groups_duo(w, a, M, g0, g1, out, ld);
+  if (M < std::min<int64_t>(duo_rows, 8)) return groups_duo(w, a, 0, M, g0, g1, out, ld);
   if (M < wide_rows) return groups256(w, a, M, g0, g1, out, ld);
   // As groups256: ~128 KiB chunks of weights (an even number of groups) that every m-tile passes over.
   const int64_t group_bytes = w.nb * w.block_bytes();
   int64_t chunk = std::max<int64_t>(2, (128 << 10) / std::max<int64_t>(1, group_bytes));
   chunk += chunk & 1;
+  // One m-tile passes over the weights once: no chunk needs to stay in L2, so the whole range is one
+  // span, two long sequential streams (span2).
+  if (M <= kRM512) chunk = g1 - g0;
   for (int64_t c0 = g0; c0 < g1; c0 += chunk) {
     const int64_t c1 = std::min(g1, c0 + chunk);
     int64_t m0 = 0;
     for (; m0 + kRM512 <= M; m0 += kRM512) span2<kRM512>(w, c0, c1, a, m0, out, ld);
-    rest2<kRM512 - 1>(M - m0, w, c0, c1, a, m0, out, ld);
+    // Rows past the last 8-row tile: the duo tiles where they run (the chunk is in L2 by now), whose
+    // 1-7-row tiles beat the 512-bit ones of as many rows (Zen 5, docs/quantization.md).
+    if (M > m0 && M - m0 < duo_rows) groups_duo(w, a, m0, M - m0, c0, c1, out, ld);
+    else rest2<kRM512 - 1>(M - m0, w, c0, c1, a, m0, out, ld);
   }
 }
 }  // namespace vnni
