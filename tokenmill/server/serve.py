@@ -19,6 +19,7 @@ import uvicorn
 
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.loader import freeze_loaded_heap
 from tokenmill.server.app import EngineLoader, build_app
 from tokenmill.server.state import ServerState
 
@@ -78,7 +79,9 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
 
     def load() -> AsyncEngine:
         try:
-            return AsyncEngine.from_config(engine_config)
+            engine = AsyncEngine.from_config(engine_config)
+            freeze_loaded_heap()  # this process serves this one engine until it exits
+            return engine
         except BaseException:
             assert server is not None
             server.exit_code = 1
