@@ -528,15 +528,8 @@ inline __m512i bcast_duo(const int16_t* p) {  // activation pairs p, p + 1 in ev
   std::memcpy(&v, p, sizeof v);
   return _mm512_set1_epi64(v);
 }
-// q5: the fifth-bit masks of a duo's lanes, from chunks c and c + 1's mask words (16 lanes each):
-// bits 2r, 2r + 1 of chunk c's word go to 4r, 4r + 1 and chunk c + 1's to 4r + 2, 4r + 3.
-__attribute__((target("bmi2"))) inline __mmask32 duo_mask(uint32_t first, uint32_t second) {
-  return static_cast<__mmask32>(_pdep_u32(first, 0x33333333u) | _pdep_u32(second, 0xCCCCCCCCu));
-}
-
 template <int RM, bool Q4, bool Q5>
-__attribute__((target("bmi2"))) void tile_duo(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out,
-                                              int64_t ld) {
+void tile_duo(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld) {
   // Independent vpdpwssd chains a row, summed exactly at the block's end: vpdpwssd's latency is 4 cycles
   // at two a cycle on Zen 5 (measured), so a tile keeps at least 8 chains in flight.
   constexpr int NCH = RM <= 2 ? 4 : 2;
@@ -552,14 +545,24 @@ __attribute__((target("bmi2"))) void tile_duo(const Weights& w, int64_t g, const
       const __m512i low = _mm512_set1_epi16(0x0F);
       #pragma GCC unroll 4
       for (int c = 0; c < 8; c += 2) {
-        const __m512i raw = duo_order(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * c))));
-        __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_srli_epi16(raw, 4);
-        if (Q5) {  // mask words of chunks c, c + 1: [low c, high c, low c + 1, high c + 1]
-          uint32_t words[2];
-          std::memcpy(words, w.high_block(g, b) + 4 * c, sizeof words);
+        __m512i lo, hi;
+        if (Q5) {
+          // The fifth bits go in before the permute, where chunk c's lanes are 0-15 and c + 1's 16-31
+          // (as tile2): its mask words [low c, high c, low c + 1, high c + 1] join with shifts, then
+          // lo and hi are permuted apart. (Permuting first needed the masks' bits interleaved, four
+          // pdeps a duo, which bound the 1-row tile.)
+          const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * c)));
+          uint64_t words;
+          std::memcpy(&words, w.high_block(g, b) + 4 * c, sizeof words);
+          const auto lo_mask = static_cast<__mmask32>((words & 0xFFFFu) | ((words >> 16) & 0xFFFF0000u));
+          const auto hi_mask = static_cast<__mmask32>(((words >> 16) & 0xFFFFu) | ((words >> 32) & 0xFFFF0000u));
           const __m512i sixteen = _mm512_set1_epi16(16);
-          lo = _mm512_mask_add_epi16(lo, duo_mask(words[0] & 0xFFFF, words[1] & 0xFFFF), lo, sixteen);
-          hi = _mm512_mask_add_epi16(hi, duo_mask(words[0] >> 16, words[1] >> 16), hi, sixteen);
+          lo = duo_order(_mm512_mask_add_epi16(_mm512_and_si512(raw, low), lo_mask, _mm512_and_si512(raw, low), sixteen));
+          hi = duo_order(_mm512_mask_add_epi16(_mm512_srli_epi16(raw, 4), hi_mask, _mm512_srli_epi16(raw, 4), sixteen));
+        } else {
+          const __m512i raw = duo_order(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * c))));
+          lo = _mm512_and_si512(raw, low);
+          hi = _mm512_srli_epi16(raw, 4);
         }
         for (int r = 0; r < RM; ++r) {
           const int16_t* ab = arow[r] + b * QK + 2 * c;
