@@ -62,6 +62,13 @@ def parse_args() -> argparse.Namespace:
                    help="draft: also run with the draft's quantized layers on float32 scale lanes (same values)")
     p.add_argument("--k", type=int, default=0, help="num_speculative_tokens (0: the method's default)")
     p.add_argument("--ngram-tokens", type=int, default=96, help="max_tokens per request (ngram)")
+    p.add_argument("--ngram-answers", action="store_true",
+                   help="ngram: whole answers, each request ending at its EOS (at most --ngram-tokens), not "
+                        "--ngram-tokens tokens with EOS ignored (which cut some rewrites short and ran others on "
+                        "into free text)")
+    p.add_argument("--ngram-prompts", type=int, default=1,
+                   help="ngram at concurrency 1: this many code-edit prompts, each measured on its own, and the "
+                        "speed-up of serving them one after another (a row of its own)")
     p.add_argument("--draft-tokens", type=int, default=32, help="max_tokens per request (draft; the 1.5B is slow)")
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=4)
@@ -98,13 +105,14 @@ class StepCounter:
 
 
 def measure(llm: Any, messages: list[list[dict[str, str]]], max_tokens: int, rounds: int,
-            temperature: float = 0.0, variants: dict[str, Callable[[], None]] | None = None) -> dict[str, Any]:
+            temperature: float = 0.0, variants: dict[str, Callable[[], None]] | None = None,
+            ignore_eos: bool = True) -> dict[str, Any]:
     """Speculation against plain decoding on one engine, alternating rounds. `variants`: more
     speculating modes, each set up by its callable before it runs (and the plain "spec" mode restored
     by variants["spec"] where given), rotated with the other two so that none always goes first."""
     from tokenmill import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos)
     speculator = llm.core.speculator
     counter = StepCounter(llm.core)
     setups = {"spec": lambda: None, **(variants or {})}
@@ -142,6 +150,7 @@ def measure(llm: Any, messages: list[list[dict[str, str]]], max_tokens: int, rou
 
     greedy = temperature == 0.0
     return {
+        "tokens": sum(len(t) for t in tokens["spec"]),  # generated a round (the last, spec mode)
         "spec_tok_s": median["spec"], "plain_tok_s": median["plain"], "ratio": median["spec"] / median["plain"],
         "rates": rates, **acceptance("spec"),
         "greedy_identical": tokens["spec"] == tokens["plain"] if greedy else None, **stats["spec"],
@@ -163,11 +172,40 @@ def run_ngram(args: argparse.Namespace) -> list[dict[str, Any]]:
               ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_num_seqs=max(64, max(args.concurrency)))
     rows = []
     for c in args.concurrency:
-        result = measure(llm, [edit_prompt(i) for i in range(c)], args.ngram_tokens, args.rounds)
+        if c == 1 and args.ngram_prompts > 1:
+            rows += run_ngram_prompts(llm, args)
+            continue
+        result = measure(llm, [edit_prompt(i) for i in range(c)], args.ngram_tokens, args.rounds,
+                         ignore_eos=not args.ngram_answers)
         rows.append({"method": "ngram", "model": args.ngram_model, "concurrency": c, **result})
         print(f"ngram c={c}: {result['spec_tok_s']:.1f} vs {result['plain_tok_s']:.1f} tok/s = "
               f"{result['ratio']:.2f}x, acceptance {result['acceptance_rate']:.2f}", flush=True)
     return rows
+
+
+def run_ngram_prompts(llm: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Batch 1, each of the first --ngram-prompts code edits on its own (rows "code-edit-i"), then the
+    row the curve plots: their tokens over the summed median times of each mode, i.e. the speed-up of
+    serving them one after another (one prompt's figure depends on how much of its answer is copied)."""
+    per_prompt = []
+    for i in range(args.ngram_prompts):
+        result = measure(llm, [edit_prompt(i)], args.ngram_tokens, args.rounds, ignore_eos=not args.ngram_answers)
+        per_prompt.append({"method": "ngram", "model": args.ngram_model, "concurrency": 1,
+                           "prompt": f"code-edit-{i}", "tokens": result.pop("tokens"), **result})
+        print(f"ngram c=1 prompt {i}: {result['ratio']:.2f}x, acceptance {result['acceptance_rate']:.2f}", flush=True)
+    tokens = sum(r["tokens"] for r in per_prompt)
+    spec_s = sum(r["tokens"] / r["spec_tok_s"] for r in per_prompt)
+    plain_s = sum(r["tokens"] / r["plain_tok_s"] for r in per_prompt)
+    drafted = sum(r["draft_tokens"] for r in per_prompt)
+    accepted = sum(r["accepted"] for r in per_prompt)
+    drafts = sum(r["drafts"] for r in per_prompt)
+    combined = {"method": "ngram", "model": args.ngram_model, "concurrency": 1, "prompt": "code-edit",
+                "spec_tok_s": tokens / spec_s, "plain_tok_s": tokens / plain_s, "ratio": plain_s / spec_s,
+                "acceptance_rate": accepted / max(drafted, 1), "mean_accepted_length": 1 + accepted / max(drafts, 1),
+                "greedy_identical": all(r["greedy_identical"] for r in per_prompt),
+                "prompts": len(per_prompt)}
+    print(f"ngram c=1, {len(per_prompt)} prompts one after another: {combined['ratio']:.2f}x", flush=True)
+    return [*per_prompt, combined]
 
 
 def run_draft(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -333,7 +371,7 @@ def run_llama(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def plot_curve(rows: list[dict[str, Any]], args: argparse.Namespace, name: str) -> None:
-    curve = [r for r in rows if r["method"] == "ngram"]
+    curve = [r for r in rows if r["method"] == "ngram" and r.get("prompt", "code-edit") == "code-edit"]
     if len(curve) < 2:
         return
     fig, ax, path = common.new_figure("speculative", name)
