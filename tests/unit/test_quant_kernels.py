@@ -58,7 +58,7 @@ AMX = QUANT_ISAS.index("amx")
 def run(mat: qf.QuantMatrix, x: torch.Tensor, isa: int, passes: int = 2, bf16_rows: int = 0,
         duo_rows: int = -1) -> torch.Tensor:
     """The kernel on path `isa`; on amx, its int8 tiles at every M (bf16_rows 0), or from bf16_rows
-    rows up its bf16 tiles (their own rounding, tested apart). duo_rows: below it (at most 8) the
+    rows up its bf16 tiles (their own rounding, tested apart). duo_rows: below it (at most 9) the
     avx512vnni path runs its duo tiles (-1: the CPU's default, 0: never)."""
     assert kernels is not None
     return kernels.quant_linear(x, [mat.qs], [mat.scale], [mat.offset], [mat.rows], passes, isa, [mat.high],
@@ -220,11 +220,11 @@ def test_paths_agree_with_each_other(passes: int) -> None:
 @pytest.mark.parametrize(("ggml_type", "fmt"), [(T.Q4_0, "q4"), (T.Q4_1, "q4"), (T.Q8_0, "q8"), (T.Q4_K, "q4"),
                                                (T.Q6_K, "q8"), (T.Q5_0, "q5")], ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("out_features", [8, 37, 64, 72])
-@pytest.mark.parametrize("duo_rows", [0, 8], ids=["no-duo", "duo"])
+@pytest.mark.parametrize("duo_rows", [0, 9], ids=["no-duo", "duo"])
 def test_512_bit_tiles_equal_the_256_bit_path_bit_for_bit(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat,
                                                          out_features: int, duo_rows: int) -> None:
     """avx512vnni puts two row groups in one zmm (16 rows a vpdpwssd) and up to 8 activation rows in a
-    tile, or (duo tiles, 1-7 rows) two column pairs of one group, permuted row by row; every lane still
+    tile, or (duo tiles, 1-8 rows) two column pairs of one group, permuted row by row; every lane still
     takes the 256-bit tile's integer sums and float steps in order, so the outputs are equal bit for
     bit: an odd group left over (37 and 72 rows: 5 and 9 groups), a partial last group, every
     remainder of rows under the tile height, fp16 (Q4_0, Q8_0) and float32 scales."""
@@ -329,7 +329,7 @@ def test_wide_and_duo_tile_choices_are_the_cpus_and_can_be_overridden() -> None:
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TOKENMILL_QUANT_WIDE_ROWS": "1"},
                          capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "1"
-    # The duo tiles (below wide_min_rows()): on by default where measured (Zen 5), off elsewhere.
+    # The duo tiles (1-8 rows): on by default where measured (Zen 5), off elsewhere.
     if "TOKENMILL_QUANT_DUO" not in os.environ:
         assert kernels.duo_tiles() == (vendor == "AuthenticAMD" and family >= 26)
     code = "from tokenmill.kernels import quant_kernels; print(quant_kernels().duo_tiles())"

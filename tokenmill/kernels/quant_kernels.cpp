@@ -70,6 +70,7 @@ enum Isa : int64_t { PORTABLE = 0, AVX2 = 1, AVX512VNNI = 2, AMX = 3 };  // AMX:
 constexpr float kFine = 254.f;  // pass 2's step is 1/254 of pass 1's
 constexpr int64_t kPrefetch = 2048;  // bytes ahead in the weight stream (the scales: a quarter of it)
 constexpr int64_t kPanelBytes = 512 << 10;  // int16 activation rows a pass over the weights takes (run_groups)
+constexpr int64_t kDuoRows = 8;  // the tallest avx512vnni duo tile (8 rows x 2 chains: 16 of the 32 zmm registers)
 constexpr int64_t kSplitBytes = 64 << 10;  // least weight bytes per thread task (scaled by M / 4 for wider tiles)
 
 struct Act {  // quantized activations: a [M, K] int16 (the combined integer), d/s [M, nb] float
@@ -607,7 +608,7 @@ void span_duo(const Weights& w, int64_t g0, int64_t g1, const Act& a, int64_t m0
   }
 }
 
-// Activation rows m0 .. m0 + rows - 1 (rows < 8) in one tile: each group's weights are decoded once
+// Activation rows m0 .. m0 + rows - 1 (rows <= kDuoRows) in one tile: each group's weights are decoded once
 // for every row.
 void groups_duo(const Weights& w, const Act& a, int64_t m0, int64_t rows, int64_t g0, int64_t g1, float* out,
                 int64_t ld) {
@@ -618,7 +619,8 @@ void groups_duo(const Weights& w, const Act& a, int64_t m0, int64_t rows, int64_
     case 4: return span_duo<4>(w, g0, g1, a, m0, out, ld);
     case 5: return span_duo<5>(w, g0, g1, a, m0, out, ld);
     case 6: return span_duo<6>(w, g0, g1, a, m0, out, ld);
-    default: return span_duo<7>(w, g0, g1, a, m0, out, ld);
+    case 7: return span_duo<7>(w, g0, g1, a, m0, out, ld);
+    default: return span_duo<8>(w, g0, g1, a, m0, out, ld);
   }
 }
 
@@ -663,7 +665,7 @@ void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, f
   // Few activation rows: the 256-bit tiles (still vpdpwssd). On Zen 4, which runs a 512-bit op as two
   // 256-bit halves, the 512-bit tiles were 1.2-1.7x slower below 4-5 rows and 1.3-1.5x faster from 6
   // (docs/quantization.md); both give the same bits.
-  if (M < std::min<int64_t>(duo_rows, 8)) return groups_duo(w, a, 0, M, g0, g1, out, ld);
+  if (M < std::min<int64_t>(duo_rows, kDuoRows + 1)) return groups_duo(w, a, 0, M, g0, g1, out, ld);
   if (M < wide_rows) return groups256(w, a, M, g0, g1, out, ld);
   // As groups256: ~128 KiB chunks of weights (an even number of groups) that every m-tile passes over.
   const int64_t group_bytes = w.nb * w.block_bytes();
@@ -717,9 +719,10 @@ int64_t wide_min_rows() {
   return rows;
 }
 
-// Whether the avx512vnni path runs its duo tiles below wide_min_rows() (else the 256-bit tiles; the
-// same bits): TOKENMILL_QUANT_DUO=0|1 when set (tests, A/B runs), else on AMD family 26 and later,
-// where a 512-bit op runs at full width (measured in docs/quantization.md); off elsewhere, unmeasured.
+// Whether the avx512vnni path runs its duo tiles for 1-8 activation rows (else the 256-bit tiles below
+// wide_min_rows() and the 512-bit ones from there; the same bits): TOKENMILL_QUANT_DUO=0|1 when set
+// (tests, A/B runs), else on AMD family 26 and later, where a 512-bit op runs at full width (measured
+// in docs/quantization.md); off elsewhere, unmeasured.
 bool duo_tiles() {
   static const bool on = [] {
     if (const char* env = std::getenv("TOKENMILL_QUANT_DUO")) return std::atoll(env) != 0;
@@ -908,7 +911,7 @@ std::vector<Weights> checked_weights(const std::vector<at::Tensor>& qs, const st
 void quant_linear_into(const float* x, int64_t M, int64_t K, const std::vector<Weights>& ws, int64_t passes,
                        int64_t isa, int64_t amx_rows, int64_t bf16_rows, float* y, int64_t ld,
                        int64_t duo_rows = -1) {
-  if (duo_rows < 0) duo_rows = duo_tiles() ? wide_min_rows() : 0;
+  if (duo_rows < 0) duo_rows = duo_tiles() ? kDuoRows + 1 : 0;
   if (amx_rows < 0) amx_rows = amx_min_rows();
   if (amx_rows == 0) amx_rows = 1;
   if (bf16_rows < 0) bf16_rows = amx_bf16_rows();
@@ -1073,7 +1076,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("passes"), pybind11::arg("isa"), pybind11::arg("highs") = std::vector<at::Tensor>{},
         pybind11::arg("amx_rows") = -1, pybind11::arg("bf16_rows") = -1, pybind11::arg("duo_rows") = -1);
   m.def("quantize_activations", &quantize_activations_op, "int8 blocks of 32 per row, 1 or 2 passes: (qa, scale, sum)");
-  m.def("duo_tiles", &duo_tiles, "whether the avx512vnni path runs its duo tiles below wide_min_rows()");
+  m.def("duo_tiles", &duo_tiles, "whether the avx512vnni path runs its duo tiles for 1-8 activation rows");
   m.def("wide_min_rows", &wide_min_rows, "least activation rows the avx512vnni path runs 512-bit tiles for");
   m.def("amx_bf16_rows", &amx_bf16_rows, "least activation rows the amx path runs bf16 tiles for (0: never)");
   m.def("amx_min_rows", &amx_min_rows, "least activation rows the amx path runs AMX tiles for");
