@@ -84,6 +84,20 @@ def test_a_thread_is_given_up_from_four_tenths_of_a_core(others: float, threads:
     assert governor.threads == threads and calls == ([] if threads == 2 else [threads])
 
 
+def test_a_thread_given_up_comes_back_when_the_engine_resumes_after_idling() -> None:
+    """The contention that took a thread is old news after an idle gap: the engine resumes on all its
+    threads at once, and a neighbour still busy takes one again after one interval."""
+    governor, reader, clock, calls = _governor()
+    _interval(governor, reader, clock, others=1.0, own=1.0)
+    assert calls == [1]
+    reader.advance(others_cores=0.0, own_cores=0.0)
+    clock.now += 10.0
+    governor.tick()  # the first step after idling
+    assert calls == [1, 2] and governor.threads == 2
+    _interval(governor, reader, clock, others=1.0, own=1.0)
+    assert calls == [1, 2, 1]
+
+
 def test_an_idle_gap_takes_a_fresh_baseline() -> None:
     """After the engine sat idle (no ticks), the long interval's average decides nothing."""
     governor, reader, clock, calls = _governor()

@@ -19,7 +19,8 @@ Where that lies was measured with a neighbour busy a fraction of every 10 ms (Sm
 against 16.0 / 25.4), at 70% 1 thread (10.8 / 21.2 against 16.4 / 29.9).
 
 A drop applies after one interval (contention costs 2-3x at once); a rise after `rise_intervals`
-in a row (a competitor that pauses for a moment should not flip us back and forth). The thread count
+in a row (a competitor that pauses for a moment should not flip us back and forth), or at once when
+the engine resumes after sitting idle for more than three intervals (its evidence is stale). The thread count
 changes through torch.set_num_threads on the engine thread, whose parallel regions it governs.
 Off on non-CPU devices and where /proc is missing.
 """
@@ -130,7 +131,13 @@ class ThreadGovernor:
         sample = self.reader.read()
         previous, gap = self._last, now - self._last_time
         self._last, self._last_time = sample, now
-        # A first sample, or one after the engine sat idle for a while: a fresh baseline, no decision.
+        # A first sample, or one after the engine sat idle for a while: a fresh baseline, no decision;
+        # after idling, the threads given up come back at once (the contention that took them is old
+        # news, and a new one takes them again after one interval). Held back, a server that gave up
+        # a thread while the client beside it started kept it for the first 5 s of a 16-request burst
+        # (Zen 5: 147 output tok/s against 207-217 with both threads; docs/performance.md).
+        if previous is not None and gap > 3 * self.interval_s and self.threads < self.max_threads:
+            self._apply(self.max_threads, f"idle for {gap:.0f} s")
         if sample is None or previous is None or gap > 3 * self.interval_s:
             return
         if sample.total_ticks <= previous.total_ticks:
@@ -149,9 +156,9 @@ class ThreadGovernor:
         else:
             self._rises = 0
 
-    def _apply(self, threads: int) -> None:
-        log.info("other processes used %.2f of this engine's %d CPUs: %d compute thread%s (was %d)",
-                 self.others_cores, self.reader.num_cpus, threads, "" if threads == 1 else "s", self.threads)
+    def _apply(self, threads: int, why: str | None = None) -> None:
+        reason = why or f"other processes used {self.others_cores:.2f} of this engine's {self.reader.num_cpus} CPUs"
+        log.info("%s: %d compute thread%s (was %d)", reason, threads, "" if threads == 1 else "s", self.threads)
         self.set_threads(threads)
         self.threads = threads
         self._rises = 0
