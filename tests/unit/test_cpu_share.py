@@ -91,7 +91,11 @@ def test_a_thread_given_up_comes_back_when_the_engine_resumes_after_idling() -> 
     _interval(governor, reader, clock, others=1.0, own=1.0)
     assert calls == [1]
     reader.advance(others_cores=0.0, own_cores=0.0)
-    clock.now += 10.0
+    clock.now += 1.5  # a pause of less than two intervals is an ordinary interval: one quiet one of three
+    governor.tick()
+    assert calls == [1]
+    reader.advance(others_cores=0.0, own_cores=0.0)
+    clock.now += 2.5  # idle for more than two intervals (a benchmark client's 2 s quiet wait)
     governor.tick()  # the first step after idling
     assert calls == [1, 2] and governor.threads == 2
     _interval(governor, reader, clock, others=1.0, own=1.0)

@@ -20,7 +20,7 @@ against 16.0 / 25.4), at 70% 1 thread (10.8 / 21.2 against 16.4 / 29.9).
 
 A drop applies after one interval (contention costs 2-3x at once); a rise after `rise_intervals`
 in a row (a competitor that pauses for a moment should not flip us back and forth), or at once when
-the engine resumes after sitting idle for more than three intervals (its evidence is stale). The thread count
+the engine resumes after sitting idle for more than IDLE_INTERVALS intervals (its evidence is stale). The thread count
 changes through torch.set_num_threads on the engine thread, whose parallel regions it governs.
 Off on non-CPU devices and where /proc is missing.
 """
@@ -43,6 +43,10 @@ from tokenmill.kernels import cpu_kernels
 log = logging.getLogger(__name__)
 
 GIVE_UP_AT = 0.4  # cores of our CPUs other processes take before a compute thread is given up (measured above)
+# An engine that ran no step for more than this many intervals has been idle: its next step starts a fresh
+# baseline and gets its threads back. (Two: a benchmark client's 2 s wait for a quiet machine, after its
+# own tokenizer load had cost the server a thread, is an idle server that should come back whole.)
+IDLE_INTERVALS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +140,10 @@ class ThreadGovernor:
         # news, and a new one takes them again after one interval). Held back, a server that gave up
         # a thread while the client beside it started kept it for the first 5 s of a 16-request burst
         # (Zen 5: 147 output tok/s against 207-217 with both threads; docs/performance.md).
-        if previous is not None and gap > 3 * self.interval_s and self.threads < self.max_threads:
-            self._apply(self.max_threads, f"idle for {gap:.0f} s")
-        if sample is None or previous is None or gap > 3 * self.interval_s:
+        idle = gap > IDLE_INTERVALS * self.interval_s
+        if previous is not None and idle and self.threads < self.max_threads:
+            self._apply(self.max_threads, f"idle for {gap:.1f} s")
+        if sample is None or previous is None or idle:
             return
         if sample.total_ticks <= previous.total_ticks:
             return
