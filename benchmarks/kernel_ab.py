@@ -26,7 +26,8 @@ from typing import Any
 
 import common
 
-SOURCES = ("cpu_kernels.cpp", "glue_kernels.cpp", "quant_kernels.cpp", "stack_kernels.cpp", "c_api.h", "quant_amx.h")
+SOURCES = ("cpu_kernels.cpp", "glue_kernels.cpp", "quant_kernels.cpp", "stack_kernels.cpp", "c_api.h", "quant_amx.h",
+           "quant_vnni.h")
 KERNELS = Path("tokenmill") / "kernels"
 
 
@@ -47,9 +48,13 @@ def base_sources(revision: str, into: Path) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", revision], cwd=common.ROOT, check=True,
                             capture_output=True, text=True).stdout.strip()
     for name in SOURCES:
-        text = subprocess.run(["git", "show", f"{commit}:{(KERNELS / name).as_posix()}"], cwd=common.ROOT, check=True,
-                              capture_output=True).stdout
-        (into / name).write_bytes(text)
+        shown = subprocess.run(["git", "show", f"{commit}:{(KERNELS / name).as_posix()}"], cwd=common.ROOT,
+                               capture_output=True)
+        if shown.returncode != 0 and name.endswith(".h"):
+            shown.stdout = b""  # a header split out after `revision`: its code is still in the .cpp there
+        elif shown.returncode != 0:
+            raise SystemExit(f"{name} at {commit}: {shown.stderr.decode().strip()}")
+        (into / name).write_bytes(shown.stdout)
     return commit
 
 

@@ -104,9 +104,9 @@ def isa_key(flags: frozenset[str] | None = None, machine: str | None = None) -> 
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-# The headers beside the sources (c_api.h: the C entry points the modules hand each other; quant_amx.h:
-# the quant kernel's AMX tiles).
-_HEADERS = ("c_api.h", "quant_amx.h")  # copied beside each source and hashed into its build name
+# The headers beside the sources (c_api.h: the C entry points the modules hand each other; quant_vnni.h
+# and quant_amx.h: the quant kernel's AVX-512 VNNI and AMX tiles).
+_HEADERS = ("c_api.h", "quant_amx.h", "quant_vnni.h")  # copied beside each source and hashed into its build name
 
 
 def _build_name(stem: str, source: Path) -> str:

@@ -1,0 +1,275 @@
+// The AVX-512 VNNI tiles of quant_kernels.cpp (included there, inside its anonymous namespace, after
+// the shared definitions: Weights, Act, prefetch_ahead, the TM_SIMD_TILES macro, the constants):
+// the 256-bit tiles stamped out with vpdpwssd, the duo tiles for 1-8 activation rows, and the 512-bit
+// tiles over two row groups. Every tile takes the 256-bit tile's integer sums and float steps in order,
+// so all of them give the same bits (tests/unit/test_quant_kernels.py). Layout and measurements:
+// docs/quantization.md.
+#pragma once
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+namespace vnni {
+constexpr bool kSplitChains = true;
+inline __m256i madd_acc(__m256i acc, __m256i w, __m256i a) { return _mm256_dpwssd_epi32(acc, w, a); }
+inline __m256i add_high(__m256i v, uint32_t mask) {  // one masked add (AVX-512BW + VL; v < 16, so an OR)
+  return _mm256_mask_add_epi16(v, static_cast<__mmask16>(mask), v, _mm256_set1_epi16(16));
+}
+TM_SIMD_TILES
+
+// 512-bit tiles: two neighbouring groups (16 output rows) side by side in one zmm, lane r = row r
+// of group g, lane 8 + r = row r of group g + 1. The layout is unchanged: a 16-byte pair of each
+// group fills one half, so an activation pair is still one broadcast (from memory, no shuffle) and
+// one vpdpwssd does 32 multiply-adds where the 256-bit tile did 16. Each lane does exactly the
+// 256-bit tile's integer and float steps in the same order, so the result is bit-identical.
+inline __m512 lanes16(const Weights& w, const void* p, int64_t i0, int64_t i1) {
+  if (w.half)
+    return _mm512_cvtph_ps(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(w.lane_ptr(p, i1)),
+                                               reinterpret_cast<const __m128i*>(w.lane_ptr(p, i0))));
+  const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(reinterpret_cast<const float*>(w.lane_ptr(p, i0)))));
+  return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(reinterpret_cast<const float*>(w.lane_ptr(p, i1)))), 1));
+}
+inline __m512i load_two(const uint8_t* p0, const uint8_t* p1) {
+  return _mm512_castsi256_si512(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p1), reinterpret_cast<const __m128i*>(p0)));
+}
+inline __m512i bcast_pair512(const int16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
+template <int RM, bool Q4, bool Q5>
+void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, float* out, int64_t ld, bool first_pass) {
+  __m512 acc[RM];
+  const int16_t* arow[RM];
+  for (int r = 0; r < RM; ++r) { acc[r] = _mm512_setzero_ps(); arow[r] = a.a + (m0 + r) * a.K; }
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* b0 = w.block(g, b);
+    const uint8_t* b1 = w.block(g2, b);
+    if (first_pass) {  // as the 256-bit tile, for both groups' streams
+      prefetch_ahead<Q4, Q5>(w, g, b);
+      prefetch_ahead<Q4, Q5>(w, g2, b);
+    }
+    __m512i isum[RM];
+    for (int r = 0; r < RM; ++r) isum[r] = _mm512_setzero_si512();
+    if (Q4) {
+      const __m512i low = _mm512_set1_epi16(0x0F);
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        const __m512i raw = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(load_two(b0 + 16 * c, b1 + 16 * c)));
+        __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_srli_epi16(raw, 4);
+        if (Q5) {  // lanes 0-15 are group g's chunk, 16-31 group g2's: their two mask words side by side
+          uint32_t w0, w1;
+          std::memcpy(&w0, w.high_block(g, b) + 4 * c, sizeof w0);
+          std::memcpy(&w1, w.high_block(g2, b) + 4 * c, sizeof w1);
+          const __m512i sixteen = _mm512_set1_epi16(16);
+          lo = _mm512_mask_add_epi16(lo, static_cast<__mmask32>((w0 & 0xFFFF) | (w1 << 16)), lo, sixteen);
+          hi = _mm512_mask_add_epi16(hi, static_cast<__mmask32>((w0 >> 16) | (w1 & 0xFFFF0000u)), hi, sixteen);
+        }
+        for (int r = 0; r < RM; ++r) {
+          const int16_t* ab = arow[r] + b * QK + 2 * c;
+          isum[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[r], lo, bcast_pair512(ab)), hi, bcast_pair512(ab + 16));
+        }
+      }
+    } else {
+#pragma GCC unroll 16
+      for (int p = 0; p < 16; ++p) {
+        const __m512i wv = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(load_two(b0 + 16 * p, b1 + 16 * p)));
+        for (int r = 0; r < RM; ++r) isum[r] = _mm512_dpwssd_epi32(isum[r], wv, bcast_pair512(arow[r] + b * QK + 2 * p));
+      }
+    }
+    const __m512 sw = lanes16(w, w.scale, w.lanes(g, b), w.lanes(g2, b));
+    for (int r = 0; r < RM; ++r) {
+      const __m512 scale = _mm512_mul_ps(sw, _mm512_set1_ps(a.d[(m0 + r) * a.nb + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
+    }
+    if (Q4) {
+      const __m512 off = Q5 ? _mm512_mul_ps(sw, _mm512_set1_ps(-16.f)) : lanes16(w, w.offset, w.lanes(g, b), w.lanes(g2, b));
+      for (int r = 0; r < RM; ++r) acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(a.s[(m0 + r) * a.nb + b]), acc[r]);
+    }
+  }
+  // Lanes 0-7 are group g's rows, 8-15 group g2's (only the matrix's last group may be partial).
+  auto rows_mask = [&](int64_t grp) {
+    const int64_t valid = std::min<int64_t>(RG, w.rows - grp * RG);
+    return static_cast<__mmask8>(valid >= RG ? 0xFF : (1u << valid) - 1);
+  };
+  const __mmask8 mask = rows_mask(g), mask2 = rows_mask(g2);
+  for (int r = 0; r < RM; ++r) {
+    float* y = out + (m0 + r) * ld;
+    _mm256_mask_storeu_ps(y + g * RG, mask, _mm512_castps512_ps256(acc[r]));
+    _mm256_mask_storeu_ps(y + g2 * RG, mask2, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+  }
+}
+
+// Duo tiles (few activation rows): one group, two neighbouring 16-byte pairs p, p + 1 per zmm. The
+// 32 bytes are widened at once and their 32-bit lanes permuted so lane 2r holds row r's pair p and
+// lane 2r + 1 its pair p + 1; one 8-byte broadcast of the activation pairs p, p + 1 ([p, p+1] in each
+// 64-bit lane) then meets every row with a full-width vpdpwssd. Per 8 weights of a row (q4) that is
+// one widening, one permute, one and, one shift and a vpdpwssd a row, where the 256-bit tile takes
+// two widenings, two ands, two shifts and two vpdpwssd a row. At a block's end lanes 2r and 2r + 1
+// are added (exact int32) and packed to the 256-bit tile's eight lanes, whose float steps follow in
+// the same order: the same bits as `tile`. Worth it where a 512-bit op runs at full width (Zen 5).
+inline __m512i duo_order(__m512i v) {
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), v);
+}
+inline __m512i bcast_duo(const int16_t* p) {  // activation pairs p, p + 1 in every 64-bit lane
+  int64_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi64(v);
+}
+template <int RM, bool Q4, bool Q5>
+void tile_duo(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld) {
+  // Independent vpdpwssd chains a row, summed exactly at the block's end: vpdpwssd's latency is 4 cycles
+  // at two a cycle on Zen 5 (measured), so a tile keeps at least 8 chains in flight.
+  constexpr int NCH = RM <= 2 ? 4 : 2;
+  __m256 acc[RM];
+  const int16_t* arow[RM];
+  for (int r = 0; r < RM; ++r) { acc[r] = _mm256_setzero_ps(); arow[r] = a.a + (m0 + r) * a.K; }
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* blk = w.block(g, b);
+    prefetch_ahead<Q4, Q5>(w, g, b);
+    __m512i isum[RM][NCH];
+    for (int r = 0; r < RM; ++r) for (int k = 0; k < NCH; ++k) isum[r][k] = _mm512_setzero_si512();
+    if (Q4) {
+      const __m512i low = _mm512_set1_epi16(0x0F);
+      #pragma GCC unroll 4
+      for (int c = 0; c < 8; c += 2) {
+        __m512i lo, hi;
+        if (Q5) {
+          // The fifth bits go in before the permute, where chunk c's lanes are 0-15 and c + 1's 16-31
+          // (as tile2): its mask words [low c, high c, low c + 1, high c + 1] join with shifts, then
+          // lo and hi are permuted apart. (Permuting first needed the masks' bits interleaved, four
+          // pdeps a duo, which bound the 1-row tile.)
+          const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * c)));
+          uint64_t words;
+          std::memcpy(&words, w.high_block(g, b) + 4 * c, sizeof words);
+          const auto lo_mask = static_cast<__mmask32>((words & 0xFFFFu) | ((words >> 16) & 0xFFFF0000u));
+          const auto hi_mask = static_cast<__mmask32>(((words >> 16) & 0xFFFFu) | ((words >> 32) & 0xFFFF0000u));
+          const __m512i sixteen = _mm512_set1_epi16(16);
+          lo = duo_order(_mm512_mask_add_epi16(_mm512_and_si512(raw, low), lo_mask, _mm512_and_si512(raw, low), sixteen));
+          hi = duo_order(_mm512_mask_add_epi16(_mm512_srli_epi16(raw, 4), hi_mask, _mm512_srli_epi16(raw, 4), sixteen));
+        } else {
+          const __m512i raw = duo_order(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * c))));
+          lo = _mm512_and_si512(raw, low);
+          hi = _mm512_srli_epi16(raw, 4);
+        }
+        for (int r = 0; r < RM; ++r) {
+          const int16_t* ab = arow[r] + b * QK + 2 * c;
+          isum[r][c % NCH] = _mm512_dpwssd_epi32(isum[r][c % NCH], lo, bcast_duo(ab));
+          isum[r][(c + 1) % NCH] = _mm512_dpwssd_epi32(isum[r][(c + 1) % NCH], hi, bcast_duo(ab + 16));
+        }
+      }
+    } else {
+      #pragma GCC unroll 8
+      for (int p = 0; p < 16; p += 2) {
+        const __m512i wv = duo_order(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * p))));
+        for (int r = 0; r < RM; ++r) {
+          const int k = (p / 2) % NCH;
+          isum[r][k] = _mm512_dpwssd_epi32(isum[r][k], wv, bcast_duo(arow[r] + b * QK + 2 * p));
+        }
+      }
+    }
+    const __m256 sw = lanes8(w, w.scale, w.lanes(g, b));
+    for (int r = 0; r < RM; ++r) {
+      __m512i s = isum[r][0];
+      for (int k = 1; k < NCH; ++k) s = _mm512_add_epi32(s, isum[r][k]);
+      const __m256i folded = _mm512_cvtepi64_epi32(_mm512_add_epi32(s, _mm512_srli_epi64(s, 32)));
+      const __m256 scale = _mm256_mul_ps(sw, _mm256_set1_ps(a.d[(m0 + r) * a.nb + b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded), scale, acc[r]);
+    }
+    if (Q4) {  // q5's offset is -16 * scale (exact: a power of two)
+      const __m256 off = Q5 ? _mm256_mul_ps(sw, _mm256_set1_ps(-16.f)) : lanes8(w, w.offset, w.lanes(g, b));
+      for (int r = 0; r < RM; ++r) acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(a.s[(m0 + r) * a.nb + b]), acc[r]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(RG, w.rows - g * RG);
+  const __mmask8 mask = valid >= RG ? static_cast<__mmask8>(0xFF) : static_cast<__mmask8>((1u << valid) - 1);
+  for (int r = 0; r < RM; ++r) _mm256_mask_storeu_ps(out + (m0 + r) * ld + g * RG, mask, acc[r]);
+}
+
+template <int RM>
+void span_duo(const Weights& w, int64_t g0, int64_t g1, const Act& a, int64_t m0, float* out, int64_t ld) {
+  for (int64_t g = g0; g < g1; ++g) {
+    if (w.q5) tile_duo<RM, true, true>(w, g, a, m0, out, ld);
+    else if (w.q4) tile_duo<RM, true, false>(w, g, a, m0, out, ld);
+    else tile_duo<RM, false, false>(w, g, a, m0, out, ld);
+  }
+}
+
+// Activation rows m0 .. m0 + rows - 1 (rows <= kDuoRows) in one tile: each group's weights are decoded once
+// for every row.
+void groups_duo(const Weights& w, const Act& a, int64_t m0, int64_t rows, int64_t g0, int64_t g1, float* out,
+                int64_t ld) {
+  switch (rows) {
+    case 1: return span_duo<1>(w, g0, g1, a, m0, out, ld);
+    case 2: return span_duo<2>(w, g0, g1, a, m0, out, ld);
+    case 3: return span_duo<3>(w, g0, g1, a, m0, out, ld);
+    case 4: return span_duo<4>(w, g0, g1, a, m0, out, ld);
+    case 5: return span_duo<5>(w, g0, g1, a, m0, out, ld);
+    case 6: return span_duo<6>(w, g0, g1, a, m0, out, ld);
+    case 7: return span_duo<7>(w, g0, g1, a, m0, out, ld);
+    default: return span_duo<8>(w, g0, g1, a, m0, out, ld);
+  }
+}
+
+template <int RM>
+void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, float* out, int64_t ld) {
+  if (w.q5) tile2<RM, true, true>(w, g, g2, a, m0, out, ld, m0 == 0);
+  else if (w.q4) tile2<RM, true, false>(w, g, g2, a, m0, out, ld, m0 == 0);
+  else tile2<RM, false, false>(w, g, g2, a, m0, out, ld, m0 == 0);
+}
+
+constexpr int kRM512 = 8;  // activation rows per 512-bit tile
+
+// Groups c0 .. c1 - 1 paired half the span apart, (c0 + i, c0 + h + i): each half is read as one
+// sequential stream across the tiles. Pairing neighbours (g, g + 1) started a fresh stream every two
+// groups, which the hardware prefetchers had to pick up again each time: from DRAM (the 145 MB lm_head
+// of Qwen2.5-Coder-0.5B at 8 rows) one thread took twice its L3-resident time, at 10 GB/s (measured in
+// docs/quantization.md; software prefetch at any distance did not help).
+template <int RM>
+void span2(const Weights& w, int64_t c0, int64_t c1, const Act& a, int64_t m0, float* out, int64_t ld) {
+  const int64_t h = (c1 - c0) / 2;
+  for (int64_t i = 0; i < h; ++i) tile2<RM>(w, c0 + i, c0 + h + i, a, m0, out, ld);
+  const int64_t g = c0 + 2 * h;
+  if (g == c1) return;
+  int64_t m = m0;  // an odd group left over: the 256-bit tiles, 4 rows at a time
+  for (; m + 4 <= m0 + RM; m += 4) tile<4>(w, g, a, m, out, ld);
+  const int64_t rest = m0 + RM - m;
+  if (rest == 3) tile<3>(w, g, a, m, out, ld);
+  else if (rest == 2) tile<2>(w, g, a, m, out, ld);
+  else if (rest == 1) tile<1>(w, g, a, m, out, ld);
+}
+
+template <int R>
+void rest2(int64_t rest, const Weights& w, int64_t c0, int64_t c1, const Act& a, int64_t m0, float* out, int64_t ld) {
+  if constexpr (R > 0) {
+    if (rest == R) return span2<R>(w, c0, c1, a, m0, out, ld);
+    rest2<R - 1>(rest, w, c0, c1, a, m0, out, ld);
+  }
+}
+
+void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld,
+            int64_t wide_rows, int64_t duo_rows) {
+  // Few activation rows: the 256-bit tiles (still vpdpwssd). On Zen 4, which runs a 512-bit op as two
+  // 256-bit halves, the 512-bit tiles were 1.2-1.7x slower below 4-5 rows and 1.3-1.5x faster from 6
+  // (docs/quantization.md); both give the same bits.
+  if (M < std::min<int64_t>(duo_rows, kDuoRows + 1)) return groups_duo(w, a, 0, M, g0, g1, out, ld);
+  if (M < wide_rows) return groups256(w, a, M, g0, g1, out, ld);
+  // As groups256: ~128 KiB chunks of weights (an even number of groups) that every m-tile passes over.
+  const int64_t group_bytes = w.nb * w.block_bytes();
+  int64_t chunk = std::max<int64_t>(2, (128 << 10) / std::max<int64_t>(1, group_bytes));
+  chunk += chunk & 1;
+  // One m-tile passes over the weights once: no chunk needs to stay in L2, so the whole range is one
+  // span, two long sequential streams (span2).
+  if (M <= kRM512) chunk = g1 - g0;
+  for (int64_t c0 = g0; c0 < g1; c0 += chunk) {
+    const int64_t c1 = std::min(g1, c0 + chunk);
+    int64_t m0 = 0;
+    for (; m0 + kRM512 <= M; m0 += kRM512) span2<kRM512>(w, c0, c1, a, m0, out, ld);
+    // Rows past the last 8-row tile: the duo tiles where they run (the chunk is in L2 by now), whose
+    // 1-7-row tiles beat the 512-bit ones of as many rows (Zen 5, docs/quantization.md).
+    if (M > m0 && M - m0 < duo_rows) groups_duo(w, a, m0, M - m0, c0, c1, out, ld);
+    else rest2<kRM512 - 1>(M - m0, w, c0, c1, a, m0, out, ld);
+  }
+}
+}  // namespace vnni
+#pragma GCC pop_options
