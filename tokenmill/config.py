@@ -194,7 +194,10 @@ class SchedulerConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "ngram-draft")
-DEFAULT_SPECULATIVE_TOKENS = {"ngram": 5, "draft": 3, "ngram-draft": 5}
+# ngram: 7 (was 5) since the Zen 5 duo tiles made an 8-row verification ~2.2x a decode: a copied span's
+# 8-token steps then beat 6-token ones, and the controller still picks k <= 7 by measured step times
+# (batch-1 code edits 1.83-1.88x against 1.74-1.84x with 5, equal at 32 requests; docs/speculative.md).
+DEFAULT_SPECULATIVE_TOKENS = {"ngram": 7, "draft": 3, "ngram-draft": 5}
 
 
 # A draft's default weights: q4 blocks, the fewest bytes a draft forward streams. Measured on the Zen 3

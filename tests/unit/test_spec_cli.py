@@ -45,7 +45,7 @@ def test_config_rejects_bad_settings(kwargs: dict[str, object], message: str) ->
 
 
 def test_the_default_k_is_the_methods() -> None:
-    assert SpeculativeConfig("ngram").num_speculative_tokens == 5
+    assert SpeculativeConfig("ngram").num_speculative_tokens == 7
     assert SpeculativeConfig("draft", draft_model="d").num_speculative_tokens == 3
     assert SpeculativeConfig("ngram-draft", draft_model="d").num_speculative_tokens == 5
     assert SpeculativeConfig("ngram", 2).num_speculative_tokens == 2

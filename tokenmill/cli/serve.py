@@ -62,7 +62,7 @@ def add_speculative_arguments(parser: Any) -> None:
                         help="the draft's lm_head keeps only the first N token ids (the frequent ones in a BPE "
                              "vocabulary): a cheaper draft forward; default: the whole vocabulary")
     parser.add_argument("--num-speculative-tokens", type=int, default=0,
-                        help="most tokens proposed per request per step (default: ngram 5, draft 3, ngram-draft 5)")
+                        help="most tokens proposed per request per step (default: ngram 7, draft 3, ngram-draft 5)")
     parser.add_argument("--ngram-min", type=int, default=1, help="shortest suffix the n-gram lookup matches")
     parser.add_argument("--ngram-max", type=int, default=4, help="longest suffix the n-gram lookup matches")
 
