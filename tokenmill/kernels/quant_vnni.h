@@ -16,9 +16,9 @@ inline __m256i add_high(__m256i v, uint32_t mask) {  // one masked add (AVX-512B
 }
 TM_SIMD_TILES
 
-// 512-bit tiles: two neighbouring groups (16 output rows) side by side in one zmm, lane r = row r
-// of group g, lane 8 + r = row r of group g + 1. The layout is unchanged: a 16-byte pair of each
-// group fills one half, so an activation pair is still one broadcast (from memory, no shuffle) and
+// 512-bit tiles: two groups g and g2 (16 output rows; span2 picks them half a span apart) side by side
+// in one zmm, lane r = row r of group g, lane 8 + r = row r of group g2. The layout is unchanged: a
+// 16-byte pair of each group fills one half, so an activation pair is still one broadcast (from memory, no shuffle) and
 // one vpdpwssd does 32 multiply-adds where the 256-bit tile did 16. Each lane does exactly the
 // 256-bit tile's integer and float steps in the same order, so the result is bit-identical.
 inline __m512 lanes16(const Weights& w, const void* p, int64_t i0, int64_t i1) {
@@ -144,9 +144,9 @@ void tile_duo(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out,
           std::memcpy(&words, w.high_block(g, b) + 4 * c, sizeof words);
           const auto lo_mask = static_cast<__mmask32>((words & 0xFFFFu) | ((words >> 16) & 0xFFFF0000u));
           const auto hi_mask = static_cast<__mmask32>(((words >> 16) & 0xFFFFu) | ((words >> 32) & 0xFFFF0000u));
-          const __m512i sixteen = _mm512_set1_epi16(16);
-          lo = duo_order(_mm512_mask_add_epi16(_mm512_and_si512(raw, low), lo_mask, _mm512_and_si512(raw, low), sixteen));
-          hi = duo_order(_mm512_mask_add_epi16(_mm512_srli_epi16(raw, 4), hi_mask, _mm512_srli_epi16(raw, 4), sixteen));
+          const __m512i sixteen = _mm512_set1_epi16(16), lo0 = _mm512_and_si512(raw, low), hi0 = _mm512_srli_epi16(raw, 4);
+          lo = duo_order(_mm512_mask_add_epi16(lo0, lo_mask, lo0, sixteen));
+          hi = duo_order(_mm512_mask_add_epi16(hi0, hi_mask, hi0, sixteen));
         } else {
           const __m512i raw = duo_order(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * c))));
           lo = _mm512_and_si512(raw, low);
@@ -249,9 +249,10 @@ void rest2(int64_t rest, const Weights& w, int64_t c0, int64_t c1, const Act& a,
 
 void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld,
             int64_t wide_rows, int64_t duo_rows) {
-  // Few activation rows: the 256-bit tiles (still vpdpwssd). On Zen 4, which runs a 512-bit op as two
-  // 256-bit halves, the 512-bit tiles were 1.2-1.7x slower below 4-5 rows and 1.3-1.5x faster from 6
-  // (docs/quantization.md); both give the same bits.
+  // Few activation rows: the duo tiles where they run (Zen 5, 1-8 rows), else the 256-bit tiles (still
+  // vpdpwssd) below wide_rows. On Zen 4, which runs a 512-bit op as two 256-bit halves, the 512-bit
+  // tiles were 1.2-1.7x slower below 4-5 rows and 1.3-1.5x faster from 6 (docs/quantization.md); every
+  // choice gives the same bits.
   if (M < std::min<int64_t>(duo_rows, kDuoRows + 1)) return groups_duo(w, a, 0, M, g0, g1, out, ld);
   if (M < wide_rows) return groups256(w, a, M, g0, g1, out, ld);
   // As groups256: ~128 KiB chunks of weights (an even number of groups) that every m-tile passes over.
