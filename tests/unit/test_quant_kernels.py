@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tests.fixtures.gguf_blocks import gguf_blocks
-from tokenmill.kernels import QUANT_ISAS, cpu_vendor_family, quant_kernels
+from tokenmill.kernels import QUANT_ISAS, quant_kernels
 from tokenmill.layers import gguf_quant as gq
 from tokenmill.layers import quant_formats as qf
 
@@ -309,34 +309,6 @@ def test_parts_of_one_format_with_fp16_and_float32_scales_join_as_float32() -> N
     assert torch.equal(joined.dequantize(), torch.cat([q4_0.dequantize(), q4_k.dequantize()]))
     (same,) = qf.concat([q4_0, q4_0])
     assert same.scale.dtype == torch.float16
-
-
-def test_wide_and_duo_tile_choices_are_the_cpus_and_can_be_overridden() -> None:
-    """avx512vnni runs 512-bit tiles from wide_min_rows() activation rows up (5 on Zen 4, 8 on Zen 5, else 4; the
-    outputs are the same bits either way, test above); TOKENMILL_QUANT_WIDE_ROWS pins it for A/B runs."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    assert kernels is not None
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    vendor, family = cpu_vendor_family(cpuinfo)
-    expected = 4 if vendor != "AuthenticAMD" else 5 if family == 25 else 8 if family >= 26 else 4
-    if "TOKENMILL_QUANT_WIDE_ROWS" not in os.environ:
-        assert kernels.wide_min_rows() == expected
-    code = "from tokenmill.kernels import quant_kernels; print(quant_kernels().wide_min_rows())"
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TOKENMILL_QUANT_WIDE_ROWS": "1"},
-                         capture_output=True, text=True, check=True).stdout
-    assert out.strip().splitlines()[-1] == "1"
-    # The duo tiles (1-8 rows): on by default where measured (Zen 5), off elsewhere.
-    if "TOKENMILL_QUANT_DUO" not in os.environ:
-        assert kernels.duo_tiles() == (vendor == "AuthenticAMD" and family >= 26)
-    code = "from tokenmill.kernels import quant_kernels; print(quant_kernels().duo_tiles())"
-    flipped = "0" if kernels.duo_tiles() else "1"
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TOKENMILL_QUANT_DUO": flipped},
-                         capture_output=True, text=True, check=True).stdout
-    assert out.strip().splitlines()[-1] == str(flipped == "1")
 
 
 AMX_CASES = [(T.Q4_0, "q4"), (T.Q4_1, "q4"), (T.Q8_0, "q8"), (T.Q4_K, "q4"), (T.Q6_K, "q8"), (T.Q5_0, "q5")]

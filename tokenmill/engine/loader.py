@@ -56,12 +56,12 @@ def load_engine(config: EngineConfig) -> LoadedEngine:
 
 def freeze_loaded_heap() -> int:
     """Move every object alive now into the collector's permanent generation (gc.freeze); returns
-    how many were frozen. For a process that keeps one engine for its life (`tokenmill serve`, a Ray
-    Serve replica), called once the engine has loaded: the ~190,000 container objects a load leaves
-    (tokenizer tables, modules, config) were otherwise walked by every full collection, which the
-    garbage of decode steps triggers every few seconds: ~2-3% of a batch-16 step on a 2-core Zen 5
-    (docs/performance.md). Not for the in-process API, where a process may load several engines one
-    after another and a frozen one's cycles would never be freed."""
+    how many were frozen. For a process that keeps one engine for its life (`tokenmill serve` calls it
+    once its engine has loaded; a Ray Serve replica would qualify too but does not call it yet): the
+    ~190,000 container objects a load leaves (tokenizer tables, modules, config) were otherwise walked
+    by every full collection, which the garbage of decode steps triggers every few seconds: ~2-3% of a
+    batch-16 step on a 2-core Zen 5 (docs/performance.md). Not for the in-process API, where a process
+    may load several engines one after another and a frozen one's cycles would never be freed."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
