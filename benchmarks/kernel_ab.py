@@ -12,6 +12,9 @@ so a difference is reported, not fatal).
 
     flock /tmp/tokenmill-bench.lock python benchmarks/kernel_ab.py --model smollm2-135m --batch 1
     flock /tmp/tokenmill-bench.lock python benchmarks/kernel_ab.py --base HEAD~3 --model qwen2.5-coder-0.5b
+
+`--query-rows K` times a speculative verification's step instead: one request with `--prompt-len` tokens of
+context scoring K query rows (the last token and K - 1 proposals), `--output-len` such steps a round.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from typing import Any
 
 import common
 
-SOURCES = ("cpu_kernels.cpp", "glue_kernels.cpp", "quant_kernels.cpp", "stack_kernels.cpp", "c_api.h", "quant_amx.h",
-           "quant_vnni.h")
+SOURCES = ("cpu_kernels.cpp", "glue_kernels.cpp", "quant_kernels.cpp", "stack_kernels.cpp", "attention_avx512.h",
+           "c_api.h", "quant_amx.h", "quant_vnni.h")
 KERNELS = Path("tokenmill") / "kernels"
 
 
@@ -40,7 +43,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128, help="tokens per request and round")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
-    return p.parse_args()
+    p.add_argument("--query-rows", type=int, default=0,
+                   help="time one request's verification step of this many query rows instead of decoding")
+    args = p.parse_args()
+    if args.query_rows and args.batch != 1:
+        p.error("--query-rows times one request: leave --batch at 1")
+    return args
 
 
 def base_sources(revision: str, into: Path) -> str:
@@ -98,6 +106,32 @@ def decode_round(llm: Any, prompts: list[list[int]], output_len: int, tag: str) 
     return statistics.median(times), [tokens[request_id] for request_id in ids]
 
 
+class VerifyRounds:
+    """Steps of one request scoring `rows` query rows over `prompt` (already prefilled): the shape of a
+    speculative verification, the proposals the prompt's own tokens (any ids score alike)."""
+
+    def __init__(self, llm: Any, prompt: list[int], rows: int) -> None:
+        from tokenmill.engine.interfaces import ScheduledRequest, SchedulerOutput
+        from tokenmill.engine.request import Request, SamplingParams
+
+        self.runner = llm.core.runner
+        request = Request("verify", prompt, SamplingParams(max_tokens=rows + 1, temperature=0.0))
+        llm.core.kv.allocate(request, len(prompt) + rows)
+        blocks = list(llm.core.kv.block_tables["verify"])
+        self.runner.execute(SchedulerOutput([ScheduledRequest(request, 0, len(prompt), blocks)]))
+        proposals = [prompt[j % len(prompt)] for j in range(rows - 1)]
+        self.step = SchedulerOutput([ScheduledRequest(request, len(prompt) - 1, rows, blocks, proposals)])
+
+    def __call__(self, steps: int) -> tuple[float, list[list[int]]]:
+        """Median seconds a step, and the tokens the last step's rows sampled."""
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            out = self.runner.execute(self.step)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times), [list(out.sampled["verify"].token_ids)]
+
+
 def main() -> None:
     args = parse_args()
     from tokenmill import kernels
@@ -118,28 +152,35 @@ def main() -> None:
         raise SystemExit(f"kernel_ab: {args.model} does not run the native decoder stack here")
     builds = {"base": Build(model, base_modules), "new": Build(model, new_modules)}
     prompts = common.build_prompts(llm.tokenizer.encode, args.batch, args.prompt_len, common.prompt_bos(llm.tokenizer))
+    verify = VerifyRounds(llm, prompts[0], args.query_rows) if args.query_rows else None
+
+    def run_round(tag: str, output_len: int) -> tuple[float, list[list[int]]]:
+        return verify(output_len) if verify is not None else decode_round(llm, prompts, output_len, tag)
+
     for name, build in builds.items():  # warm-up: caches, first-touch pages, the step-time fits
         build.install(model)
-        decode_round(llm, prompts, 8, f"warm-{name}")
+        run_round(f"warm-{name}", 8)
     steps: dict[str, list[float]] = {"base": [], "new": []}
     tokens: dict[str, list[list[int]]] = {}
     for r in range(args.rounds):
         for name in (("base", "new") if r % 2 == 0 else ("new", "base")):
             builds[name].install(model)
-            step_s, tokens[name] = decode_round(llm, prompts, args.output_len, f"{name}-{r}")
+            step_s, tokens[name] = run_round(f"{name}-{r}", args.output_len)
             steps[name].append(step_s)
         print(f"round {r}: base {steps['base'][-1] * 1e3:.2f} ms, new {steps['new'][-1] * 1e3:.2f} ms, "
               f"base/new {steps['base'][-1] / steps['new'][-1]:.3f}", flush=True)
     builds["new"].install(model)
     ratios = [b / n for b, n in zip(steps["base"], steps["new"], strict=True)]
     same = tokens["base"] == tokens["new"]
-    summary = {"base_commit": commit, "batch": args.batch, "prompt_len": args.prompt_len,
+    summary = {"base_commit": commit, "batch": args.batch, "query_rows": args.query_rows, "prompt_len": args.prompt_len,
                "output_len": args.output_len, "rounds": args.rounds, "base_step_s": steps["base"],
                "new_step_s": steps["new"], "median_ratio": statistics.median(ratios), "same_tokens": same}
-    print(f"{args.model} batch {args.batch}: base ({commit}) {statistics.median(steps['base']) * 1e3:.2f} ms, "
+    shape = f"{args.query_rows} query rows" if args.query_rows else f"batch {args.batch}"
+    print(f"{args.model} {shape}: base ({commit}) {statistics.median(steps['base']) * 1e3:.2f} ms, "
           f"working tree {statistics.median(steps['new']) * 1e3:.2f} ms a step; median base/new "
           f"{summary['median_ratio']:.3f}; greedy tokens {'identical' if same else 'differ'}")
-    common.save_json("kernel_ab", f"{args.model}_b{args.batch}", summary)
+    shape = f"q{args.query_rows}" if args.query_rows else f"b{args.batch}"
+    common.save_json("kernel_ab", f"{args.model}_{shape}_p{args.prompt_len}", summary)
 
 
 if __name__ == "__main__":

@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
-from tests.fixtures.attention import decode_threads, paged_attention_reference
+from tests.fixtures.attention import DECODE_PATHS, decode_path, decode_threads, paged_attention_reference
 from tokenmill.kernels import cpu_kernels
 
 kernels = cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the native CPU kernel cannot be built here")
 
 
-# Head groups (num_heads / num_kv_heads) of 1, 2 and 3 take the four-key score tiles, larger ones one key at a time.
+@pytest.fixture(autouse=True, params=DECODE_PATHS)
+def path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test on each path this machine runs: the AVX-512 tiles and the AVX2 ones."""
+    with decode_path(request.param):
+        yield request.param
+
+
+# AVX2: head groups (num_heads / num_kv_heads) of 1, 2 and 3 take the four-key score tiles, larger ones one key
+# at a time. AVX-512 (head_dim % 16 == 0): four-key tiles of up to 7 heads (8 → 4 + 4), 64-dimension value slices
+# (128 → two, 80 → 64 + 16); other head sizes take the AVX2 path.
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 32), (6, 6, 20), (16, 2, 8),
-                                                                 (12, 2, 64), (14, 2, 16), (8, 4, 32), (4, 4, 64)])
+                                                                 (12, 2, 64), (14, 2, 16), (8, 4, 32), (4, 4, 64),
+                                                                 (14, 2, 64), (16, 2, 128), (9, 1, 80)])
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (5, 0.0), (0, 30.0)])
 @pytest.mark.parametrize("num_seqs", [1, 3, 12])
 def test_matches_reference_fp32(num_heads: int, num_kv_heads: int, head_dim: int, window: int, softcap: float,
@@ -182,3 +194,30 @@ def test_a_row_is_bit_identical_at_any_thread_count_under_a_pinned_split(dtype: 
         kernels.set_decode_split_threads(pinned)
     for i in range(2, len(outs)):
         assert torch.equal(outs[i], outs[i % 2])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(14, 2, 64), (9, 3, 64), (16, 2, 128)])
+@pytest.mark.parametrize("first", [5, 117, 700])
+def test_verification_rows_match_each_row_alone(threads: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                                                first: int) -> None:
+    """A verification's rows read the same blocks (lengths first .. first + 7) and run chunk by chunk in
+    turn (item_order); each row's output must be the bits of that row scored on its own, as a plain
+    decode of it would be, and close to plain attention."""
+    assert kernels is not None
+    g = torch.Generator().manual_seed(first + num_heads)
+    block_size, rows = 16, 8
+    width = -(-(first + rows) // block_size)
+    k_cache = torch.randn(width + 2, block_size, num_kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(width + 2, block_size, num_kv_heads, head_dim, generator=g)
+    table = torch.randperm(width + 2, generator=g)[:width].view(1, width).expand(rows, width).contiguous()
+    lens = torch.arange(first, first + rows)
+    q = torch.randn(rows, num_heads, head_dim, generator=g)
+    with decode_threads(threads):
+        together = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.125, 0, 0.0)
+        for r in range(rows):
+            alone = kernels.paged_decode_attention(q[r:r + 1], k_cache, v_cache, table[r:r + 1], lens[r:r + 1],
+                                                   0.125, 0, 0.0)
+            assert torch.equal(together[r:r + 1], alone), r
+    ref = paged_attention_reference(q, k_cache, v_cache, table, lens, 0.125, 0, 0.0)
+    torch.testing.assert_close(together, ref, rtol=1e-5, atol=1e-5)

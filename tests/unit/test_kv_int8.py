@@ -3,11 +3,15 @@ over gathered (dequantized) blocks, and the byte sizing that turns it into more 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 from tests.fixtures.attention import (
+    DECODE_PATHS,
     assert_writes_same_bytes,
+    decode_path,
     decode_threads,
     paged_attention_reference,
     prefill_metadata,
@@ -27,6 +31,13 @@ from tokenmill.layers.kv_cache import (
 
 kernels = cpu_kernels()
 needs_kernel = pytest.mark.skipif(kernels is None, reason="the native CPU kernel cannot be built here")
+
+
+@pytest.fixture(params=DECODE_PATHS)
+def path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The decode kernel on each path this machine runs: the AVX-512 tiles and the AVX2 ones."""
+    with decode_path(request.param):
+        yield request.param
 
 
 def _int8_cache(num_blocks: int, block_size: int, kvh: int, hd: int, g: torch.Generator) -> Int8KVCache:
@@ -104,11 +115,12 @@ def test_zero_rows_quantize_to_zero() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 32), (6, 6, 20), (16, 2, 8),
-                                                                 (8, 4, 32), (4, 4, 64)])
+                                                                 (8, 4, 32), (4, 4, 64), (14, 2, 64)])
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (5, 0.0), (0, 30.0)])
 @pytest.mark.parametrize("num_seqs", [1, 3, 12])
 def test_int8_kernel_matches_attention_on_dequantized_values(num_heads: int, num_kv_heads: int, head_dim: int,
-                                                             window: int, softcap: float, num_seqs: int) -> None:
+                                                             window: int, softcap: float, num_seqs: int,
+                                                             path: str) -> None:
     g = torch.Generator().manual_seed(num_heads * 100 + num_seqs)
     block_size, num_blocks, width = 4, 80, 6
     cache = _int8_cache(num_blocks, block_size, num_kv_heads, head_dim, g)
@@ -127,7 +139,7 @@ def test_int8_kernel_matches_attention_on_dequantized_values(num_heads: int, num
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("lens", [[500], [3, 90, 257]])
-def test_int8_kernel_long_sequences_split_into_chunks(threads: int, lens: list[int]) -> None:
+def test_int8_kernel_long_sequences_split_into_chunks(threads: int, lens: list[int], path: str) -> None:
     """Few long sequences: chunks of keys across threads, partial softmaxes merged (scales per chunk)."""
     g = torch.Generator().manual_seed(7 + threads)
     block_size = 16
@@ -147,7 +159,7 @@ def test_int8_kernel_long_sequences_split_into_chunks(threads: int, lens: list[i
 
 @needs_kernel
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
-def test_int8_kernel_under_half_precision_queries(q_dtype: torch.dtype) -> None:
+def test_int8_kernel_under_half_precision_queries(q_dtype: torch.dtype, path: str) -> None:
     g = torch.Generator().manual_seed(1)
     cache = _int8_cache(16, 4, 2, 16, g)
     table = torch.arange(16).view(2, 8)
@@ -163,7 +175,7 @@ def test_int8_kernel_under_half_precision_queries(q_dtype: torch.dtype) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
-def test_dense_half_caches_under_fp32_queries(cache_dtype: torch.dtype) -> None:
+def test_dense_half_caches_under_fp32_queries(cache_dtype: torch.dtype, path: str) -> None:
     """--kv-cache-dtype bf16 on an fp32 model: the query stays fp32, the cache is read as stored."""
     g = torch.Generator().manual_seed(2)
     k = torch.randn(20, 4, 3, 64, generator=g).to(cache_dtype)

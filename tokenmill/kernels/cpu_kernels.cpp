@@ -327,6 +327,8 @@ void weighted_values(const float* p, int64_t n, const int64_t* slots, const TC* 
   for (int64_t t = 0; t < n; ++t) axpy_rows(p + t, n, v + slots[t] * token_stride, acc, rep, head_dim);
 }
 
+#include "attention_avx512.h"  // wide:: tiles (AVX-512 builds only)
+
 // Rows are prefetched through the slot list: the next row may sit in another block, where the
 // hardware prefetcher cannot follow.
 constexpr int64_t kAhead = 12;  // rows in flight ahead of the key pass
@@ -372,6 +374,47 @@ int64_t split_threads() {
   return fixed > 0 ? fixed : at::get_num_threads();
 }
 
+// The order decode_kernel runs its items in (item ids stay grouped by sequence for the merge). Rows of
+// one request's speculative verification (consecutive sequences over the same blocks) take turns chunk by
+// chunk: row j's chunk c covers nearly the keys of row 0's chunk c, so the rows after the first find
+// those keys in L2. In sequence order, each row re-read the whole context from L3 or memory (8 rows at
+// 4,000 keys: 8 x 4 MB a layer). Which thread runs an item changes no bits: items are independent.
+std::vector<int64_t> item_order(const std::vector<int64_t>& first_item, const int64_t* block_table,
+                                int64_t table_width, const int64_t* seq_lens, int64_t block_size) {
+  const int64_t num_seqs = static_cast<int64_t>(first_item.size()) - 1;
+  std::vector<int64_t> order;
+  order.reserve(first_item[num_seqs]);
+  const auto same_blocks = [&](int64_t a, int64_t b) {
+    const int64_t blocks = (std::min(seq_lens[a], seq_lens[b]) + block_size - 1) / block_size;
+    return std::equal(block_table + a * table_width, block_table + a * table_width + blocks,
+                      block_table + b * table_width);
+  };
+  for (int64_t s = 0; s < num_seqs;) {
+    int64_t e = s + 1, chunks = first_item[s + 1] - first_item[s];
+    for (; e < num_seqs && same_blocks(s, e); ++e) chunks = std::max(chunks, first_item[e + 1] - first_item[e]);
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t r = s; r < e; ++r)
+        if (first_item[r] + c < first_item[r + 1]) order.push_back(first_item[r] + c);
+    s = e;
+  }
+  return order;
+}
+
+// Whether decode attention takes the AVX-512 tiles where this build has them and they fit (the default)
+// or the AVX2 ones: a process setting for tests, which compare the two paths on one machine (a step's
+// rows always share one path, so a verification row still matches its plain decode).
+std::atomic<bool> g_decode_wide{true};
+
+template <typename TC>
+bool use_wide(int64_t head_dim) {
+#if defined(TM_AVX512)
+  return g_decode_wide.load(std::memory_order_relaxed) && wide::fits<TC>(head_dim);
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
 // TQ: query and output type; TC: cache element type. k_scale/v_scale [slots, KVH] are read only
 // when TC is int8 (null otherwise).
 //
@@ -384,7 +427,7 @@ int64_t split_threads() {
 //     out = Σ_c e^(m_c - M) a_c / Σ_c e^(m_c - M) l_c,   M = max_c m_c.
 // (Splitting by kv head instead gave a thread 2 of SmolLM2's 3 heads, and each item read a third of
 // every row: 256-byte pieces 768 bytes apart.)
-template <typename TQ, typename TC>
+template <typename TQ, typename TC, bool Wide>
 void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::Half* k_scale,
                    const at::Half* v_scale, const int64_t* block_table, const int64_t* seq_lens, TQ* out,
                    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -417,11 +460,13 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
     part_l.resize(num_items * num_heads);
     part_a.resize(num_items * num_heads * head_dim);
   }
+  const std::vector<int64_t> order = item_order(first_item, block_table, table_width, seq_lens, block_size);
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(num_heads * head_dim), own_acc(num_heads * head_dim), scores, inv_sum(num_heads);
     std::vector<int64_t> slots;
     const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(TC));
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t at = begin; at < end; ++at) {
+      const int64_t item = order[at];
       const int64_t s = item_seq[item], t0 = item_t0[item];
       const int64_t n = std::min(seq_chunk[s], seq_lens[s] - t0);
       // Per sequence, not per step: an unsplit sequence takes the same steps whatever the others do.
@@ -446,7 +491,18 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
         }
       };
       for (int64_t t = 0; t < std::min<int64_t>(n, kAhead); ++t) prefetch_kv(t);
-      int64_t t = 0;
+#if defined(TM_AVX512)
+      if constexpr (Wide) {
+        for (int64_t t = 0; t < n; t += 4) {
+          for (int64_t j = 0; j < 4; ++j)
+            if (t + j + kAhead < n) prefetch_kv(t + j + kAhead);
+          for (int64_t g = 0; g < num_kv_heads; ++g)
+            wide::score_keys4(qf.data() + g * rep * head_dim, k_cache, k_scale, slots.data(), t, n, g, num_kv_heads,
+                              rep, head_dim, token_stride, scores.data() + g * rep * n);
+        }
+      }
+#endif
+      int64_t t = Wide ? n : 0;
 #if defined(TM_AVX2)
       if (scores4_fit<TC>(rep, head_dim)) {
         for (; t + 4 <= n; t += 4) {
@@ -495,6 +551,13 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
             for (int64_t r = 0; r < rep; ++r) p[r * n + t] *= vs;
           }
         }
+#if defined(TM_AVX512)
+        if constexpr (Wide) {
+          wide::weighted_values(p, n, slots.data(), v_cache + g * head_dim, token_stride, rep, head_dim,
+                                acc + g * rep * head_dim);
+          continue;
+        }
+#endif
         weighted_values(p, n, slots.data(), v_cache + g * head_dim, token_stride, rep, head_dim,
                         acc + g * rep * head_dim);
       }
@@ -527,6 +590,13 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
       }
     }
   });
+}
+
+// decode_kernel<TQ, TC, wide>(args...) for the path use_wide picks.
+template <typename TQ, typename TC, typename... Args>
+void run_decode_kernel(int64_t head_dim, Args&&... args) {
+  if (use_wide<TC>(head_dim)) return decode_kernel<TQ, TC, true>(std::forward<Args>(args)...);
+  decode_kernel<TQ, TC, false>(std::forward<Args>(args)...);
 }
 
 // f(T{}) for the floating type t names; anything else is an error naming `what`.
@@ -591,10 +661,11 @@ void paged_decode_attention_out(const torch::Tensor& q, const torch::Tensor& k_c
     using TQ = decltype(tq);
     with_float_type(k_cache.scalar_type(), "the caches", [&](auto tc) {
       using TC = decltype(tc);
-      decode_kernel<TQ, TC>(q.data_ptr<TQ>(), k_cache.data_ptr<TC>(), v_cache.data_ptr<TC>(), nullptr, nullptr,
-                            table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<TQ>(), q.size(0),
-                            q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), table.size(1), scale, window,
-                            softcap, q.stride(0));
+      run_decode_kernel<TQ, TC>(q.size(2), q.data_ptr<TQ>(), k_cache.data_ptr<TC>(), v_cache.data_ptr<TC>(),
+                                static_cast<const at::Half*>(nullptr), static_cast<const at::Half*>(nullptr),
+                                table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<TQ>(), q.size(0),
+                                q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), table.size(1), scale, window,
+                                softcap, q.stride(0));
     });
   });
 }
@@ -633,10 +704,11 @@ void paged_decode_attention_int8_out(const torch::Tensor& q, const torch::Tensor
   const torch::Tensor table = block_table.contiguous(), lens = seq_lens.contiguous();
   with_float_type(q.scalar_type(), "q", [&](auto tq) {
     using TQ = decltype(tq);
-    decode_kernel<TQ, int8_t>(q.data_ptr<TQ>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
-                              k_scale.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(), table.data_ptr<int64_t>(),
-                              lens.data_ptr<int64_t>(), out.data_ptr<TQ>(), q.size(0), q.size(1), k_cache.size(2),
-                              q.size(2), k_cache.size(1), table.size(1), scale, window, softcap, q.stride(0));
+    run_decode_kernel<TQ, int8_t>(q.size(2), q.data_ptr<TQ>(), k_cache.data_ptr<int8_t>(),
+                                  v_cache.data_ptr<int8_t>(), k_scale.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(),
+                                  table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<TQ>(), q.size(0),
+                                  q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), table.size(1), scale, window,
+                                  softcap, q.stride(0));
   });
 }
 
@@ -956,6 +1028,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return g_split_threads.exchange(threads);
   }, "fix the thread count decode attention splits a sequence's keys for (0: the running count); returns the old one");
   m.def("decode_split_threads", [] { return split_threads(); }, "the thread count decode attention splits keys for");
+  m.def("set_decode_wide", [](bool wide) { return g_decode_wide.exchange(wide); },
+        "take the AVX-512 decode-attention tiles where built (True, the default) or the AVX2 ones; returns the old");
+  m.def("decode_wide_built", [] {
+#if defined(TM_AVX512)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether this build has the AVX-512 decode-attention tiles");
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8,
         "paged decode attention over an int8 KV cache with fp16 scales per (slot, kv head) (CPU)");
   // kv_write and kv_write_int8 are C API entry points too (called there without the GIL): the GIL
