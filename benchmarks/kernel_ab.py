@@ -30,7 +30,7 @@ from typing import Any
 import common
 
 SOURCES = ("cpu_kernels.cpp", "glue_kernels.cpp", "quant_kernels.cpp", "stack_kernels.cpp", "attention_avx512.h",
-           "c_api.h", "quant_amx.h", "quant_vnni.h")
+           "c_api.h", "prefill_avx512.h", "quant_amx.h", "quant_vnni.h")
 KERNELS = Path("tokenmill") / "kernels"
 
 

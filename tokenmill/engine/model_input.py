@@ -268,4 +268,5 @@ def _group(group: list[ScheduledRequest], tables: _Tables, token_start: int, blo
         num_tokens=int(lens.sum()),
         max_query_len=max_q,
         pad_index=pad_index,
+        query_lens=torch.from_numpy(lens[:, 0].copy()).to(device),
     )

@@ -105,9 +105,9 @@ def isa_key(flags: frozenset[str] | None = None, machine: str | None = None) -> 
 
 
 # The headers beside the sources (c_api.h: the C entry points the modules hand each other; quant_vnni.h
-# and quant_amx.h: the quant kernel's AVX-512 VNNI and AMX tiles; attention_avx512.h: decode attention's
-# AVX-512 tiles), copied beside each source and hashed into its build name.
-_HEADERS = ("attention_avx512.h", "c_api.h", "quant_amx.h", "quant_vnni.h")
+# and quant_amx.h: the quant kernel's AVX-512 VNNI and AMX tiles; attention_avx512.h and prefill_avx512.h:
+# the AVX-512 decode tiles and prefill flash attention), copied beside each source, hashed into its build name.
+_HEADERS = ("attention_avx512.h", "c_api.h", "prefill_avx512.h", "quant_amx.h", "quant_vnni.h")
 
 
 def _build_name(stem: str, source: Path) -> str:

@@ -32,6 +32,7 @@
 #include "c_api.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -329,6 +330,8 @@ void weighted_values(const float* p, int64_t n, const int64_t* slots, const TC* 
 
 #include "attention_avx512.h"  // wide:: tiles (AVX-512 builds only)
 
+#include "prefill_avx512.h"  // prefill:: flash attention (AVX-512 builds only)
+
 // Rows are prefetched through the slot list: the next row may sit in another block, where the
 // hardware prefetcher cannot follow.
 constexpr int64_t kAhead = 12;  // rows in flight ahead of the key pass
@@ -400,8 +403,9 @@ std::vector<int64_t> item_order(const std::vector<int64_t>& first_item, const in
   return order;
 }
 
-// Whether decode attention takes the AVX-512 tiles where this build has them and they fit (the default)
-// or the AVX2 ones: a process setting for tests, which compare the two paths on one machine (a step's
+// Whether attention takes the AVX-512 kernels where this build has them (the default): the decode tiles
+// where they fit and the prefill kernel; off, the AVX2 decode tiles and gather + SDPA for prefill, what
+// an AVX2-only host runs. A process setting for tests, which compare the paths on one machine (a step's
 // rows always share one path, so a verification row still matches its plain decode).
 std::atomic<bool> g_decode_wide{true};
 
@@ -684,6 +688,71 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   q = with_contiguous_heads(q);
   auto out = torch::empty(q.sizes(), q.options());
   paged_decode_attention_out(q, k_cache, v_cache, block_table, seq_lens, scale, window, softcap, out);
+  return out;
+}
+
+// Prefill attention (kernels/prefill_avx512.h; AVX-512 builds only: elsewhere the Python layer keeps
+// gather + SDPA). q [T, H, hd]: the query rows of S sequences back to back (any row stride; heads
+// contiguous); caches fp32, bf16 or fp16 [num_blocks, block_size, KVH, hd]; block_table [S, W] int64;
+// seq_lens [S]: keys per sequence after this step; query_lens [S]: its queries are its last query_lens
+// positions; window > 0: a query at p sees keys (p - window, p]. out [T, H, hd] contiguous, q's dtype.
+void paged_prefill_attention_out(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                 const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                                 const torch::Tensor& query_lens, double scale, int64_t window, torch::Tensor& out) {
+#if defined(TM_AVX512)
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the key and value caches must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3) && q.size(2) % 16 == 0,
+              "head layout mismatch (head_dim must be a multiple of 16)");
+  TORCH_CHECK(has_contiguous_heads(q), "q must have contiguous heads");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "out must be contiguous, shaped and typed like q");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  query_lens.scalar_type() == at::kLong, "int64 indices");
+  TORCH_CHECK(block_table.dim() == 2 && seq_lens.numel() == block_table.size(0) &&
+                  query_lens.numel() == block_table.size(0), "one block-table row, length and query count per sequence");
+  const torch::Tensor table = block_table.contiguous(), lens = seq_lens.contiguous(), qlens = query_lens.contiguous();
+  const int64_t* lens_p = lens.data_ptr<int64_t>();
+  const int64_t* qlens_p = qlens.data_ptr<int64_t>();
+  const int64_t* table_p = table.data_ptr<int64_t>();
+  const int64_t width = table.size(1), bs = k_cache.size(1), num_blocks = k_cache.size(0);
+  std::vector<prefill::Seq> seqs;
+  int64_t rows = 0;
+  for (int64_t s = 0; s < table.size(0); ++s) {
+    const int64_t len = lens_p[s], nq = qlens_p[s];
+    TORCH_CHECK(nq >= 1 && nq <= len && len <= width * bs, "sequence length outside its block table");
+    for (int64_t j = 0; j < (len + bs - 1) / bs; ++j)
+      TORCH_CHECK(table_p[s * width + j] >= 0 && table_p[s * width + j] < num_blocks, "block id out of range");
+    const int64_t k0 = window > 0 ? std::max<int64_t>(0, len - nq - window + 1) : 0;
+    seqs.push_back({rows, nq, len, k0});
+    rows += nq;
+  }
+  TORCH_CHECK(rows == q.size(0), "q must hold every sequence's query rows");
+  with_float_type(q.scalar_type(), "q", [&](auto tq) {
+    using TQ = decltype(tq);
+    with_float_type(k_cache.scalar_type(), "the caches", [&](auto tc) {
+      using TC = decltype(tc);
+      prefill::attention<TQ, TC>(q.data_ptr<TQ>(), q.stride(0), k_cache.data_ptr<TC>(), v_cache.data_ptr<TC>(),
+                                 table_p, width, seqs, q.size(1), k_cache.size(2), q.size(2), bs,
+                                 static_cast<float>(scale), window, out.data_ptr<TQ>());
+    });
+  });
+#else
+  (void)q, (void)k_cache, (void)v_cache, (void)block_table, (void)seq_lens, (void)query_lens, (void)scale,
+      (void)window, (void)out;
+  TORCH_CHECK(false, "paged prefill attention needs an AVX-512 build of the CPU kernels");
+#endif
+}
+
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor query_lens,
+                                      double scale, int64_t window) {
+  // q elements x table keys: the multiply-adds, to within the head-group factor
+  const tokenmill_capi::ReleaseGilIfLong gil(q.numel() * block_table.size(-1) * k_cache.size(1));
+  q = with_contiguous_heads(q);
+  auto out = torch::empty(q.sizes(), q.options());
+  paged_prefill_attention_out(q, k_cache, v_cache, block_table, seq_lens, query_lens, scale, window, out);
   return out;
 }
 
@@ -1028,15 +1097,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return g_split_threads.exchange(threads);
   }, "fix the thread count decode attention splits a sequence's keys for (0: the running count); returns the old one");
   m.def("decode_split_threads", [] { return split_threads(); }, "the thread count decode attention splits keys for");
-  m.def("set_decode_wide", [](bool wide) { return g_decode_wide.exchange(wide); },
-        "take the AVX-512 decode-attention tiles where built (True, the default) or the AVX2 ones; returns the old");
-  m.def("decode_wide_built", [] {
+  m.def("set_wide_attention", [](bool wide) { return g_decode_wide.exchange(wide); },
+        "take the AVX-512 attention kernels where built (True, the default): decode tiles and the prefill kernel; "
+        "False: the AVX2 decode tiles and no native prefill; returns the old setting");
+  m.def("wide_attention_built", [] {
 #if defined(TM_AVX512)
     return true;
 #else
     return false;
 #endif
-  }, "whether this build has the AVX-512 decode-attention tiles");
+  }, "whether this build has the AVX-512 attention kernels");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal attention of each sequence's last query_lens positions over its paged keys, read in place "
+        "(CPU, AVX-512 builds)");
+  m.def("prefill_attention_available", [] {
+#if defined(TM_AVX512)
+    return g_decode_wide.load();
+#else
+    return false;
+#endif
+  }, "whether paged_prefill_attention runs here: an AVX-512 build with the wide kernels on");
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8,
         "paged decode attention over an int8 KV cache with fp16 scales per (slot, kv head) (CPU)");
   // kv_write and kv_write_int8 are C API entry points too (called there without the GIL): the GIL

@@ -15,7 +15,9 @@ Attention runs once per group, never once per request:
                    kernel reads keys and values in place through the block table
                    (kernels/cpu_kernels.cpp); elsewhere q [D, H, 1, hd] against keys
                    gathered (and dequantized) through the block table [D, Lk]
-  * prefill group: q padded to [P, H, Lq_max, hd] against keys gathered the same way
+  * prefill group: on CPU builds with AVX-512, flash attention over the keys read in place
+                   (kernels/prefill_avx512.h); elsewhere q padded to [P, H, Lq_max, hd] against keys
+                   gathered the same way
 Masks are built once per step by the runner and shared by all layers.
 """
 
@@ -45,6 +47,8 @@ class GroupMetadata:
     num_tokens: int  # real tokens in the group
     max_query_len: int
     pad_index: torch.Tensor | None  # [num_tokens] position of each token in the padded [S*Lq] layout
+    query_lens: torch.Tensor | None = None  # [S] int64 query tokens per sequence (prefill groups: the
+    # native prefill kernel takes the group's rows as they are, no padding)
 
 
 @dataclass(slots=True)
@@ -128,6 +132,12 @@ class PagedAttention:
             window = self.sliding_window if is_sliding and self.sliding_window is not None else 0
             return cache.native_decode(self.decode_kernel, q, group.block_table, group.seq_lens, self.scale, window,
                                        self.logit_softcap or 0.0)
+        if self.decode_kernel is not None and group.query_lens is not None and self.logit_softcap is None:
+            window = self.sliding_window if is_sliding and self.sliding_window is not None else 0
+            out = cache.native_prefill(self.decode_kernel, q, group.block_table, group.seq_lens, group.query_lens,
+                                       self.scale, window)
+            if out is not None:
+                return out
         num_seqs = group.block_table.shape[0]
         q_pad = _pad_queries(q, group, num_seqs).transpose(1, 2)  # [S, H, Lq, hd]
         keys, values = cache.gather(group.block_table, q.dtype)  # [S, KVH, Lk, hd]

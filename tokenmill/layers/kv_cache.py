@@ -77,6 +77,14 @@ class LayerKVCache(ABC):
                       seq_lens: torch.Tensor, scale: float, window: int, softcap: float) -> torch.Tensor:
         """One query per sequence [S, H, hd] against its keys, read in place. Returns [S, H, hd] in q's dtype."""
 
+    def native_prefill(self, kernels: NativeDecodeKernels, q: torch.Tensor, block_table: torch.Tensor,
+                       seq_lens: torch.Tensor, query_lens: torch.Tensor, scale: float,
+                       window: int) -> torch.Tensor | None:
+        """Causal attention of each sequence's last query_lens positions (q [T, H, hd], sequences back to
+        back) over its keys read in place, [T, H, hd]; None where `kernels` has no prefill kernel for this
+        cache (the caller gathers and runs SDPA instead)."""
+        return None
+
     @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the layer's cache holds (for byte accounting)."""
@@ -116,6 +124,16 @@ class DenseKVCache(LayerKVCache):
     def native_decode(self, kernels: NativeDecodeKernels, q: torch.Tensor, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float, window: int, softcap: float) -> torch.Tensor:
         return kernels.paged_decode_attention(q, self.k, self.v, block_table, seq_lens, scale, window, softcap)
+
+    def native_prefill(self, kernels: NativeDecodeKernels, q: torch.Tensor, block_table: torch.Tensor,
+                       seq_lens: torch.Tensor, query_lens: torch.Tensor, scale: float,
+                       window: int) -> torch.Tensor | None:
+        # The CPU module's kernel, built only where -march=native has AVX-512 (the Triton kernels have none).
+        prefill = getattr(kernels, "paged_prefill_attention", None)
+        available = getattr(kernels, "prefill_attention_available", None)
+        if prefill is None or available is None or not available() or q.shape[-1] % 16 != 0:
+            return None
+        return cast(torch.Tensor, prefill(q, self.k, self.v, block_table, seq_lens, query_lens, scale, window))
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v]
