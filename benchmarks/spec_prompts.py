@@ -4,6 +4,8 @@ whose answers do not."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 FUNCTIONS = [
     '''def merge_intervals(intervals):
     intervals.sort(key=lambda x: x[0])
@@ -43,6 +45,24 @@ CHATS = [CHAT, "Write a short story about a robot learning to paint.",
          "What are the main differences between TCP and UDP?"]
 
 
-def edit_prompt(i: int) -> list[dict[str, str]]:
+def edit_prompt(i: int, context: str = "") -> list[dict[str, str]]:
+    """Code edit i; `context`: source code an agent would have put in the prompt first (a system message)."""
     code = FUNCTIONS[i % len(FUNCTIONS)]
-    return [{"role": "user", "content": f"Rewrite this function with type hints. Change nothing else.\n\n{code}"}]
+    edit = [{"role": "user", "content": f"Rewrite this function with type hints. Change nothing else.\n\n{code}"}]
+    if not context:
+        return edit
+    return [{"role": "system", "content": f"Files of the repository you are working in:\n\n{context}"}, *edit]
+
+
+def code_context(encode: Callable[[str], list[int]], tokens: int) -> str:
+    """About `tokens` tokens of Python source (the stdlib modules `tokenmill bench` cuts code from), cut
+    at a line end: a long agent prompt whose code is not the function being edited."""
+    from tokenmill.bench.corpus import TextKind, corpus_text
+
+    lines, total = [], 0
+    for line in corpus_text(TextKind.CODE).splitlines(keepends=True):
+        total += len(encode(line))
+        if total > tokens:
+            break
+        lines.append(line)
+    return "".join(lines)

@@ -28,6 +28,7 @@ Run it under the shared lock (one benchmark at a time on this machine):
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -35,7 +36,7 @@ from typing import Any
 
 import common  # type: ignore[import-not-found]
 from spec_measure import measure  # type: ignore[import-not-found]
-from spec_prompts import CHAT, CHATS, edit_prompt  # type: ignore[import-not-found]
+from spec_prompts import CHAT, CHATS, code_context, edit_prompt  # type: ignore[import-not-found]
 
 
 def parse_args() -> argparse.Namespace:
@@ -70,6 +71,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ngram-prompts", type=int, default=1,
                    help="ngram at concurrency 1: this many code-edit prompts, each measured on its own, and the "
                         "speed-up of serving them one after another (a row of its own)")
+    p.add_argument("--ngram-context", type=int, default=0,
+                   help="ngram: about this many tokens of other Python source before each code edit (a long "
+                        "agent prompt: longer attention, and more places for a lookup to match)")
     p.add_argument("--draft-tokens", type=int, default=32, help="max_tokens per request (draft; the 1.5B is slow)")
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=4)
@@ -86,15 +90,18 @@ def parse_args() -> argparse.Namespace:
 def run_ngram(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tokenmill import LLM
 
-    llm = LLM(args.ngram_model, speculative="ngram", num_speculative_tokens=args.k, num_kv_blocks=1024,
-              max_model_len=2048, num_threads=args.threads, quantization=args.quantization,
+    llm = LLM(args.ngram_model, speculative="ngram", num_speculative_tokens=args.k,
+              num_kv_blocks=max(1024, 2 * max(args.concurrency) * (args.ngram_context + 512) // 16),
+              max_model_len=2048 + args.ngram_context, num_threads=args.threads, quantization=args.quantization,
               ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_num_seqs=max(64, max(args.concurrency)))
+    context = code_context(llm.tokenizer.encode, args.ngram_context) if args.ngram_context else ""
+    prompt = functools.partial(edit_prompt, context=context)
     rows = []
     for c in args.concurrency:
         if c == 1 and args.ngram_prompts > 1:
-            rows += run_ngram_prompts(llm, args)
+            rows += run_ngram_prompts(llm, args, prompt)
             continue
-        result = measure(llm, [edit_prompt(i) for i in range(c)], args.ngram_tokens, args.rounds,
+        result = measure(llm, [prompt(i) for i in range(c)], args.ngram_tokens, args.rounds,
                          ignore_eos=not args.ngram_answers)
         rows.append({"method": "ngram", "model": args.ngram_model, "concurrency": c, **result})
         print(f"ngram c={c}: {result['spec_tok_s']:.1f} vs {result['plain_tok_s']:.1f} tok/s = "
@@ -102,13 +109,14 @@ def run_ngram(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def run_ngram_prompts(llm: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_ngram_prompts(llm: Any, args: argparse.Namespace,
+                      prompt: Callable[[int], list[dict[str, str]]]) -> list[dict[str, Any]]:
     """Batch 1, each of the first --ngram-prompts code edits on its own (rows "code-edit-i"), then the
     row the curve plots: their tokens over the summed median times of each mode, i.e. the speed-up of
     serving them one after another (one prompt's figure depends on how much of its answer is copied)."""
     per_prompt = []
     for i in range(args.ngram_prompts):
-        result = measure(llm, [edit_prompt(i)], args.ngram_tokens, args.rounds, ignore_eos=not args.ngram_answers)
+        result = measure(llm, [prompt(i)], args.ngram_tokens, args.rounds, ignore_eos=not args.ngram_answers)
         per_prompt.append({"method": "ngram", "model": args.ngram_model, "concurrency": 1,
                            "prompt": f"code-edit-{i}", "tokens": result.pop("tokens"), **result})
         print(f"ngram c=1 prompt {i}: {result['ratio']:.2f}x, acceptance {result['acceptance_rate']:.2f}", flush=True)

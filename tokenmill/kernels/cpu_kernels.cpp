@@ -36,8 +36,10 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -407,7 +409,12 @@ std::vector<int64_t> item_order(const std::vector<int64_t>& first_item, const in
 // where they fit and the prefill kernel; off, the AVX2 decode tiles and gather + SDPA for prefill, what
 // an AVX2-only host runs. A process setting for tests, which compare the paths on one machine (a step's
 // rows always share one path, so a verification row still matches its plain decode).
-std::atomic<bool> g_decode_wide{true};
+// TOKENMILL_WIDE_ATTENTION=0 starts a process on the AVX2 path (an A/B of a whole run, or an escape hatch).
+bool wide_default() {
+  const char* env = std::getenv("TOKENMILL_WIDE_ATTENTION");
+  return env == nullptr || std::string(env) != "0";
+}
+std::atomic<bool> g_decode_wide{wide_default()};
 
 template <typename TC>
 bool use_wide(int64_t head_dim) {
