@@ -43,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128, help="tokens per request and round")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tag", default="", help="suffix of the result file name (runs of one shape on one day "
+                                              "otherwise overwrite each other)")
     p.add_argument("--query-rows", type=int, default=0,
                    help="time one request's verification step of this many query rows instead of decoding")
     args = p.parse_args()
@@ -180,7 +182,8 @@ def main() -> None:
           f"working tree {statistics.median(steps['new']) * 1e3:.2f} ms a step; median base/new "
           f"{summary['median_ratio']:.3f}; greedy tokens {'identical' if same else 'differ'}")
     shape = f"q{args.query_rows}" if args.query_rows else f"b{args.batch}"
-    common.save_json("kernel_ab", f"{args.model}_{shape}_p{args.prompt_len}", summary)
+    common.save_json("kernel_ab", f"{args.model}_{shape}_p{args.prompt_len}{'_' + args.tag if args.tag else ''}",
+                     summary)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,49 @@ inline bool fits(int64_t head_dim) {
   return kTyped<T> && head_dim % 16 == 0;
 }
 
+// exp on 16 lanes: exp8's Cephes polynomial (cpu_kernels.cpp), same constants and clamping (the same
+// value per lane).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// Softmax numerators in place: s_t <- exp(s_t - max_t s_t); returns their sum (and the max in *max_out,
+// which a split sequence's merge needs). cpu_kernels.cpp's softmax_numerators in 16 lanes, the tail
+// through masked loads.
+inline float softmax_numerators(float* s, int64_t n, float* max_out = nullptr) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 vmax = ninf;
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - t)) - 1);
+  vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(ninf, tail, s + t));
+  const float mx = _mm512_reduce_max_ps(vmax);
+  if (max_out != nullptr) *max_out = mx;
+  const __m512 vm = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= n; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
+    _mm512_storeu_ps(s + t, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(vm, tail, s + t), vm)));
+  _mm512_mask_storeu_ps(s + t, tail, e);
+  return _mm512_reduce_add_ps(_mm512_add_ps(vsum, e));
+}
+
 // [Σ a0, Σ a1, Σ a2, Σ a3]: pairs interleaved within each 128-bit lane (unpack ps, then pd), then the
 // four 128-bit lanes added. One tree for every key: its sum's association never depends on the others.
 inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {

@@ -548,11 +548,15 @@ void decode_kernel(const TQ* q, const TC* k_cache, const TC* v_cache, const at::
           const float c = static_cast<float>(softcap), sc = static_cast<float>(scale);
           for (int64_t t = 0; t < n; ++t) sh[t] = c * std::tanh(sh[t] * sc / c);
         }
-        if (seq_split) {
-          part_l[item * num_heads + h] = softmax_numerators(sh, n, &part_m[item * num_heads + h]);
-        } else {
-          inv_sum[h] = 1.f / softmax_numerators(sh, n);
-        }
+        float* max_out = seq_split ? &part_m[item * num_heads + h] : nullptr;
+        float sum = 0.f;
+#if defined(TM_AVX512)
+        if constexpr (Wide) sum = wide::softmax_numerators(sh, n, max_out);
+        else
+#endif
+          sum = softmax_numerators(sh, n, max_out);
+        if (seq_split) part_l[item * num_heads + h] = sum;
+        else inv_sum[h] = 1.f / sum;
       }
       for (int64_t g = 0; g < num_kv_heads; ++g) {
         float* p = scores.data() + g * rep * n;  // p_t of the kv head's query heads, rows of n

@@ -26,24 +26,6 @@ constexpr int64_t kBlock = 64;  // keys per block: a score row is 4 zmm
 constexpr int64_t kTokens = 16;  // query tokens per item
 constexpr int kTile = 6;         // rows per register tile: 24 accumulators
 
-// exp on 16 lanes: exp8's Cephes polynomial (cpu_kernels.cpp), same constants and clamping.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
 // S[r, 0 .. 64) = Σ_d Q[r, d] KT[d, 0 .. 64) for R rows.
 template <int R>
 inline void scores_tile(const float* Q, int64_t hd, const float* KT, float* S) {
@@ -153,7 +135,7 @@ inline float softmax_row(float* S, int64_t lo, int64_t hi, float& m, float& l) {
   const __m512 vm = _mm512_set1_ps(mn);
   __m512 sum = _mm512_setzero_ps();
   for (int c = 0; c < 4; ++c) {
-    const __m512 p = _mm512_maskz_mov_ps(keep[c], exp16(_mm512_sub_ps(_mm512_loadu_ps(S + 16 * c), vm)));
+    const __m512 p = _mm512_maskz_mov_ps(keep[c], wide::exp16(_mm512_sub_ps(_mm512_loadu_ps(S + 16 * c), vm)));
     _mm512_storeu_ps(S + 16 * c, p);
     sum = _mm512_add_ps(sum, p);
   }
