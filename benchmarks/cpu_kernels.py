@@ -12,6 +12,10 @@
              next step's). Cold, the native kernel's effective KV bandwidth (cache bytes it must read
              / time) is printed next to the copy bandwidth of the same run.
 
+  prefill    prefill attention of one chunk of Q queries at the end of a K-key context: gather + mask +
+             SDPA (what AVX2-only hosts run) against the native flash kernel (kernels/prefill_avx512.h, AVX-512
+             builds only; skipped elsewhere), warm.
+
 Each figure is the best of 3 rounds of N calls, the two sides interleaved round by round so a
 noisy neighbour hurts both; ratios > 1 favour the second kernel.
 
@@ -37,6 +41,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rows", default="1,16,64,2048", help="GEMM row counts")
     p.add_argument("--seqs", default="1,16,64", help="decode batch sizes for attention")
     p.add_argument("--contexts", default="100,400,1000", help="keys per sequence for attention")
+    p.add_argument("--prefill", default="512:512,512:2048,512:4096,110:110",
+                   help="prefill attention shapes, queries:keys (one sequence; empty: none)")
     return p.parse_args()
 
 
@@ -141,6 +147,42 @@ def attention_rows(arch: Any, seqs: list[int], contexts: list[int]) -> list[dict
     return results
 
 
+def prefill_rows(arch: Any, shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    import torch
+
+    from tokenmill.kernels import cpu_kernels
+    from tokenmill.layers.attention import GroupMetadata, PagedAttention, decode_kernel
+    from tokenmill.layers.kv_cache import DenseKVCache
+
+    module = cpu_kernels()
+    if module is None or not module.wide_attention_built():
+        return []
+    kernel = decode_kernel("native", torch.device("cpu"))
+    h, kvh, hd, bs = arch.num_heads, arch.num_kv_heads, arch.head_dim, 16
+    results = []
+    for nq, keys in shapes:
+        nb = -(-keys // bs)
+        cache = DenseKVCache(torch.randn(nb + 8, bs, kvh, hd), torch.randn(nb + 8, bs, kvh, hd))
+        table = torch.randperm(nb + 8)[:nb].view(1, nb)
+        q_pos, k_pos = torch.arange(keys - nq, keys)[:, None], torch.arange(nb * bs)[None, :]
+        mask = (k_pos <= q_pos).view(1, 1, nq, nb * bs)
+        group = GroupMetadata(table, torch.tensor([keys]), mask, None, 0, nq, nq, None, torch.tensor([nq]))
+        attn = PagedAttention(h, kvh, hd, hd**-0.5, None, decode_kernel=kernel)
+        q = torch.randn(nq, h, hd)
+
+        def run(wide: bool, q: torch.Tensor = q, attn: PagedAttention = attn, cache: DenseKVCache = cache,
+                group: GroupMetadata = group) -> torch.Tensor:
+            module.set_wide_attention(wide)
+            return attn._group(q, cache, group, False)
+
+        ref, out = run(False), run(True)
+        sdpa_ms, native_ms = best_ms([partial(run, False), partial(run, True)], calls=4)
+        module.set_wide_attention(True)
+        results.append({"queries": nq, "keys": keys, "sdpa_ms": sdpa_ms, "native_ms": native_ms,
+                        "native_speedup": sdpa_ms / native_ms, "max_abs_diff": float((ref - out).abs().max())})
+    return results
+
+
 def main() -> None:
     args = parse_args()
     common.pin_threads(args.threads)
@@ -149,6 +191,7 @@ def main() -> None:
     gemm = gemm_rows(arch, [int(r) for r in args.rows.split(",")])
     attention = attention_rows(arch, [int(s) for s in args.seqs.split(",")],
                                [int(c) for c in args.contexts.split(",")])
+    prefill = prefill_rows(arch, [(int(a), int(b)) for a, b in (x.split(":") for x in args.prefill.split(",") if x)])
     probe = BandwidthProbe(0.25)
     probe.sample(5)
     bandwidth = probe.result()
@@ -163,9 +206,15 @@ def main() -> None:
                        [[a["seqs"], a["context"], a["sdpa_ms"], a["native_ms"], a["native_speedup"],
                          a["cold_sdpa_ms"], a["cold_native_ms"], a["cold_native_speedup"], a["cold_native_kv_gbps"]]
                         for a in attention])
+    if prefill:
+        print()
+        common.print_table(["queries", "keys", "gather+mask+sdpa ms", "native ms", "native speedup", "max abs diff"],
+                           [[r["queries"], r["keys"], r["sdpa_ms"], r["native_ms"], r["native_speedup"],
+                             r["max_abs_diff"]] for r in prefill])
     print(f"copy bandwidth (read + write) {copy_gbps:.1f} GB/s, read {read_gbps:.1f} GB/s; "
           f"others_cores during the run: {others:.2f}")
     common.save_json("cpu_kernels", args.model, {"config": vars(args), "gemm": gemm, "attention": attention,
+                                                 "prefill": prefill,
                                                  "copy_gbps": copy_gbps, "read_gbps": read_gbps,
                                                  "others_cores": others,
                                                  "environment": common.environment()})
