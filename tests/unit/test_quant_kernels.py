@@ -220,11 +220,12 @@ def test_paths_agree_with_each_other(passes: int) -> None:
 @pytest.mark.parametrize(("ggml_type", "fmt"), [(T.Q4_0, "q4"), (T.Q4_1, "q4"), (T.Q8_0, "q8"), (T.Q4_K, "q4"),
                                                (T.Q6_K, "q8"), (T.Q5_0, "q5")], ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("out_features", [8, 37, 64, 72])
-@pytest.mark.parametrize("duo_rows", [0, 9], ids=["no-duo", "duo"])
+@pytest.mark.parametrize("duo_rows", [0, 9, 17], ids=["no-duo", "duo", "duo-streams"])
 def test_512_bit_tiles_equal_the_256_bit_path_bit_for_bit(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat,
                                                          out_features: int, duo_rows: int) -> None:
     """avx512vnni puts two row groups in one zmm (16 rows a vpdpwssd) and up to 8 activation rows in a
-    tile, or (duo tiles, 1-8 rows) two column pairs of one group, permuted row by row; every lane still
+    tile, or (duo tiles, 1-8 rows; "duo-streams": 9-16 rows as two whole-range duo passes, what a matrix
+    past kStreamBytes takes) two column pairs of one group, permuted row by row; every lane still
     takes the 256-bit tile's integer sums and float steps in order, so the outputs are equal bit for
     bit: an odd group left over (37 and 72 rows: 5 and 9 groups), a partial last group, every
     remainder of rows under the tile height, fp16 (Q4_0, Q8_0) and float32 scales."""

@@ -71,6 +71,7 @@ enum Isa : int64_t { PORTABLE = 0, AVX2 = 1, AVX512VNNI = 2, AMX = 3 };  // AMX:
 constexpr float kFine = 254.f;  // pass 2's step is 1/254 of pass 1's
 constexpr int64_t kPrefetch = 2048;  // bytes ahead in the weight stream (the scales: a quarter of it)
 constexpr int64_t kPanelBytes = 512 << 10;  // int16 activation rows a pass over the weights takes (run_groups)
+constexpr int64_t kStreamBytes = 64 << 20;  // a matrix past this is streamed from memory whatever the tiles do
 constexpr int64_t kDuoRows = 8;  // the tallest avx512vnni duo tile (8 rows x 2 chains: 16 of the 32 zmm registers)
 constexpr int64_t kSplitBytes = 64 << 10;  // least weight bytes per thread task (scaled by M / 4 for wider tiles)
 

@@ -254,6 +254,18 @@ void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, f
   // tiles were 1.2-1.7x slower below 4-5 rows and 1.3-1.5x faster from 6 (docs/quantization.md); every
   // choice gives the same bits.
   if (M < std::min<int64_t>(duo_rows, kDuoRows + 1)) return groups_duo(w, a, 0, M, g0, g1, out, ld);
+
+  // 9-16 rows of a matrix far past L3 (a large vocabulary's lm_head: Qwen2.5-0.5B's is 145 MB): two
+  // passes of duo tiles, each streaming the whole range from memory, beat one pass in L2-sized chunks
+  // (short streams: ~14 GB/s) on Zen 5: 16 rows of that lm_head 9.8 -> 7.6 ms (docs/quantization.md).
+  // Layers that fit L3 keep the chunks (all-duo there: a batch-16 step 0.959x). duo_rows > 16 forces it
+  // at any size (tests: the same bits either way).
+  const int64_t matrix_bytes = (w.rows + RG - 1) / RG * w.nb * w.block_bytes();
+  if (M > kDuoRows && M <= 2 * kDuoRows && duo_rows > kDuoRows &&
+      (matrix_bytes > kStreamBytes || duo_rows > 2 * kDuoRows)) {
+    groups_duo(w, a, 0, kDuoRows, g0, g1, out, ld);
+    return groups_duo(w, a, kDuoRows, M - kDuoRows, g0, g1, out, ld);
+  }
   if (M < wide_rows) return groups256(w, a, M, g0, g1, out, ld);
   // As groups256: ~128 KiB chunks of weights (an even number of groups) that every m-tile passes over.
   const int64_t group_bytes = w.nb * w.block_bytes();
