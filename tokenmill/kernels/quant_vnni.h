@@ -255,16 +255,18 @@ void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, f
   // choice gives the same bits.
   if (M < std::min<int64_t>(duo_rows, kDuoRows + 1)) return groups_duo(w, a, 0, M, g0, g1, out, ld);
 
-  // 9-16 rows of a matrix far past L3 (a large vocabulary's lm_head: Qwen2.5-0.5B's is 145 MB): two
-  // passes of duo tiles, each streaming the whole range from memory, beat one pass in L2-sized chunks
-  // (short streams: ~14 GB/s) on Zen 5: 16 rows of that lm_head 9.8 -> 7.6 ms (docs/quantization.md).
-  // Layers that fit L3 keep the chunks (all-duo there: a batch-16 step 0.959x). duo_rows > 16 forces it
-  // at any size (tests: the same bits either way).
+  // 9-24 rows of a matrix far past L3 (a large vocabulary's lm_head: Qwen2.5-0.5B's is 145 MB): passes
+  // of 8-row duo tiles, each streaming the whole range from memory, beat one pass in L2-sized chunks
+  // (short streams: ~14 GB/s) on Zen 5: that lm_head at 16 rows 9.8 -> 7.6 ms, at 24 rows 12.4 -> ~10.8
+  // (docs/quantization.md; at 32 rows the chunks' denser tiles catch up). Layers that fit L3 keep the
+  // chunks (all-duo there: a batch-16 step 0.959x). duo_rows > 16 forces it at any size (tests: the same
+  // bits either way).
   const int64_t matrix_bytes = (w.rows + RG - 1) / RG * w.nb * w.block_bytes();
-  if (M > kDuoRows && M <= 2 * kDuoRows && duo_rows > kDuoRows &&
+  if (M > kDuoRows && M <= 3 * kDuoRows && duo_rows > kDuoRows &&
       (matrix_bytes > kStreamBytes || duo_rows > 2 * kDuoRows)) {
-    groups_duo(w, a, 0, kDuoRows, g0, g1, out, ld);
-    return groups_duo(w, a, kDuoRows, M - kDuoRows, g0, g1, out, ld);
+    for (int64_t m0 = 0; m0 < M; m0 += kDuoRows)
+      groups_duo(w, a, m0, std::min(kDuoRows, M - m0), g0, g1, out, ld);
+    return;
   }
   if (M < wide_rows) return groups256(w, a, M, g0, g1, out, ld);
   // As groups256: ~128 KiB chunks of weights (an even number of groups) that every m-tile passes over.
