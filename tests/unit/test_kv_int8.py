@@ -284,3 +284,25 @@ def test_every_engine_command_takes_the_flag(command: list[str], capsys: pytest.
     with pytest.raises(SystemExit):
         build_parser().parse_args([*command, "--kv-cache-dtype", "int4"])
     assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [0, 30])
+def test_int8_prefill_kernel_matches_attention_on_dequantized_values(window: int) -> None:
+    """The native prefill kernel (AVX-512 builds) over an int8 cache: each key's scale in its transposed
+    copy, each value's in the softmax weight after the row sum; queries at positions 60-139 and 0-40."""
+    assert kernels is not None
+    if not kernels.wide_attention_built():
+        pytest.skip("the native prefill attention needs an AVX-512 build of the CPU kernels")
+    g = torch.Generator().manual_seed(9 + window)
+    cache = _int8_cache(24, 16, 2, 64, g)
+    table = torch.randperm(24, generator=g)[:20].view(2, 10)
+    lens, qlens = [140, 41], [80, 41]
+    q = torch.randn(sum(qlens), 14, 64, generator=g)
+    out = kernels.paged_prefill_attention(q, cache.k, cache.v, table, torch.tensor(lens), torch.tensor(qlens), 0.125,
+                                          window, cache.k_scale, cache.v_scale)
+    rows = [0] * qlens[0] + [1] * qlens[1]
+    row_lens = torch.tensor([*range(61, 141), *range(1, 42)])
+    ref = paged_attention_reference(q, *_dequantized(cache), table[rows], row_lens, 0.125, window, 0.0,
+                                    dtype=torch.float64)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))

@@ -707,9 +707,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // contiguous); caches fp32, bf16 or fp16 [num_blocks, block_size, KVH, hd]; block_table [S, W] int64;
 // seq_lens [S]: keys per sequence after this step; query_lens [S]: its queries are its last query_lens
 // positions; window > 0: a query at p sees keys (p - window, p]. out [T, H, hd] contiguous, q's dtype.
-void paged_prefill_attention_out(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                                 const torch::Tensor& block_table, const torch::Tensor& seq_lens,
-                                 const torch::Tensor& query_lens, double scale, int64_t window, torch::Tensor& out) {
+// k_scale / v_scale: the int8 cache's [num_blocks, block_size, KVH] fp16 scales (undefined for dense caches).
+static void prefill_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                   const torch::Tensor& k_scale, const torch::Tensor& v_scale,
+                                   const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                                   const torch::Tensor& query_lens, double scale, int64_t window, torch::Tensor& out) {
 #if defined(TM_AVX512)
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the key and value caches must share a dtype");
@@ -742,28 +744,44 @@ void paged_prefill_attention_out(const torch::Tensor& q, const torch::Tensor& k_
   TORCH_CHECK(rows == q.size(0), "q must hold every sequence's query rows");
   with_float_type(q.scalar_type(), "q", [&](auto tq) {
     using TQ = decltype(tq);
+    if (k_scale.defined()) {
+      TORCH_CHECK(k_cache.scalar_type() == at::kChar, "int8 caches expected");
+      TORCH_CHECK(k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf, "fp16 scales expected");
+      TORCH_CHECK(k_scale.dim() == 3 && k_scale.sizes() == k_cache.sizes().slice(0, 3) &&
+                      v_scale.sizes() == k_scale.sizes() && k_scale.is_contiguous() && v_scale.is_contiguous(),
+                  "contiguous scales [num_blocks, block_size, KVH] expected");
+      return prefill::attention<TQ, int8_t>(q.data_ptr<TQ>(), q.stride(0), k_cache.data_ptr<int8_t>(),
+                                            v_cache.data_ptr<int8_t>(), k_scale.data_ptr<at::Half>(),
+                                            v_scale.data_ptr<at::Half>(), table_p, width, seqs, q.size(1),
+                                            k_cache.size(2), q.size(2), bs, static_cast<float>(scale), window,
+                                            out.data_ptr<TQ>());
+    }
     with_float_type(k_cache.scalar_type(), "the caches", [&](auto tc) {
       using TC = decltype(tc);
       prefill::attention<TQ, TC>(q.data_ptr<TQ>(), q.stride(0), k_cache.data_ptr<TC>(), v_cache.data_ptr<TC>(),
-                                 table_p, width, seqs, q.size(1), k_cache.size(2), q.size(2), bs,
+                                 nullptr, nullptr, table_p, width, seqs, q.size(1), k_cache.size(2), q.size(2), bs,
                                  static_cast<float>(scale), window, out.data_ptr<TQ>());
     });
   });
 #else
-  (void)q, (void)k_cache, (void)v_cache, (void)block_table, (void)seq_lens, (void)query_lens, (void)scale,
-      (void)window, (void)out;
+  (void)q, (void)k_cache, (void)v_cache, (void)k_scale, (void)v_scale, (void)block_table, (void)seq_lens,
+      (void)query_lens, (void)scale, (void)window, (void)out;
   TORCH_CHECK(false, "paged prefill attention needs an AVX-512 build of the CPU kernels");
 #endif
 }
 
+// The int8 cache (k_scale, v_scale [num_blocks, block_size, KVH] fp16) or a dense one (scales undefined).
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor query_lens,
-                                      double scale, int64_t window) {
+                                      double scale, int64_t window, c10::optional<torch::Tensor> k_scale,
+                                      c10::optional<torch::Tensor> v_scale) {
   // q elements x table keys: the multiply-adds, to within the head-group factor
   const tokenmill_capi::ReleaseGilIfLong gil(q.numel() * block_table.size(-1) * k_cache.size(1));
+  TORCH_CHECK(k_scale.has_value() == v_scale.has_value(), "both scales or neither");
   q = with_contiguous_heads(q);
   auto out = torch::empty(q.sizes(), q.options());
-  paged_prefill_attention_out(q, k_cache, v_cache, block_table, seq_lens, query_lens, scale, window, out);
+  prefill_attention_impl(q, k_cache, v_cache, k_scale.value_or(torch::Tensor()), v_scale.value_or(torch::Tensor()),
+                         block_table, seq_lens, query_lens, scale, window, out);
   return out;
 }
 
@@ -1119,8 +1137,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   }, "whether this build has the AVX-512 attention kernels");
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal attention of each sequence's last query_lens positions over its paged keys, read in place "
-        "(CPU, AVX-512 builds)");
+        "causal attention of each sequence's last query_lens positions over its paged keys, read in place; "
+        "k_scale / v_scale for an int8 cache (CPU, AVX-512 builds)",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_table"),
+        pybind11::arg("seq_lens"), pybind11::arg("query_lens"), pybind11::arg("scale"), pybind11::arg("window"),
+        pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none());
   m.def("prefill_attention_available", [] {
 #if defined(TM_AVX512)
     return g_decode_wide.load();

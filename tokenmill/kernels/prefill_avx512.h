@@ -151,8 +151,12 @@ struct Seq {  // one sequence of the group
 };
 
 // q [T, H, hd] rows of the group's sequences back to back (row stride q_stride); out [T, H, hd].
+// k_scale / v_scale [slots, kvh] fp16: the int8 cache's per-(slot, kv head) scales (null for dense caches):
+// a key's scale goes into its transposed copy, a value's into the softmax weight that multiplies it (after
+// the row sum l, which must not see it), as the decode kernel folds them.
 template <typename TQ, typename TC>
-void attention(const TQ* q, int64_t q_stride, const TC* k_cache, const TC* v_cache, const int64_t* table,
+void attention(const TQ* q, int64_t q_stride, const TC* k_cache, const TC* v_cache, const at::Half* k_scale,
+               const at::Half* v_scale, const int64_t* table,
                int64_t table_width, const std::vector<Seq>& seqs, int64_t num_heads, int64_t kvh, int64_t hd,
                int64_t block_size, float scale, int64_t window, TQ* out) {
   const int64_t rep = num_heads / kvh, token_stride = kvh * hd;
@@ -179,8 +183,10 @@ void attention(const TQ* q, int64_t q_stride, const TC* k_cache, const TC* v_cac
           for (int64_t d = 0; d < hd; ++d) dst[d * kBlock + t] = 0.f;
           continue;
         }
-        const TC* row = k_cache + slot(s, t0 + t) * token_stride + g * hd;
-        for (int64_t d = 0; d < hd; ++d) dst[d * kBlock + t] = static_cast<float>(row[d]);
+        const int64_t sl = slot(s, t0 + t);
+        const TC* row = k_cache + sl * token_stride + g * hd;
+        const float mul = k_scale != nullptr ? static_cast<float>(k_scale[sl * kvh + g]) : 1.f;
+        for (int64_t d = 0; d < hd; ++d) dst[d * kBlock + t] = static_cast<float>(row[d]) * mul;
       }
     }
   });
@@ -203,6 +209,7 @@ void attention(const TQ* q, int64_t q_stride, const TC* k_cache, const TC* v_cac
     std::vector<float> Q(max_rows * hd), O(max_rows * hd), S(max_rows * kBlock), m(max_rows), l(max_rows),
         alpha(max_rows);
     std::vector<const TC*> vrows(kBlock);
+    std::vector<float> vmul(kBlock);
     for (int64_t it = next.fetch_add(1); it < static_cast<int64_t>(items.size()); it = next.fetch_add(1)) {
       const Item& item = items[it];
       const Seq& sq = seqs[item.s];
@@ -233,6 +240,11 @@ void attention(const TQ* q, int64_t q_stride, const TC* k_cache, const TC* v_cac
           }
         }
         for (int64_t t = 0; t < n; ++t) vrows[t] = v_cache + slot(item.s, t0 + t) * token_stride + item.g * hd;
+        if (v_scale != nullptr) {
+          for (int64_t t = 0; t < n; ++t) vmul[t] = static_cast<float>(v_scale[slot(item.s, t0 + t) * kvh + item.g]);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t t = 0; t < n; ++t) S[r * kBlock + t] *= vmul[t];
+        }
         values(rows, S.data(), n, vrows.data(), alpha.data(), O.data(), hd);
       }
       for (int64_t i = 0; i < nt; ++i)

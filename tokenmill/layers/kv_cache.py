@@ -128,12 +128,7 @@ class DenseKVCache(LayerKVCache):
     def native_prefill(self, kernels: NativeDecodeKernels, q: torch.Tensor, block_table: torch.Tensor,
                        seq_lens: torch.Tensor, query_lens: torch.Tensor, scale: float,
                        window: int) -> torch.Tensor | None:
-        # The CPU module's kernel, built only where -march=native has AVX-512 (the Triton kernels have none).
-        prefill = getattr(kernels, "paged_prefill_attention", None)
-        available = getattr(kernels, "prefill_attention_available", None)
-        if prefill is None or available is None or not available() or q.shape[-1] % 16 != 0:
-            return None
-        return cast(torch.Tensor, prefill(q, self.k, self.v, block_table, seq_lens, query_lens, scale, window))
+        return _native_prefill(kernels, q, self.k, self.v, block_table, seq_lens, query_lens, scale, window)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v]
@@ -178,6 +173,12 @@ class Int8KVCache(LayerKVCache):
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v, self.k_scale, self.v_scale]
+
+    def native_prefill(self, kernels: NativeDecodeKernels, q: torch.Tensor, block_table: torch.Tensor,
+                       seq_lens: torch.Tensor, query_lens: torch.Tensor, scale: float,
+                       window: int) -> torch.Tensor | None:
+        return _native_prefill(kernels, q, self.k, self.v, block_table, seq_lens, query_lens, scale, window,
+                               self.k_scale, self.v_scale)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         return q if self.smoothing is None else self.smoothing.keys.scale_queries(q)
@@ -276,6 +277,19 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 _SAME_SIZE_INT = {1: np.int8, 2: np.int16, 4: np.int32}
+
+
+def _native_prefill(kernels: NativeDecodeKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, query_lens: torch.Tensor, scale: float,
+                    window: int, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The CPU module's prefill kernel (kernels/prefill_avx512.h), built only where -march=native has
+    AVX-512 and on unless TOKENMILL_WIDE_ATTENTION=0; None elsewhere (the Triton kernels have none)."""
+    prefill = getattr(kernels, "paged_prefill_attention", None)
+    available = getattr(kernels, "prefill_attention_available", None)
+    if prefill is None or available is None or not available() or q.shape[-1] % 16 != 0:
+        return None
+    return cast(torch.Tensor, prefill(q, k, v, block_table, seq_lens, query_lens, scale, window, k_scale, v_scale))
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
