@@ -33,6 +33,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded after the first, for TPOT")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-cache-dtype", default="auto", help="the engine KV cache dtype: auto, fp32, bf16, fp16, int8")
     p.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench binary (optional)")
     p.add_argument("--tag", default="", help="suffix of the result file name")
     return p.parse_args()
@@ -86,7 +87,7 @@ def main() -> None:
         raise SystemExit("long_context: this host's CPU kernels have no AVX-512 attention to compare")
     longest = max(args.contexts) + args.decode_tokens + 16
     llm = LLM(args.model, num_threads=args.threads, max_num_seqs=1, num_kv_blocks=longest // 16 + 8,
-              max_model_len=longest)
+              max_model_len=longest, kv_cache_dtype=args.kv_cache_dtype)
     bos = common.prompt_bos(llm.tokenizer)
     results: dict[str, Any] = {"contexts": {}}
     rows = []
