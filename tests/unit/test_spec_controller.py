@@ -382,3 +382,16 @@ def test_while_speculating_the_probes_alternate_plain_and_every_proposal() -> No
         controller.observe(4, 0.054)  # the probes: 4 rows cost little after all
     plans = [controller.plan([r]) for _ in range(16)]
     assert plans == [[3]] * 16
+
+
+def test_one_slow_step_does_not_reprice_its_token_count() -> None:
+    """A 2-row step measured twice at 11 ms, then once at 19 (a pause of the host): the average must stay
+    near 11, not jump to 13 (the unclipped moving average), while a lasting slowdown still moves it."""
+    controller = _controller(max_batch_size=64)
+    controller.observe(2, 0.011)
+    controller.observe(2, 0.011)
+    controller.observe(2, 0.019)
+    assert controller.by_count[2][0] == pytest.approx(0.011 * (0.75 + 0.25 * 1.25))
+    for _ in range(12):
+        controller.observe(2, 0.016)
+    assert controller.by_count[2][0] > 0.0155

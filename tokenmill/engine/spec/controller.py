@@ -62,6 +62,11 @@ _MIN_SAMPLES = 16  # steps before the cost fit is trusted
 _EXPLORE_EVERY = 16  # every so many steps try another k, so token counts spread and stay measured
 _EWMA = 0.25  # weight of the newest step in a token count's moving average
 _MIN_COUNT_SAMPLES = 2  # measurements before a token count's average is used
+# A step slower than this many times its count's average enters the average clipped to it: a VM pause or a
+# collection in one step of a rarely run count (a 2-row step at 19 ms against 11 measured, Zen 5) otherwise
+# priced that count at 1.32x a decode for dozens of plans, where it costs 1.15x. A real slowdown (longer
+# contexts, a slow spell of the host) still moves the average, by up to 6% a step.
+_SPIKE = 1.25
 _STALE_PLANS = 64  # a count last measured this many plans ago is measured again (contexts grow)
 # Speculate only for a predicted gain of at least this much: at batch 32 on a 2-core CPU every row
 # costs and the best plan's predicted edge was a few percent, inside the step-time averages' noise,
@@ -137,7 +142,8 @@ class SpecController:
         if num_tokens > 0:
             self.samples.append((num_tokens, step_time_s))
             mean, seen, _ = self.by_count.get(num_tokens, (step_time_s, 0, 0))
-            self.by_count[num_tokens] = (ewma(mean if seen else None, step_time_s, _EWMA), seen + 1, self._num_plans)
+            sample = min(step_time_s, _SPIKE * mean) if seen else step_time_s
+            self.by_count[num_tokens] = (ewma(mean if seen else None, sample, _EWMA), seen + 1, self._num_plans)
 
     def observe_draft(self, seconds: float) -> None:
         """One decode-like draft-model forward took `seconds` (Proposer.last_decode_forward_s)."""
