@@ -414,12 +414,12 @@ bool wide_default() {
   const char* env = std::getenv("TOKENMILL_WIDE_ATTENTION");
   return env == nullptr || std::string(env) != "0";
 }
-std::atomic<bool> g_decode_wide{wide_default()};
+std::atomic<bool> g_wide_attention{wide_default()};
 
 template <typename TC>
 bool use_wide(int64_t head_dim) {
 #if defined(TM_AVX512)
-  return g_decode_wide.load(std::memory_order_relaxed) && wide::fits<TC>(head_dim);
+  return g_wide_attention.load(std::memory_order_relaxed) && wide::fits<TC>(head_dim);
 #else
   (void)head_dim;
   return false;
@@ -627,24 +627,42 @@ void with_float_type(at::ScalarType t, const char* what, F&& f) {
 
 // Shapes and every index the kernel will follow (S x W integers, microseconds): a bad table is an
 // error, never a wild read.
-void check_decode_args(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                       const torch::Tensor& block_table, const torch::Tensor& seq_lens) {
+// q [rows, H, hd] against caches [num_blocks, block_size, KVH, hd]: shapes, dtypes and layout.
+void check_caches(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the key and value caches must share a dtype");
-  TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 indices");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "head layout mismatch");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+}
+
+// Sequence s of `table` [S, width] holds `len` keys: every block id it will follow is in the pool.
+void check_table_row(const int64_t* table, int64_t s, int64_t width, int64_t len, const torch::Tensor& k_cache) {
+  const int64_t bs = k_cache.size(1), num_blocks = k_cache.size(0);
+  TORCH_CHECK(len >= 1 && len <= width * bs, "sequence length outside its block table");
+  for (int64_t j = 0; j < (len + bs - 1) / bs; ++j)
+    TORCH_CHECK(table[s * width + j] >= 0 && table[s * width + j] < num_blocks, "block id out of range");
+}
+
+// The int8 cache's fp16 scales [num_blocks, block_size, KVH], one per (slot, kv head).
+void check_int8_scales(const torch::Tensor& k_cache, const torch::Tensor& k_scale, const torch::Tensor& v_scale) {
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar, "int8 caches expected");
+  TORCH_CHECK(k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf, "fp16 scales expected");
+  TORCH_CHECK(k_scale.dim() == 3 && k_scale.sizes() == k_cache.sizes().slice(0, 3) &&
+                  v_scale.sizes() == k_scale.sizes(),
+              "scales [num_blocks, block_size, KVH] expected");
+  TORCH_CHECK(k_scale.is_contiguous() && v_scale.is_contiguous(), "scales must be contiguous");
+}
+
+void check_decode_args(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& block_table, const torch::Tensor& seq_lens) {
+  check_caches(q, k_cache, v_cache);
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 indices");
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) && seq_lens.numel() == q.size(0),
               "one block-table row and one length per sequence");
   const torch::Tensor table = block_table.contiguous(), lens = seq_lens.contiguous();
   const int64_t* lens_p = lens.data_ptr<int64_t>();
   const int64_t* table_p = table.data_ptr<int64_t>();
-  const int64_t width = table.size(1), bs = k_cache.size(1), num_blocks = k_cache.size(0);
-  for (int64_t s = 0; s < q.size(0); ++s) {
-    TORCH_CHECK(lens_p[s] >= 1 && lens_p[s] <= width * bs, "sequence length outside its block table");
-    for (int64_t j = 0; j < (lens_p[s] + bs - 1) / bs; ++j)
-      TORCH_CHECK(table_p[s * width + j] >= 0 && table_p[s * width + j] < num_blocks, "block id out of range");
-  }
+  for (int64_t s = 0; s < q.size(0); ++s) check_table_row(table_p, s, table.size(1), lens_p[s], k_cache);
 }
 
 }  // namespace
@@ -713,14 +731,9 @@ static void prefill_attention_impl(const torch::Tensor& q, const torch::Tensor& 
                                    const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                                    const torch::Tensor& query_lens, double scale, int64_t window, torch::Tensor& out) {
 #if defined(TM_AVX512)
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the key and value caches must share a dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3) && q.size(2) % 16 == 0,
-              "head layout mismatch (head_dim must be a multiple of 16)");
-  TORCH_CHECK(has_contiguous_heads(q), "q must have contiguous heads");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
-              "out must be contiguous, shaped and typed like q");
+  check_caches(q, k_cache, v_cache);
+  TORCH_CHECK(q.size(2) % 16 == 0, "head layout mismatch (head_dim must be a multiple of 16)");
+  check_decode_out(q, out);
   TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_lens.scalar_type() == at::kLong, "int64 indices");
   TORCH_CHECK(block_table.dim() == 2 && seq_lens.numel() == block_table.size(0) &&
@@ -729,14 +742,13 @@ static void prefill_attention_impl(const torch::Tensor& q, const torch::Tensor& 
   const int64_t* lens_p = lens.data_ptr<int64_t>();
   const int64_t* qlens_p = qlens.data_ptr<int64_t>();
   const int64_t* table_p = table.data_ptr<int64_t>();
-  const int64_t width = table.size(1), bs = k_cache.size(1), num_blocks = k_cache.size(0);
+  const int64_t width = table.size(1), bs = k_cache.size(1);
   std::vector<prefill::Seq> seqs;
   int64_t rows = 0;
   for (int64_t s = 0; s < table.size(0); ++s) {
     const int64_t len = lens_p[s], nq = qlens_p[s];
-    TORCH_CHECK(nq >= 1 && nq <= len && len <= width * bs, "sequence length outside its block table");
-    for (int64_t j = 0; j < (len + bs - 1) / bs; ++j)
-      TORCH_CHECK(table_p[s * width + j] >= 0 && table_p[s * width + j] < num_blocks, "block id out of range");
+    TORCH_CHECK(nq >= 1 && nq <= len, "sequence length outside its block table");
+    check_table_row(table_p, s, width, len, k_cache);
     const int64_t k0 = window > 0 ? std::max<int64_t>(0, len - nq - window + 1) : 0;
     seqs.push_back({rows, nq, len, k0});
     rows += nq;
@@ -745,11 +757,7 @@ static void prefill_attention_impl(const torch::Tensor& q, const torch::Tensor& 
   with_float_type(q.scalar_type(), "q", [&](auto tq) {
     using TQ = decltype(tq);
     if (k_scale.defined()) {
-      TORCH_CHECK(k_cache.scalar_type() == at::kChar, "int8 caches expected");
-      TORCH_CHECK(k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf, "fp16 scales expected");
-      TORCH_CHECK(k_scale.dim() == 3 && k_scale.sizes() == k_cache.sizes().slice(0, 3) &&
-                      v_scale.sizes() == k_scale.sizes() && k_scale.is_contiguous() && v_scale.is_contiguous(),
-                  "contiguous scales [num_blocks, block_size, KVH] expected");
+      check_int8_scales(k_cache, k_scale, v_scale);
       return prefill::attention<TQ, int8_t>(q.data_ptr<TQ>(), q.stride(0), k_cache.data_ptr<int8_t>(),
                                             v_cache.data_ptr<int8_t>(), k_scale.data_ptr<at::Half>(),
                                             v_scale.data_ptr<at::Half>(), table_p, width, seqs, q.size(1),
@@ -793,12 +801,7 @@ void paged_decode_attention_int8_out(const torch::Tensor& q, const torch::Tensor
                                      torch::Tensor& out) {
   check_decode_args(q, k_cache, v_cache, block_table, seq_lens);
   check_decode_out(q, out);
-  TORCH_CHECK(k_cache.scalar_type() == at::kChar, "int8 caches expected");
-  TORCH_CHECK(k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf, "fp16 scales expected");
-  TORCH_CHECK(k_scale.dim() == 3 && k_scale.sizes() == k_cache.sizes().slice(0, 3) &&
-                  v_scale.sizes() == k_scale.sizes(),
-              "scales [num_blocks, block_size, KVH] expected");
-  TORCH_CHECK(k_scale.is_contiguous() && v_scale.is_contiguous(), "scales must be contiguous");
+  check_int8_scales(k_cache, k_scale, v_scale);
   const torch::Tensor table = block_table.contiguous(), lens = seq_lens.contiguous();
   with_float_type(q.scalar_type(), "q", [&](auto tq) {
     using TQ = decltype(tq);
@@ -1126,7 +1129,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return g_split_threads.exchange(threads);
   }, "fix the thread count decode attention splits a sequence's keys for (0: the running count); returns the old one");
   m.def("decode_split_threads", [] { return split_threads(); }, "the thread count decode attention splits keys for");
-  m.def("set_wide_attention", [](bool wide) { return g_decode_wide.exchange(wide); },
+  m.def("set_wide_attention", [](bool wide) { return g_wide_attention.exchange(wide); },
         "take the AVX-512 attention kernels where built (True, the default): decode tiles and the prefill kernel; "
         "False: the AVX2 decode tiles and no native prefill; returns the old setting");
   m.def("wide_attention_built", [] {
@@ -1144,7 +1147,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none());
   m.def("prefill_attention_available", [] {
 #if defined(TM_AVX512)
-    return g_decode_wide.load();
+    return g_wide_attention.load();
 #else
     return false;
 #endif

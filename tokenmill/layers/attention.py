@@ -128,12 +128,11 @@ class PagedAttention:
         return cache.outputs(out).view(q.shape[0], -1)  # int8 value smoothing: o · τ + ν
 
     def _group(self, q: torch.Tensor, cache: LayerKVCache, group: GroupMetadata, is_sliding: bool) -> torch.Tensor:
+        window = self.sliding_window if is_sliding and self.sliding_window is not None else 0
         if self.decode_kernel is not None and group.max_query_len == 1:
-            window = self.sliding_window if is_sliding and self.sliding_window is not None else 0
             return cache.native_decode(self.decode_kernel, q, group.block_table, group.seq_lens, self.scale, window,
                                        self.logit_softcap or 0.0)
         if self.decode_kernel is not None and group.query_lens is not None and self.logit_softcap is None:
-            window = self.sliding_window if is_sliding and self.sliding_window is not None else 0
             out = cache.native_prefill(self.decode_kernel, q, group.block_table, group.seq_lens, group.query_lens,
                                        self.scale, window)
             if out is not None:
