@@ -171,61 +171,77 @@ inline void score_keys4(const float* qf, const T* k_cache, const at::Half* k_sca
   }
 }
 
-// acc[r, d0 .. d0 + 16 SC) = Σ_t p[r n + t] v_t[d0 .. d0 + 16 SC) for RB heads: RB SC accumulators
-// (28 at RB = 7, SC = 4) while the value rows stream by; each weight is an embedded broadcast.
-template <typename TC, int RB, int SC>
-inline void values_tile(const float* p, int64_t n, const int64_t* slots, const TC* v, int64_t token_stride,
-                        int64_t d0, float* acc, int64_t head_dim) {
-  __m512 a[RB][SC];
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < SC; ++c) a[r][c] = _mm512_setzero_ps();
+// O[r, d0 .. d0 + 16 SC) = (alpha ? alpha[r] O[r, ...] : 0) + Σ_{t < n} P[r ldp + t] V_t[d0 ...] for R rows,
+// V_t = row(t): R SC accumulators (28 at R = 7, SC = 4) while the value rows stream by; each weight an
+// embedded broadcast. Each (r, dimension) sums over t in order whatever tile it lands in.
+template <typename TC, int R, int SC, typename Row>
+inline void values_tile(const float* P, int64_t ldp, int64_t n, const Row& row, int64_t d0, const float* alpha,
+                        float* O, int64_t ldo) {
+  __m512 a[R][SC];
+  if (alpha == nullptr) {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < SC; ++c) a[r][c] = _mm512_setzero_ps();
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < SC; ++c)
+        a[r][c] = _mm512_mul_ps(_mm512_set1_ps(alpha[r]), _mm512_loadu_ps(O + r * ldo + d0 + 16 * c));
+  }
   for (int64_t t = 0; t < n; ++t) {
-    const TC* row = v + slots[t] * token_stride + d0;
+    const TC* v = row(t) + d0;
     __m512 vv[SC];
-    for (int c = 0; c < SC; ++c) vv[c] = load16(row + 16 * c);
-    for (int r = 0; r < RB; ++r) {
-      const __m512 w = _mm512_set1_ps(p[r * n + t]);
+    for (int c = 0; c < SC; ++c) vv[c] = load16(v + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(P[r * ldp + t]);
       for (int c = 0; c < SC; ++c) a[r][c] = _mm512_fmadd_ps(w, vv[c], a[r][c]);
     }
   }
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < SC; ++c) _mm512_storeu_ps(acc + r * head_dim + d0 + 16 * c, a[r][c]);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < SC; ++c) _mm512_storeu_ps(O + r * ldo + d0 + 16 * c, a[r][c]);
 }
 
-template <typename TC, int SC>
-inline void values_group(int64_t rb, const float* p, int64_t n, const int64_t* slots, const TC* v,
-                         int64_t token_stride, int64_t d0, float* acc, int64_t head_dim) {
+template <typename TC, int SC, typename Row>
+inline void values_group(int64_t rb, const float* P, int64_t ldp, int64_t n, const Row& row, int64_t d0,
+                         const float* alpha, float* O, int64_t ldo) {
   switch (rb) {
-    case 7: return values_tile<TC, 7, SC>(p, n, slots, v, token_stride, d0, acc, head_dim);
-    case 6: return values_tile<TC, 6, SC>(p, n, slots, v, token_stride, d0, acc, head_dim);
-    case 5: return values_tile<TC, 5, SC>(p, n, slots, v, token_stride, d0, acc, head_dim);
-    case 4: return values_tile<TC, 4, SC>(p, n, slots, v, token_stride, d0, acc, head_dim);
-    case 3: return values_tile<TC, 3, SC>(p, n, slots, v, token_stride, d0, acc, head_dim);
-    case 2: return values_tile<TC, 2, SC>(p, n, slots, v, token_stride, d0, acc, head_dim);
-    default: return values_tile<TC, 1, SC>(p, n, slots, v, token_stride, d0, acc, head_dim);
+    case 7: return values_tile<TC, 7, SC>(P, ldp, n, row, d0, alpha, O, ldo);
+    case 6: return values_tile<TC, 6, SC>(P, ldp, n, row, d0, alpha, O, ldo);
+    case 5: return values_tile<TC, 5, SC>(P, ldp, n, row, d0, alpha, O, ldo);
+    case 4: return values_tile<TC, 4, SC>(P, ldp, n, row, d0, alpha, O, ldo);
+    case 3: return values_tile<TC, 3, SC>(P, ldp, n, row, d0, alpha, O, ldo);
+    case 2: return values_tile<TC, 2, SC>(P, ldp, n, row, d0, alpha, O, ldo);
+    default: return values_tile<TC, 1, SC>(P, ldp, n, row, d0, alpha, O, ldo);
   }
 }
 
-// acc[r, :] = Σ_t p[r n + t] v_t for the `rep` heads of one kv head: head_dim in slices of 64 (the
-// last 16, 32 or 48), heads in groups of at most 7.
-template <typename TC>
-void weighted_values(const float* p, int64_t n, const int64_t* slots, const TC* v, int64_t token_stride,
-                     int64_t rep, int64_t head_dim, float* acc) {
-  const int64_t nr = head_group(rep);
+// O[r, :] (= alpha[r] O[r, :] +) Σ_{t < n} P[r ldp + t] row(t) for `rows` rows of head_dim values: head_dim
+// in slices of 64 (the last 16, 32 or 48), rows in tiles of at most `tile` (<= 7). Decode's value pass (the
+// heads of one kv head, no alpha) and the prefill kernel's (query rows, rescaled by the online softmax).
+template <typename TC, typename Row>
+void values_rows(int64_t rows, int64_t tile, const float* P, int64_t ldp, int64_t n, const Row& row,
+                 const float* alpha, float* O, int64_t head_dim) {
   for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
     const int64_t sc = std::min<int64_t>(4, (head_dim - d0) / 16);
-    for (int64_t r0 = 0; r0 < rep; r0 += nr) {
-      const int64_t rb = std::min(nr, rep - r0);
-      const float* pr = p + r0 * n;
-      float* ar = acc + r0 * head_dim;
+    for (int64_t r0 = 0; r0 < rows; r0 += tile) {
+      const int64_t rb = std::min(tile, rows - r0);
+      const float* pr = P + r0 * ldp;
+      const float* al = alpha == nullptr ? nullptr : alpha + r0;
+      float* o = O + r0 * head_dim;
       switch (sc) {
-        case 4: values_group<TC, 4>(rb, pr, n, slots, v, token_stride, d0, ar, head_dim); break;
-        case 3: values_group<TC, 3>(rb, pr, n, slots, v, token_stride, d0, ar, head_dim); break;
-        case 2: values_group<TC, 2>(rb, pr, n, slots, v, token_stride, d0, ar, head_dim); break;
-        default: values_group<TC, 1>(rb, pr, n, slots, v, token_stride, d0, ar, head_dim); break;
+        case 4: values_group<TC, 4>(rb, pr, ldp, n, row, d0, al, o, head_dim); break;
+        case 3: values_group<TC, 3>(rb, pr, ldp, n, row, d0, al, o, head_dim); break;
+        case 2: values_group<TC, 2>(rb, pr, ldp, n, row, d0, al, o, head_dim); break;
+        default: values_group<TC, 1>(rb, pr, ldp, n, row, d0, al, o, head_dim); break;
       }
     }
   }
+}
+
+// acc[r, :] = Σ_t p[r n + t] v_t for the `rep` heads of one kv head, heads in groups of at most 7.
+template <typename TC>
+void weighted_values(const float* p, int64_t n, const int64_t* slots, const TC* v, int64_t token_stride,
+                     int64_t rep, int64_t head_dim, float* acc) {
+  const auto row = [v, slots, token_stride](int64_t t) { return v + slots[t] * token_stride; };
+  values_rows<TC>(rep, head_group(rep), p, n, n, row, nullptr, acc, head_dim);
 }
 
 }  // namespace wide

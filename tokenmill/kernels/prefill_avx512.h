@@ -49,27 +49,6 @@ inline void scores_tile(const float* Q, int64_t hd, const float* KT, float* S) {
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(S + r * kBlock + 16 * c, a[r][c]);
 }
 
-// O[r, d0 .. d0 + 16 SC) = alpha[r] O[r, ...] + Σ_{t < n} P[r, t] V_t[d0 ...] for R rows.
-template <typename TC, int R, int SC>
-inline void values_tile(const float* P, int64_t n, const TC* const* vrows, int64_t d0, const float* alpha, float* O,
-                        int64_t hd) {
-  __m512 a[R][SC];
-  for (int r = 0; r < R; ++r) {
-    const __m512 s = _mm512_set1_ps(alpha[r]);
-    for (int c = 0; c < SC; ++c) a[r][c] = _mm512_mul_ps(s, _mm512_loadu_ps(O + r * hd + d0 + 16 * c));
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    __m512 v[SC];
-    for (int c = 0; c < SC; ++c) v[c] = wide::load16(vrows[t] + d0 + 16 * c);
-    for (int r = 0; r < R; ++r) {
-      const __m512 p = _mm512_set1_ps(P[r * kBlock + t]);
-      for (int c = 0; c < SC; ++c) a[r][c] = _mm512_fmadd_ps(p, v[c], a[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < SC; ++c) _mm512_storeu_ps(O + r * hd + d0 + 16 * c, a[r][c]);
-}
-
 inline void scores(int64_t rows, const float* Q, int64_t hd, const float* KT, float* S) {
   int64_t r = 0;
   for (; r + kTile <= rows; r += kTile) scores_tile<kTile>(Q + r * hd, hd, KT, S + r * kBlock);
@@ -80,36 +59,6 @@ inline void scores(int64_t rows, const float* Q, int64_t hd, const float* KT, fl
     case 2: return scores_tile<2>(Q + r * hd, hd, KT, S + r * kBlock);
     case 1: return scores_tile<1>(Q + r * hd, hd, KT, S + r * kBlock);
     default: return;
-  }
-}
-
-template <typename TC, int SC>
-inline void values_slice(int64_t rows, const float* P, int64_t n, const TC* const* vrows, int64_t d0,
-                         const float* alpha, float* O, int64_t hd) {
-  int64_t r = 0;
-  for (; r + kTile <= rows; r += kTile)
-    values_tile<TC, kTile, SC>(P + r * kBlock, n, vrows, d0, alpha + r, O + r * hd, hd);
-  const float* pr = P + r * kBlock;
-  switch (rows - r) {
-    case 5: return values_tile<TC, 5, SC>(pr, n, vrows, d0, alpha + r, O + r * hd, hd);
-    case 4: return values_tile<TC, 4, SC>(pr, n, vrows, d0, alpha + r, O + r * hd, hd);
-    case 3: return values_tile<TC, 3, SC>(pr, n, vrows, d0, alpha + r, O + r * hd, hd);
-    case 2: return values_tile<TC, 2, SC>(pr, n, vrows, d0, alpha + r, O + r * hd, hd);
-    case 1: return values_tile<TC, 1, SC>(pr, n, vrows, d0, alpha + r, O + r * hd, hd);
-    default: return;
-  }
-}
-
-template <typename TC>
-inline void values(int64_t rows, const float* P, int64_t n, const TC* const* vrows, const float* alpha, float* O,
-                   int64_t hd) {
-  for (int64_t d0 = 0; d0 < hd; d0 += 64) {
-    switch (std::min<int64_t>(4, (hd - d0) / 16)) {
-      case 4: values_slice<TC, 4>(rows, P, n, vrows, d0, alpha, O, hd); break;
-      case 3: values_slice<TC, 3>(rows, P, n, vrows, d0, alpha, O, hd); break;
-      case 2: values_slice<TC, 2>(rows, P, n, vrows, d0, alpha, O, hd); break;
-      default: values_slice<TC, 1>(rows, P, n, vrows, d0, alpha, O, hd); break;
-    }
   }
 }
 
@@ -246,7 +195,8 @@ void attention(const TQ* q, int64_t q_stride, const TC* k_cache, const TC* v_cac
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t t = 0; t < n; ++t) S[r * kBlock + t] *= vmul[t];
         }
-        values(rows, S.data(), n, vrows.data(), alpha.data(), O.data(), hd);
+        const auto row = [rows_at = vrows.data()](int64_t t) { return rows_at[t]; };
+        wide::values_rows<TC>(rows, kTile, S.data(), kBlock, n, row, alpha.data(), O.data(), hd);
       }
       for (int64_t i = 0; i < nt; ++i)
         for (int64_t h = 0; h < rep; ++h) {
