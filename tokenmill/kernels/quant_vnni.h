@@ -31,14 +31,22 @@ inline __m512 lanes16(const Weights& w, const void* p, int64_t i0, int64_t i1) {
 inline __m512i load_two(const uint8_t* p0, const uint8_t* p1) {
   return _mm512_castsi256_si512(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p1), reinterpret_cast<const __m128i*>(p0)));
 }
-inline __m512i bcast_pair512(const int16_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return _mm512_set1_epi32(v);
+
+// acc + the int32 pair sums of w x the activation pair at p in every lane: one vpdpwssd with an embedded
+// {1to16} broadcast of p. GCC 12 does not fold _mm512_set1_epi32 of a load into the instruction, and
+// the separate vpbroadcastd takes a vector pipe on Zen 5: in a scratch loop of 8 independent chains a
+// dot product ran at 0.175 ns with its own broadcast, 0.12-0.13 embedded, 0.11 from a register.
+struct Pair { int16_t v[2]; };
+inline __m512i dp_pair(__m512i acc, __m512i w, const int16_t* p) {
+  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const Pair*>(p)));
+  return acc;
 }
 
 template <int RM, bool Q4, bool Q5>
 void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, float* out, int64_t ld, bool first_pass) {
+  // Independent chains a row (summed exactly at the block's end): vpdpwssd's latency is 4 cycles at two
+  // a cycle, so fewer than 8 chains in flight leave it idle.
+  constexpr int NCH = RM >= 8 ? 1 : RM >= 4 ? 2 : 4;
   __m512 acc[RM];
   const int16_t* arow[RM];
   for (int r = 0; r < RM; ++r) { acc[r] = _mm512_setzero_ps(); arow[r] = a.a + (m0 + r) * a.K; }
@@ -49,8 +57,8 @@ void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, fl
       prefetch_ahead<Q4, Q5>(w, g, b);
       prefetch_ahead<Q4, Q5>(w, g2, b);
     }
-    __m512i isum[RM];
-    for (int r = 0; r < RM; ++r) isum[r] = _mm512_setzero_si512();
+    __m512i isum[RM][NCH];
+    for (int r = 0; r < RM; ++r) for (int k = 0; k < NCH; ++k) isum[r][k] = _mm512_setzero_si512();
     if (Q4) {
       const __m512i low = _mm512_set1_epi16(0x0F);
 #pragma GCC unroll 8
@@ -67,20 +75,24 @@ void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, fl
         }
         for (int r = 0; r < RM; ++r) {
           const int16_t* ab = arow[r] + b * QK + 2 * c;
-          isum[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[r], lo, bcast_pair512(ab)), hi, bcast_pair512(ab + 16));
+          const int k = (2 * c) % NCH;
+          isum[r][k] = dp_pair(isum[r][k], lo, ab);
+          isum[r][(k + 1) % NCH] = dp_pair(isum[r][(k + 1) % NCH], hi, ab + 16);
         }
       }
     } else {
 #pragma GCC unroll 16
       for (int p = 0; p < 16; ++p) {
         const __m512i wv = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(load_two(b0 + 16 * p, b1 + 16 * p)));
-        for (int r = 0; r < RM; ++r) isum[r] = _mm512_dpwssd_epi32(isum[r], wv, bcast_pair512(arow[r] + b * QK + 2 * p));
+        for (int r = 0; r < RM; ++r) isum[r][p % NCH] = dp_pair(isum[r][p % NCH], wv, arow[r] + b * QK + 2 * p);
       }
     }
     const __m512 sw = lanes16(w, w.scale, w.lanes(g, b), w.lanes(g2, b));
     for (int r = 0; r < RM; ++r) {
+      __m512i s = isum[r][0];
+      for (int k = 1; k < NCH; ++k) s = _mm512_add_epi32(s, isum[r][k]);
       const __m512 scale = _mm512_mul_ps(sw, _mm512_set1_ps(a.d[(m0 + r) * a.nb + b]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
     }
     if (Q4) {
       const __m512 off = Q5 ? _mm512_mul_ps(sw, _mm512_set1_ps(-16.f)) : lanes16(w, w.offset, w.lanes(g, b), w.lanes(g2, b));
@@ -111,6 +123,9 @@ void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, fl
 inline __m512i duo_order(__m512i v) {
   return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), v);
 }
+inline __m512 twice(__m256 v) {  // v in both halves (AVX-512F: no insertf32x8)
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(v)), _mm256_castps_pd(v), 1));
+}
 inline __m512i bcast_duo(const int16_t* p) {  // activation pairs p, p + 1 in every 64-bit lane
   int64_t v;
   std::memcpy(&v, p, sizeof v);
@@ -121,9 +136,18 @@ void tile_duo(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out,
   // Independent vpdpwssd chains a row, summed exactly at the block's end: vpdpwssd's latency is 4 cycles
   // at two a cycle on Zen 5 (measured), so a tile keeps at least 8 chains in flight.
   constexpr int NCH = RM <= 2 ? 4 : 2;
-  __m256 acc[RM];
+  // Rows 2i and 2i + 1 share a zmm of float accumulators (lanes 0-7 and 8-15; a last odd row has a ymm):
+  // their int32 sums fold into one vector with two permutes and an add, and the float steps run once
+  // for both rows at full width, half the ops of a ymm per row. Each lane still takes the 256-bit tile's
+  // steps in its order, so the bits do not change.
+  constexpr int NP = RM / 2;
+  __m512 acc2[NP > 0 ? NP : 1];
+  __m256 acc_last = _mm256_setzero_ps();
   const int16_t* arow[RM];
-  for (int r = 0; r < RM; ++r) { acc[r] = _mm256_setzero_ps(); arow[r] = a.a + (m0 + r) * a.K; }
+  for (int i = 0; i < NP; ++i) acc2[i] = _mm512_setzero_ps();
+  for (int r = 0; r < RM; ++r) arow[r] = a.a + (m0 + r) * a.K;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   for (int64_t b = 0; b < w.nb; ++b) {
     const uint8_t* blk = w.block(g, b);
     prefetch_ahead<Q4, Q5>(w, g, b);
@@ -168,22 +192,46 @@ void tile_duo(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out,
         }
       }
     }
-    const __m256 sw = lanes8(w, w.scale, w.lanes(g, b));
+    __m512i s[RM];
     for (int r = 0; r < RM; ++r) {
-      __m512i s = isum[r][0];
-      for (int k = 1; k < NCH; ++k) s = _mm512_add_epi32(s, isum[r][k]);
-      const __m256i folded = _mm512_cvtepi64_epi32(_mm512_add_epi32(s, _mm512_srli_epi64(s, 32)));
-      const __m256 scale = _mm256_mul_ps(sw, _mm256_set1_ps(a.d[(m0 + r) * a.nb + b]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded), scale, acc[r]);
+      s[r] = isum[r][0];
+      for (int k = 1; k < NCH; ++k) s[r] = _mm512_add_epi32(s[r], isum[r][k]);
     }
-    if (Q4) {  // q5's offset is -16 * scale (exact: a power of two)
-      const __m256 off = Q5 ? _mm256_mul_ps(sw, _mm256_set1_ps(-16.f)) : lanes8(w, w.offset, w.lanes(g, b));
-      for (int r = 0; r < RM; ++r) acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(a.s[(m0 + r) * a.nb + b]), acc[r]);
+    const __m256 sw = lanes8(w, w.scale, w.lanes(g, b));
+    // q5's offset is -16 * scale (exact: a power of two)
+    const __m256 off = !Q4 ? sw : Q5 ? _mm256_mul_ps(sw, _mm256_set1_ps(-16.f)) : lanes8(w, w.offset, w.lanes(g, b));
+    const float* d = a.d + m0 * a.nb + b;  // row r's at d[r * a.nb]
+    const float* bs = a.s + m0 * a.nb + b;
+    if constexpr (NP > 0) {
+      const __m512 sw2 = twice(sw), off2 = twice(off);
+      for (int i = 0; i < NP; ++i) {
+        const int r = 2 * i;
+        const __m512i folded = _mm512_add_epi32(_mm512_permutex2var_epi32(s[r], even, s[r + 1]),
+                                                _mm512_permutex2var_epi32(s[r], odd, s[r + 1]));
+        const __m512 dd = _mm512_mask_broadcastss_ps(_mm512_set1_ps(d[r * a.nb]), 0xFF00, _mm_load_ss(d + (r + 1) * a.nb));
+        acc2[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(folded), _mm512_mul_ps(sw2, dd), acc2[i]);
+        if (Q4) {
+          const __m512 ss = _mm512_mask_broadcastss_ps(_mm512_set1_ps(bs[r * a.nb]), 0xFF00, _mm_load_ss(bs + (r + 1) * a.nb));
+          acc2[i] = _mm512_fmadd_ps(off2, ss, acc2[i]);
+        }
+      }
+    }
+    if constexpr (RM % 2) {
+      constexpr int r = RM - 1;
+      const __m256i folded = _mm512_cvtepi64_epi32(_mm512_add_epi32(s[r], _mm512_srli_epi64(s[r], 32)));
+      const __m256 scale = _mm256_mul_ps(sw, _mm256_set1_ps(d[r * a.nb]));
+      acc_last = _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded), scale, acc_last);
+      if (Q4) acc_last = _mm256_fmadd_ps(off, _mm256_set1_ps(bs[r * a.nb]), acc_last);
     }
   }
   const int64_t valid = std::min<int64_t>(RG, w.rows - g * RG);
   const __mmask8 mask = valid >= RG ? static_cast<__mmask8>(0xFF) : static_cast<__mmask8>((1u << valid) - 1);
-  for (int r = 0; r < RM; ++r) _mm256_mask_storeu_ps(out + (m0 + r) * ld + g * RG, mask, acc[r]);
+  for (int i = 0; i < NP; ++i) {
+    _mm256_mask_storeu_ps(out + (m0 + 2 * i) * ld + g * RG, mask, _mm512_castps512_ps256(acc2[i]));
+    _mm256_mask_storeu_ps(out + (m0 + 2 * i + 1) * ld + g * RG, mask,
+                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc2[i]), 1)));
+  }
+  if constexpr (RM % 2) _mm256_mask_storeu_ps(out + (m0 + RM - 1) * ld + g * RG, mask, acc_last);
 }
 
 template <int RM>
@@ -219,6 +267,7 @@ void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, fl
 }
 
 constexpr int kRM512 = 8;  // activation rows per 512-bit tile
+constexpr int64_t kDuoStreamRows = 6;  // least rows a streamed matrix takes the duo tiles for
 
 // Groups c0 .. c1 - 1 paired half the span apart, (c0 + i, c0 + h + i): each half is read as one
 // sequential stream across the tiles. Pairing neighbours (g, g + 1) started a fresh stream every two
@@ -249,21 +298,26 @@ void rest2(int64_t rest, const Weights& w, int64_t c0, int64_t c1, const Act& a,
 
 void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld,
             int64_t wide_rows, int64_t duo_rows) {
-  // Few activation rows: the duo tiles where they run (Zen 5, 1-8 rows), else the 256-bit tiles (still
-  // vpdpwssd) below wide_rows. On Zen 4, which runs a 512-bit op as two 256-bit halves, the 512-bit
-  // tiles were 1.2-1.7x slower below 4-5 rows and 1.3-1.5x faster from 6 (docs/quantization.md); every
-  // choice gives the same bits.
-  if (M < std::min<int64_t>(duo_rows, kDuoRows + 1)) return groups_duo(w, a, 0, M, g0, g1, out, ld);
-
-  // 9-24 rows of a matrix far past L3 (a large vocabulary's lm_head: Qwen2.5-0.5B's is 145 MB): passes
-  // of 8-row duo tiles, each streaming the whole range from memory, beat one pass in L2-sized chunks
-  // (short streams: ~14 GB/s) on Zen 5: that lm_head at 16 rows 9.8 -> 7.6 ms, at 24 rows 12.4 -> ~10.8
-  // (docs/quantization.md; at 32 rows the chunks' denser tiles catch up). Layers that fit L3 keep the
-  // chunks (all-duo there: a batch-16 step 0.959x). duo_rows > 16 forces it at any size (tests: the same
-  // bits either way).
+  // A matrix far past L3 (a large vocabulary's lm_head: Qwen2.5-0.5B's is 145 MB) streams from memory
+  // whatever the tiles do; duo_rows > 16 treats every matrix so (tests: the same bits either way).
   const int64_t matrix_bytes = (w.rows + RG - 1) / RG * w.nb * w.block_bytes();
-  if (M > kDuoRows && M <= 3 * kDuoRows && duo_rows > kDuoRows &&
-      (matrix_bytes > kStreamBytes || duo_rows > 2 * kDuoRows)) {
+  const bool forced = duo_rows > 2 * kDuoRows;
+  const bool streamed = matrix_bytes > kStreamBytes || forced;
+  if (duo_rows > 0 && M <= kDuoRows) {
+    // Few activation rows where the duo tiles run (Zen 5): the 512-bit tiles, whose embedded broadcasts
+    // made them faster at 1-8 rows than the duo tiles' 64-bit broadcasts (whole batch-1 steps of 1, 2
+    // and 4 query rows 1.02-1.18x; docs/quantization.md), except on a streamed matrix from kDuoStreamRows
+    // rows: there one sequential duo stream a thread beat the 512-bit tiles' two (the lm_head at 6-8 rows
+    // 2.7-3.6 ms against 3.4-5.7).
+    if (streamed && M >= (forced ? 1 : kDuoStreamRows)) return groups_duo(w, a, 0, M, g0, g1, out, ld);
+    wide_rows = 1;
+  }
+
+  // 9-24 rows of a streamed matrix: passes of 8-row duo tiles, each streaming the whole range from
+  // memory, beat one pass in L2-sized chunks (short streams: ~14 GB/s) on Zen 5: that lm_head at 16 rows
+  // 9.8 -> 7.6 ms, at 24 rows 12.4 -> ~10.8 (docs/quantization.md; at 32 rows the chunks' denser tiles
+  // catch up). Layers that fit L3 keep the chunks (all-duo there: a batch-16 step 0.959x).
+  if (M > kDuoRows && M <= 3 * kDuoRows && duo_rows > kDuoRows && streamed) {
     for (int64_t m0 = 0; m0 < M; m0 += kDuoRows)
       groups_duo(w, a, m0, std::min(kDuoRows, M - m0), g0, g1, out, ld);
     return;
@@ -280,9 +334,9 @@ void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, f
     const int64_t c1 = std::min(g1, c0 + chunk);
     int64_t m0 = 0;
     for (; m0 + kRM512 <= M; m0 += kRM512) span2<kRM512>(w, c0, c1, a, m0, out, ld);
-    // Rows past the last 8-row tile: the duo tiles where they run (the chunk is in L2 by now), whose
-    // 1-7-row tiles beat the 512-bit ones of as many rows (Zen 5, docs/quantization.md).
-    if (M > m0 && M - m0 < duo_rows) groups_duo(w, a, m0, M - m0, c0, c1, out, ld);
+    // Rows past the last 8-row tile (the chunk is in L2 by now): the 512-bit tiles of as many rows, or
+    // the duo tiles where forced (tests).
+    if (M > m0 && forced) groups_duo(w, a, m0, M - m0, c0, c1, out, ld);
     else rest2<kRM512 - 1>(M - m0, w, c0, c1, a, m0, out, ld);
   }
 }
