@@ -197,6 +197,8 @@ SPECULATIVE_METHODS = ("ngram", "draft", "ngram-draft")
 # ngram: 7 (was 5) since the Zen 5 duo tiles made an 8-row verification ~2.2x a decode: a copied span's
 # 8-token steps then beat 6-token ones, and the controller still picks k <= 7 by measured step times
 # (batch-1 code edits 1.83-1.88x against 1.74-1.84x with 5, equal at 32 requests; docs/speculative.md).
+# 15 (16-row verifications at ~3.2x a decode) measured the same as 7 on the three edits (1.009x, two
+# engines in one process, 5 rounds), and 11 0.966x: the spans' ends cost what their longer steps save.
 DEFAULT_SPECULATIVE_TOKENS = {"ngram": 7, "draft": 3, "ngram-draft": 5}
 
 

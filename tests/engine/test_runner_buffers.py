@@ -21,7 +21,7 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.engine.input_buffers import PersistentBlockTables
 from tokenmill.engine.interfaces import RunnerOutput, SampledTokens, ScheduledRequest
 from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.model_input import ModelInput, build_model_input
+from tokenmill.engine.model_input import MAX_DECODE_QUERY, ModelInput, build_model_input
 from tokenmill.engine.request import Request, SamplingParams
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.layers.attention import GroupMetadata
@@ -165,13 +165,15 @@ def test_inputs_from_persistent_tables_equal_a_rebuild_every_step(events: list[t
 
 
 def test_a_decode_group_on_the_kernel_carries_no_mask_and_a_prefill_keeps_its_own() -> None:
-    tables = PersistentBlockTables(4, 4)
+    tables = PersistentBlockTables(4, 6)
     decode = ScheduledRequest(Request("d", [1] * 9, SamplingParams()), 8, 1, [3, 5, 6])
-    prefill = ScheduledRequest(Request("p", [2] * 12, SamplingParams()), 0, 12, [1, 2, 4])  # > MAX_DECODE_QUERY
+    assert MAX_DECODE_QUERY < 20
+    prefill = ScheduledRequest(Request("p", [2] * 20, SamplingParams()), 0, 20, [1, 2, 4, 7, 9])
     inp = build_model_input([decode, prefill], BS, None, CPU, tables, decode_mask=False)
     assert inp.meta.decode is not None and inp.meta.decode.mask is None
     assert inp.meta.prefill is not None and inp.meta.prefill.mask is not None
-    assert inp.meta.slot_mapping.tolist() == [6 * BS, *range(1 * BS, 3 * BS), *range(4 * BS, 5 * BS)]
+    assert inp.meta.slot_mapping.tolist() == [6 * BS, *range(1 * BS, 3 * BS), *range(4 * BS, 5 * BS),
+                                              *range(7 * BS, 8 * BS), *range(9 * BS, 10 * BS)]
     assert inp.meta.decode.block_table.tolist() == [[3, 5, 6]]
 
 

@@ -45,9 +45,11 @@ def _with_and_without(llm: LLM, max_tokens: int, messages: list[list[dict[str, s
 
 
 @pytest.mark.slow
-def test_ngram_on_qwen_coder_05b_is_token_identical() -> None:
+@pytest.mark.parametrize("k", [0, 15], ids=["default-k", "k15"])  # 15: 16-row verifications, still decode rows
+def test_ngram_on_qwen_coder_05b_is_token_identical(k: int) -> None:
     _require("qwen2.5-coder-0.5b")
-    llm = LLM("qwen2.5-coder-0.5b", num_kv_blocks=128, max_model_len=1024, speculative="ngram")
+    llm = LLM("qwen2.5-coder-0.5b", num_kv_blocks=128, max_model_len=1024, speculative="ngram",
+              num_speculative_tokens=k)
     with_spec, without = _with_and_without(llm, 64, MESSAGES)
     assert with_spec == without
 

@@ -395,3 +395,52 @@ def test_one_slow_step_does_not_reprice_its_token_count() -> None:
     for _ in range(12):
         controller.observe(2, 0.016)
     assert controller.by_count[2][0] > 0.0155
+
+
+def _verified(request: Request, proposed: int, accepted: int) -> None:
+    """What Scheduler._record_spec does once a draft of `request` is verified."""
+    stats = request.spec_stats
+    stats.num_drafts += 1
+    stats.num_draft_tokens += proposed
+    stats.num_accepted_tokens += accepted
+    stats.note_acceptance(accepted / proposed)
+
+
+def test_a_bucketed_request_is_judged_against_what_its_buckets_expected() -> None:
+    """A code edit whose 15-guess drafts of long matches failed five times in a row (a type hint broke a
+    copied signature, then the opening lines) has accepted / proposed at 0.17, under min_acceptance, yet
+    keeps proposing: it accepted 32% of the tokens its buckets promised. A request whose long matches
+    keep failing where other requests' succeed falls below it and stops (probing as before)."""
+    controller = SpecController(SpeculativeConfig("ngram", 15, min_acceptance=0.2), lambda b: 0.9)
+    edit, *others = _requests(6, acceptance=1.0, drafts=0)
+    for _ in range(6):
+        assert controller.plan([edit], [4]) == [15]
+        _verified(edit, 15, 15)
+    for _ in range(5):
+        assert controller.plan([edit], [4]) == [15]
+        _verified(edit, 15, 0)
+    assert edit.spec_stats.recent_acceptance < 0.2
+    assert controller.plan([edit], [4]) == [15]
+    assert 0.2 < controller.calibration(edit.request_id) < 0.4
+    # Five requests' drafts of the same bucket succeed while one request's fail: that one is cut off.
+    bad, plans = others[0], []
+    for _ in range(8):
+        plans.append(controller.plan(others, [4] * 5))
+        for r in others:
+            _verified(r, 15, 0 if r is bad else 15)
+    assert plans[0] == [15] * 5 and plans[-1] == [0, 15, 15, 15, 15]
+    assert controller.calibration(bad.request_id) < 0.2
+
+
+def test_the_probe_of_every_proposal_is_at_most_twice_the_plans() -> None:
+    """Speculating with one or two guesses a request at batch 8, the controller re-measures a larger
+    step every 32 plans: at most twice the plan's proposals (and at least K), not all 8 x K = 120 rows."""
+    controller = SpecController(SpeculativeConfig("ngram", 15, max_batch_size=64))
+    for n in range(8, 33):
+        for _ in range(4):
+            controller.observe(n, 0.05 + 0.004 * (n - 8))
+    batch = _requests(8, acceptance=0.9)
+    plans = [controller.plan(batch) for _ in range(16)]
+    chosen = sum(plans[0])
+    assert 8 <= chosen <= 24 and all(sum(p) == chosen for p in plans[:15])
+    assert sum(plans[15]) == max(15, 2 * chosen) and max(plans[15]) <= 15

@@ -21,8 +21,11 @@ from tokenmill.engine.interfaces import ScheduledRequest
 from tokenmill.layers.attention import AttentionMetadata, GroupMetadata
 
 # Chunks up to this many query tokens attend row by row in the decode group (each row re-reads its
-# request's keys, which at these sizes stay in cache); longer ones are prefills (one dense pass).
-MAX_DECODE_QUERY = 8
+# request's keys, which at these sizes stay in cache); longer ones are prefills (one dense pass). A
+# verification of up to 15 proposals is decode rows, which sum in the order a plain decode of the same
+# row does: greedy output with speculation stays token for token that of plain decoding (the prefill
+# kernel's order differs, and a near-tie could flip).
+MAX_DECODE_QUERY = 16
 
 
 @dataclass(slots=True)

@@ -4,6 +4,13 @@ Two rules, both about goodput (tokens emitted per second), not acceptance:
   * per request: a request whose recent acceptance (a moving average the scheduler keeps) falls
     below min_acceptance stops proposing; it probes again with one draft every probe_interval steps.
     A request the proposer has nothing for (the n-gram proposer found no match) is not counted.
+    Where the proposer sorts proposals into buckets (n-gram), the gains already price each kind, so the
+    request's signal is its calibration instead: accepted tokens over the tokens its plans expected
+    (decayed sums). accepted / proposed punished long proposals: three 15-guess n-gram drafts failing
+    where a type hint broke a copied signature had a code edit sit out 16 steps of a copied body
+    (edit 2 of the bench: 60 steps against 33 without the cut-off). The calibration does not scale the
+    gains: scaled gains that no longer pay stop the drafts that would measure a recovery (tried: two of
+    three code edits then ran 2-3x the steps).
   * per step: emitted tokens per second with and without speculation, from the measured time of
     decode-only steps as a function of their token count T(n): a moving average per token count
     where that count was measured, interpolated between measured counts, and a linear fit
@@ -72,6 +79,11 @@ _STALE_PLANS = 64  # a count last measured this many plans ago is measured again
 # costs and the best plan's predicted edge was a few percent, inside the step-time averages' noise,
 # and speculating on it measured 0.93x of plain where the old one-k-for-all plan measured 0.96x.
 _MIN_GAIN = 0.05
+_CALIBRATION_DECAY = 0.7  # each bucketed draft ages a request's calibration sums (as recent_acceptance's 0.3 weight)
+# Pseudo-tokens both expected and accepted in a calibration: the first drafts of a code edit (one accepted of
+# ~11 expected over its first four, the rewrite's opening lines) otherwise cut it off at once; three failed
+# 15-guess drafts of long matches (~8 expected each) still do.
+_CALIBRATION_PRIOR = 4.0
 # Bins of a draft guess's confidence (the draft's top-1 probability), and each bin's prior acceptance
 # (its middle: a calibrated draft's guesses at p are accepted with probability about p).
 CONFIDENCE_EDGES = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
@@ -112,6 +124,7 @@ class _Pending:
     num_draft_tokens: int
     num_accepted_tokens: int
     bins: list[int] = field(default_factory=list)
+    gains: list[float] = field(default_factory=list)  # a bucketed proposal's planned gains, position by position
 
 
 class SpecController:
@@ -135,6 +148,8 @@ class SpecController:
         self._predict: StepTimePredictor | None = None  # the last plan's step-time predictor, for its gate
         self.is_on = True  # the last step's decision, for the stats
         self._cooldown: dict[str, int] = {}
+        # request → decayed sums (accepted tokens, tokens its plans expected) of its bucketed drafts
+        self._calibration: dict[str, tuple[float, float]] = {}
         self._pending: dict[str, _Pending] = {}
         self._num_plans = 0
 
@@ -178,7 +193,7 @@ class SpecController:
         if not self.config.adaptive:
             ks = [0 if b == 0 else self.config.num_speculative_tokens for b in buckets]
         else:
-            caps = [0 if b == 0 else self._k_for(r) for r, b in zip(requests, buckets, strict=True)]
+            caps = [0 if b == 0 else self._k_for(r, b) for r, b in zip(requests, buckets, strict=True)]
             ks = self._allocate(requests, buckets, caps, catch_up) if any(caps) else caps
             self.is_on = any(ks)
         for request, bucket, k in zip(requests, buckets, ks, strict=True):
@@ -190,8 +205,9 @@ class SpecController:
                     # verified from here move them, not the dip that turned it off.
                     stats.recent_kept, stats.recent_acceptance = 1.0, estimate
                 self._last_drafted[request.request_id] = self._num_plans
-                self._pending[request.request_id] = _Pending(bucket, stats.num_drafts, stats.num_draft_tokens,
-                                                             stats.num_accepted_tokens)
+                self._pending[request.request_id] = _Pending(
+                    bucket, stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                    gains=self._bucket_gains(bucket, k) if bucket is not None else [])
         return ks
 
     def _learn(self, requests: list[Request]) -> None:
@@ -208,6 +224,10 @@ class SpecController:
                 accepted = stats.num_accepted_tokens - pending.num_accepted_tokens
                 if pending.bucket is not None:
                     self.acceptance.record(pending.bucket, drafted, accepted)
+                    got, expected = self._calibration.get(request.request_id, (0.0, 0.0))
+                    promised = sum(pending.gains[:drafted])
+                    self._calibration[request.request_id] = (_CALIBRATION_DECAY * got + accepted,
+                                                             _CALIBRATION_DECAY * expected + promised)
                 # Guess j was reached if the j - 1 before it were accepted (the scheduler may have cut the
                 # proposal to `drafted` guesses; past those nothing was verified).
                 reached = min(drafted, accepted + 1)
@@ -216,9 +236,16 @@ class SpecController:
                 self.target.record_verified(confidences, reached, accepted)
             self.target.observe(request.request_id, confidences)
 
-    def _k_for(self, request: Request) -> int:
+    def calibration(self, request_id: str) -> float:
+        """A bucketed request's accepted tokens over those its plans expected, with _CALIBRATION_PRIOR
+        pseudo-tokens of each (1.0 before any draft)."""
+        got, expected = self._calibration.get(request_id, (0.0, 0.0))
+        return (got + _CALIBRATION_PRIOR) / (expected + _CALIBRATION_PRIOR)
+
+    def _k_for(self, request: Request, bucket: int | None) -> int:
         stats, rid = request.spec_stats, request.request_id
-        if stats.num_drafts < _MIN_DRAFTS_TO_JUDGE or stats.recent_acceptance >= self.config.min_acceptance:
+        signal = stats.recent_acceptance if bucket is None else self.calibration(rid)
+        if stats.num_drafts < _MIN_DRAFTS_TO_JUDGE or signal >= self.config.min_acceptance:
             self._cooldown.pop(rid, None)
             return self.config.num_speculative_tokens
         left = self._cooldown.get(rid, self.config.probe_interval)
@@ -235,6 +262,11 @@ class SpecController:
             if estimate is not None:
                 return geometric_gains(estimate, k)
             return [stats.recent_kept * g for g in geometric_gains(stats.recent_acceptance, k)]
+        return self._bucket_gains(bucket, k)
+
+    def _bucket_gains(self, bucket: int, k: int) -> list[float]:
+        """What the bucket's learned acceptance promises (a request's calibration compares its outcomes
+        with this)."""
         return self.acceptance.gains(bucket, k, None if self.bucket_prior is None else self.bucket_prior(bucket))
 
     def _allocate(self, requests: list[Request], buckets: list[int | None], caps: list[int],
@@ -292,7 +324,13 @@ class SpecController:
             if not best_r:
                 other = [min(cap, 1) for cap in in_step]
             elif (self._num_plans // _EXPLORE_EVERY) % 2:
-                other = in_step
+                # The likeliest proposals the caps allow, at most twice the plan's (and at least K): all
+                # of them at batch 16 with K = 15 would score 256 rows to price a count no plan is near.
+                other, limit = [0] * n, max(self.config.num_speculative_tokens, 2 * best_r)
+                for _, i in ranked:
+                    if in_step[i] and limit:
+                        other[i] += 1
+                        limit -= 1
             else:
                 other = [0] * n
             _, seen, latest = self.by_count.get(n + sum(other), (0.0, 0, 0))
@@ -341,6 +379,7 @@ class SpecController:
 
     def forget(self, request_id: str) -> None:
         self._cooldown.pop(request_id, None)
+        self._calibration.pop(request_id, None)
         self._pending.pop(request_id, None)
         self.target.forget(request_id)
         self._last_drafted.pop(request_id, None)
