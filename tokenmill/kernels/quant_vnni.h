@@ -33,13 +33,21 @@ inline __m512i load_two(const uint8_t* p0, const uint8_t* p1) {
 }
 
 // acc + the int32 pair sums of w x the activation pair at p in every lane: one vpdpwssd with an embedded
-// {1to16} broadcast of p. GCC 12 does not fold _mm512_set1_epi32 of a load into the instruction, and
-// the separate vpbroadcastd takes a vector pipe on Zen 5: in a scratch loop of 8 independent chains a
-// dot product ran at 0.175 ns with its own broadcast, 0.12-0.13 embedded, 0.11 from a register.
+// {1to16} broadcast of p (Embedded), or a vpbroadcastd and a vpdpwssd. GCC 12 does not fold
+// _mm512_set1_epi32 of a load into the instruction, and the separate vpbroadcastd takes a vector pipe on
+// Zen 5: in a scratch loop of 8 independent chains a dot product ran at 0.175 ns with its own broadcast,
+// 0.12-0.13 embedded, 0.11 from a register.
 struct Pair { int16_t v[2]; };
+template <bool Embedded>
 inline __m512i dp_pair(__m512i acc, __m512i w, const int16_t* p) {
-  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const Pair*>(p)));
-  return acc;
+  if constexpr (Embedded) {
+    asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const Pair*>(p)));
+    return acc;
+  } else {
+    int32_t v;
+    std::memcpy(&v, p, sizeof v);
+    return _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(v));
+  }
 }
 
 template <int RM, bool Q4, bool Q5>
@@ -47,6 +55,10 @@ void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, fl
   // Independent chains a row (summed exactly at the block's end): vpdpwssd's latency is 4 cycles at two
   // a cycle, so fewer than 8 chains in flight leave it idle.
   constexpr int NCH = RM >= 8 ? 1 : RM >= 4 ? 2 : 4;
+  // The embedded broadcast below 8 rows only: the 8-row tile (8 chains, exactly vpdpwssd's latency times
+  // its rate) ran slower with it (a batch-64 step 0.968x the explicit broadcasts' against 0.987x; GCC
+  // schedules around the opaque asm as it cannot around an intrinsic).
+  constexpr bool kEmbed = RM < 8;
   __m512 acc[RM];
   const int16_t* arow[RM];
   for (int r = 0; r < RM; ++r) { acc[r] = _mm512_setzero_ps(); arow[r] = a.a + (m0 + r) * a.K; }
@@ -76,15 +88,15 @@ void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, fl
         for (int r = 0; r < RM; ++r) {
           const int16_t* ab = arow[r] + b * QK + 2 * c;
           const int k = (2 * c) % NCH;
-          isum[r][k] = dp_pair(isum[r][k], lo, ab);
-          isum[r][(k + 1) % NCH] = dp_pair(isum[r][(k + 1) % NCH], hi, ab + 16);
+          isum[r][k] = dp_pair<kEmbed>(isum[r][k], lo, ab);
+          isum[r][(k + 1) % NCH] = dp_pair<kEmbed>(isum[r][(k + 1) % NCH], hi, ab + 16);
         }
       }
     } else {
 #pragma GCC unroll 16
       for (int p = 0; p < 16; ++p) {
         const __m512i wv = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(load_two(b0 + 16 * p, b1 + 16 * p)));
-        for (int r = 0; r < RM; ++r) isum[r][p % NCH] = dp_pair(isum[r][p % NCH], wv, arow[r] + b * QK + 2 * p);
+        for (int r = 0; r < RM; ++r) isum[r][p % NCH] = dp_pair<kEmbed>(isum[r][p % NCH], wv, arow[r] + b * QK + 2 * p);
       }
     }
     const __m512 sw = lanes16(w, w.scale, w.lanes(g, b), w.lanes(g2, b));
@@ -304,12 +316,12 @@ void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, f
   const bool forced = duo_rows > 2 * kDuoRows;
   const bool streamed = matrix_bytes > kStreamBytes || forced;
   if (duo_rows > 0 && M <= kDuoRows) {
-    // Few activation rows where the duo tiles run (Zen 5): the 512-bit tiles, whose embedded broadcasts
-    // made them faster at 1-8 rows than the duo tiles' 64-bit broadcasts (whole batch-1 steps of 1, 2
-    // and 4 query rows 1.02-1.18x; docs/quantization.md), except on a streamed matrix from kDuoStreamRows
-    // rows: there one sequential duo stream a thread beat the 512-bit tiles' two (the lm_head at 6-8 rows
-    // 2.7-3.6 ms against 3.4-5.7).
-    if (streamed && M >= (forced ? 1 : kDuoStreamRows)) return groups_duo(w, a, 0, M, g0, g1, out, ld);
+    // 2-8 activation rows where the duo tiles run (Zen 5): the 512-bit tiles, whose embedded broadcasts
+    // made them faster than the duo tiles' 64-bit broadcasts (batch-1 steps of 2-8 query rows 1.06-1.13x;
+    // docs/quantization.md), except on a streamed matrix from kDuoStreamRows rows, where one sequential
+    // duo stream a thread beat the 512-bit tiles' two (the lm_head at 6-8 rows 2.7-3.6 ms against
+    // 3.4-5.7). One row stays on the duo tiles (whole decode steps alike, SmolLM2 0.98x with the 512-bit).
+    if (M == 1 || (streamed && M >= (forced ? 1 : kDuoStreamRows))) return groups_duo(w, a, 0, M, g0, g1, out, ld);
     wide_rows = 1;
   }
 
