@@ -19,11 +19,20 @@ def test_the_longest_matching_suffix_wins_over_a_later_shorter_one() -> None:
     # (3, 5) occurred at 0 and continued with 1 9 5; the lone 5 last continued with 2 3 5.
     tokens = [3, 5, 1, 9, 5, 2, 3, 5]
     assert _propose(tokens, k=3, ngram_max=2) == [1, 9, 5]
-    assert _propose(tokens, k=3, ngram_max=1) == [2, 3, 5]
+    assert _propose(tokens, k=3, ngram_min=1, ngram_max=1) == [1, 9, 5]  # 5 after 3 agrees further back
+    assert _propose([4, 5, 1, 9, 5, 2, 3, 5], k=3, ngram_max=1) == [2, 3, 5]  # neither does: the latest
 
 
 def test_the_latest_earlier_occurrence_of_an_ngram_is_used() -> None:
     assert _propose([1, 2, 1, 3, 1], k=1, ngram_max=1) == [3]
+
+
+def test_of_several_occurrences_the_one_agreeing_furthest_back_is_continued() -> None:
+    """(7, 8, 9) occurred after (1, 2) continuing with 10 and after (3) continuing with 11; the context
+    reads 1 2 7 8 9, so it continues the first, not the latest (code's `merged[-1][1` runs)."""
+    tokens = [1, 2, 7, 8, 9, 10, 3, 7, 8, 9, 11, 1, 2, 7, 8, 9]
+    assert _propose(tokens, k=2) == [10, 3]
+    assert _propose([5, 6, *tokens[2:]], k=2) == [11, 1]  # no agreement before the suffix: the latest
 
 
 def test_no_match_of_at_least_ngram_min_tokens_proposes_nothing() -> None:

@@ -2,6 +2,11 @@
 
 For n from ngram_max down to ngram_min, the last n tokens are looked up among earlier n-grams; at
 the first (longest) hit, the tokens that followed its latest earlier occurrence are the proposal.
+A suffix of ngram_max tokens that occurred several times continues the occurrence whose preceding
+tokens agree with the context's furthest back (the latest among equals): code repeats short runs
+such as `merged[-1][1` or `- 1\n   ` with different continuations, and the latest occurrence was
+the wrong one three times in the three code edits of the bench, each a 7-guess step rejected at its
+first guess.
 Code editing, summaries and RAG answers copy long spans of their prompt, so the guesses are often
 right, and a guess costs a few dict lookups.
 
@@ -11,6 +16,7 @@ learns each length's acceptance. `buckets` finds the match and `propose` reuses 
 
 Index, per request, built incrementally as tokens are appended (token_ids only ever grows):
     index[n][tuple(tokens[i - n:i])] = i     the latest i, i.e. where that n-gram's continuation starts
+    starts[tuple(tokens[i - ngram_max:i])]   every such i of the ngram_max-grams, oldest first
 An n-gram ending at the very last token has no continuation yet, so it never matches itself.
 """
 
@@ -27,6 +33,13 @@ from tokenmill.engine.spec.base import ProposalGate, Proposer, register_proposer
 class _NgramIndex:
     num_indexed: int = 0  # continuation starts i < num_indexed are in the index
     by_n: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+    starts: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+
+
+# Where a longest suffix occurred several times: the latest this many occurrences are compared, each over
+# at most this many tokens before the suffix (bounds a lookup's cost in a very repetitive context).
+_MAX_CANDIDATES = 16
+_MAX_AGREEMENT = 64
 
 
 # Prior acceptance of a proposal's first token by the length of the suffix it matched (the learned
@@ -75,8 +88,11 @@ class NgramProposer(Proposer):
         self._extend(index, tokens)
         end = len(tokens)
         for n in range(min(self.ngram_max, end - 1), self.ngram_min - 1, -1):
-            start = index.by_n[n].get(tuple(tokens[end - n:]))
+            key = tuple(tokens[end - n:])
+            start = index.by_n[n].get(key)
             if start is not None:
+                if n == self.ngram_max:
+                    start = _best_agreement(tokens, n, index.starts[key])
                 return n, start
         return 0, -1
 
@@ -85,7 +101,10 @@ class NgramProposer(Proposer):
         for i in range(max(index.num_indexed, 1), len(tokens)):
             for n, table in index.by_n.items():
                 if n <= i:
-                    table[tuple(tokens[i - n:i])] = i
+                    key = tuple(tokens[i - n:i])
+                    table[key] = i
+                    if n == self.ngram_max:
+                        index.starts.setdefault(key, []).append(i)
         index.num_indexed = max(index.num_indexed, len(tokens))
 
     def forget(self, request_id: str) -> None:
@@ -97,6 +116,19 @@ class NgramProposer(Proposer):
         for rid in [r for r in self._indexes if r not in keep]:
             del self._indexes[rid]
             self._matches.pop(rid, None)
+
+
+def _best_agreement(tokens: list[int], n: int, starts: list[int]) -> int:
+    """Of the continuation starts of the context's last n tokens, the one whose occurrence is preceded by
+    the longest run agreeing with the tokens before that suffix (the latest among equals)."""
+    end, best, best_run = len(tokens), starts[-1], -1
+    for i in reversed(starts[-_MAX_CANDIDATES:]):
+        run = 0
+        while run < _MAX_AGREEMENT and i - n - 1 - run >= 0 and tokens[i - n - 1 - run] == tokens[end - n - 1 - run]:
+            run += 1
+        if run > best_run:
+            best, best_run = i, run
+    return best
 
 
 def _continuation(tokens: list[int], start: int, k: int) -> list[int]:
