@@ -88,11 +88,11 @@ class NgramProposer(Proposer):
         self._extend(index, tokens)
         end = len(tokens)
         for n in range(min(self.ngram_max, end - 1), self.ngram_min - 1, -1):
-            key = tuple(tokens[end - n:])
-            start = index.by_n[n].get(key)
+            suffix = tuple(tokens[end - n:])
+            start = index.by_n[n].get(suffix)
             if start is not None:
                 if n == self.ngram_max:
-                    start = _best_agreement(tokens, n, index.starts[key])
+                    start = _best_agreement(tokens, n, index.starts[suffix])
                 return n, start
         return 0, -1
 
@@ -101,10 +101,10 @@ class NgramProposer(Proposer):
         for i in range(max(index.num_indexed, 1), len(tokens)):
             for n, table in index.by_n.items():
                 if n <= i:
-                    key = tuple(tokens[i - n:i])
-                    table[key] = i
+                    gram = tuple(tokens[i - n:i])
+                    table[gram] = i
                     if n == self.ngram_max:
-                        index.starts.setdefault(key, []).append(i)
+                        index.starts.setdefault(gram, []).append(i)
         index.num_indexed = max(index.num_indexed, len(tokens))
 
     def forget(self, request_id: str) -> None:
