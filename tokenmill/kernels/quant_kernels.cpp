@@ -30,8 +30,9 @@
 // M > 1 (batched decode, verification, prefill) cheap: the weights stream once per RM rows and the
 // per-row work is one broadcast, one madd, one add.
 // AVX-512 VNNI fuses the madd and the add (`vpdpwssd`) and runs 512-bit tiles: two groups (16 rows)
-// per zmm and up to 8 activation rows per tile (vnni::tile2), and on Zen 5 duo tiles for 1-8 rows (two
-// column pairs of one group per zmm); those live in quant_vnni.h. The portable path is plain int loops.
+// per zmm and up to 8 activation rows per tile (vnni::tile2), and on Zen 5 duo tiles (two column pairs
+// of one group per zmm) for 1 row and for a matrix streamed from memory at 6-24 rows; those live in
+// quant_vnni.h. The portable path is plain int loops.
 //
 // AMX hosts (the `amx` path) run the avx512vnni tiles below amx_min_rows() activation rows and AMX
 // tile products from there (quant_amx.h: AMX-INT8 with the same bits, and AMX-BF16 for prefill-sized
@@ -464,8 +465,9 @@ int64_t wide_min_rows() {
   return rows;
 }
 
-// Whether the avx512vnni path runs its duo tiles for 1-8 activation rows (else the 256-bit tiles below
-// wide_min_rows() and the 512-bit ones from there; the same bits): TOKENMILL_QUANT_DUO=0|1 when set
+// Whether the avx512vnni path runs its duo-tile dispatch (vnni::groups: duo tiles for 1 row and a streamed
+// matrix at 6-24 rows, the 512-bit tiles for the other calls of 2-8 rows), else the 256-bit tiles below
+// wide_min_rows() and the 512-bit ones from there (the same bits either way): TOKENMILL_QUANT_DUO=0|1 when set
 // (tests, A/B runs), else on AMD family 26 and later, where a 512-bit op runs at full width (measured
 // in docs/quantization.md); off elsewhere, unmeasured.
 bool duo_tiles() {
