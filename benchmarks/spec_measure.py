@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -29,6 +30,36 @@ class StepCounter:
 
     def reset(self) -> None:
         self.drafts = self.draft_tokens = self.accepted = self.steps = self.off_steps = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TracedStep:
+    proposed: int  # guesses verified this step
+    accepted: int
+    seconds: float
+    token_ids: list[int]  # what the step emitted
+
+
+def trace_steps(llm: Any, messages: list[dict[str, str]], max_tokens: int, ignore_eos: bool = True) -> list[TracedStep]:
+    """One greedy speculative run of one request, step by step (a prefill chunk that emits nothing too)."""
+    from tokenmill import SamplingParams
+
+    core, steps = llm.core, []
+    inner = core.step
+
+    def step() -> Any:
+        start = time.perf_counter()
+        result = inner()
+        steps.append(TracedStep(result.stats.spec_num_draft_tokens, result.stats.spec_num_accepted_tokens,
+                                time.perf_counter() - start, [t for o in result.outputs for t in o.new_token_ids]))
+        return result
+
+    core.step = step
+    try:
+        llm.chat([messages], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos))
+    finally:
+        core.step = inner
+    return steps
 
 
 def measure(llm: Any, messages: list[list[dict[str, str]]], max_tokens: int, rounds: int,

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import common  # type: ignore[import-not-found]
-from spec_measure import measure  # type: ignore[import-not-found]
+from spec_measure import measure, trace_steps  # type: ignore[import-not-found]
 from spec_prompts import CHAT, CHATS, code_context, edit_prompt  # type: ignore[import-not-found]
 
 
@@ -84,6 +84,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--step-ks", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5, 7], help="steps: proposals per step")
     p.add_argument("--skip", choices=["steps", "ngram", "draft", "llama"], action="append", default=[])
     p.add_argument("--tag", default="", help="suffix of the result file names")
+    p.add_argument("--trace-steps", action="store_true",
+                   help="ngram at concurrency 1: after each prompt's rounds, one more speculative run printed step "
+                        "by step (guesses proposed / accepted, step time, the text emitted): where its time goes")
     return p.parse_args()
 
 
@@ -120,6 +123,11 @@ def run_ngram_prompts(llm: Any, args: argparse.Namespace,
         per_prompt.append({"method": "ngram", "model": args.ngram_model, "concurrency": 1,
                            "prompt": f"code-edit-{i}", "tokens": result.pop("tokens"), **result})
         print(f"ngram c=1 prompt {i}: {result['ratio']:.2f}x, acceptance {result['acceptance_rate']:.2f}", flush=True)
+        if args.trace_steps:
+            text = llm.tokenizer.decode
+            steps = trace_steps(llm, prompt(i), args.ngram_tokens, ignore_eos=not args.ngram_answers)
+            print(f"  {len(steps)} steps: " + " ".join(
+                f"[{s.proposed}/{s.accepted} {s.seconds * 1e3:.0f}ms]{text(s.token_ids)!r}" for s in steps), flush=True)
     tokens = sum(r["tokens"] for r in per_prompt)
     spec_s = sum(r["tokens"] / r["spec_tok_s"] for r in per_prompt)
     plain_s = sum(r["tokens"] / r["plain_tok_s"] for r in per_prompt)
