@@ -7,19 +7,9 @@ import itertools
 
 import pytest
 
+from tests.fixtures.spec import draft_controller, spec_requests, verified
 from tokenmill.config import SpeculativeConfig
-from tokenmill.engine.request import Request, SamplingParams
 from tokenmill.engine.spec.controller import SpecController, geometric_gains, min_gain
-
-
-def _requests(n: int, acceptance: float = 0.8, drafts: int = 10, prefix: str = "r") -> list[Request]:
-    out = []
-    for i in range(n):
-        r = Request(f"{prefix}{i}", [1, 2, 3], SamplingParams())
-        r.spec_stats.num_drafts = drafts
-        r.spec_stats.recent_acceptance = acceptance
-        out.append(r)
-    return out
 
 
 def _controller(**kwargs: object) -> SpecController:
@@ -37,22 +27,22 @@ def test_expected_emitted_tokens() -> None:
 
 def test_a_request_with_collapsed_acceptance_stops_and_probes_every_interval() -> None:
     controller = _controller(min_acceptance=0.3, probe_interval=3)
-    [bad] = _requests(1, acceptance=0.1, prefix="bad")
-    [good] = _requests(1, acceptance=0.9, prefix="good")
+    [bad] = spec_requests(1, acceptance=0.1, prefix="bad")
+    [good] = spec_requests(1, acceptance=0.9, prefix="good")
     plans = [controller.plan([bad, good]) for _ in range(8)]
     assert [p[0] for p in plans] == [0, 0, 0, 3, 0, 0, 0, 3]
     assert all(p[1] == 3 for p in plans)
 
 
 def test_a_new_request_proposes_before_its_acceptance_is_judged() -> None:
-    [fresh] = _requests(1, acceptance=0.0, drafts=2)
+    [fresh] = spec_requests(1, acceptance=0.0, drafts=2)
     assert _controller().plan([fresh]) == [3]
 
 
 def test_without_measurements_large_batches_do_not_speculate() -> None:
     controller = _controller(max_batch_size=4)
-    assert controller.plan(_requests(4)) == [3] * 4 and controller.is_on
-    assert controller.plan(_requests(5)) == [0] * 5 and not controller.is_on
+    assert controller.plan(spec_requests(4)) == [3] * 4 and controller.is_on
+    assert controller.plan(spec_requests(5)) == [0] * 5 and not controller.is_on
 
 
 def _feed(controller: SpecController, a: float, b: float) -> None:
@@ -64,19 +54,19 @@ def test_memory_bound_steps_speculate_even_in_a_large_batch() -> None:
     controller = _controller(max_batch_size=4)
     _feed(controller, a=0.05, b=0.0001)  # weights streamed once per step: tokens nearly free
     assert controller.cost_fit() == pytest.approx((0.05, 0.0001))
-    assert controller.plan(_requests(32, acceptance=0.5)) == [3] * 32
+    assert controller.plan(spec_requests(32, acceptance=0.5)) == [3] * 32
 
 
 def test_compute_bound_steps_do_not_speculate_at_modest_acceptance() -> None:
     controller = _controller(max_batch_size=64)
     _feed(controller, a=0.0, b=0.002)  # time proportional to tokens: 4x the tokens for ~1.9x the output
-    assert controller.plan(_requests(8, acceptance=0.5)) == [0] * 8
+    assert controller.plan(spec_requests(8, acceptance=0.5)) == [0] * 8
     assert not controller.is_on
 
 
 def test_not_adaptive_always_proposes() -> None:
     controller = _controller(adaptive=False, max_batch_size=1)
-    assert controller.plan(_requests(10, acceptance=0.0)) == [3] * 10
+    assert controller.plan(spec_requests(10, acceptance=0.0)) == [3] * 10
 
 
 def test_the_k_with_the_most_tokens_per_second_is_chosen() -> None:
@@ -84,9 +74,9 @@ def test_the_k_with_the_most_tokens_per_second_is_chosen() -> None:
     for n in (1, 2, 3, 4) * 8:
         controller.observe(n, 0.024 + 0.014 * n)  # rows cost (integer-quantized weights): 38 ms for 1, 80 for 4
     # acceptance 0.68: k=1 → 1.68 / 52 ms, k=2 → 2.14 / 66 ms (best), k=3 → 2.46 / 80 ms, plain → 1 / 38 ms
-    assert controller.plan(_requests(1, acceptance=0.68)) == [2]
-    assert controller.plan(_requests(1, acceptance=0.95)) == [3]
-    assert controller.plan(_requests(1, acceptance=0.3, prefix="low")) == [0]
+    assert controller.plan(spec_requests(1, acceptance=0.68)) == [2]
+    assert controller.plan(spec_requests(1, acceptance=0.95)) == [3]
+    assert controller.plan(spec_requests(1, acceptance=0.3, prefix="low")) == [0]
 
 
 def test_only_decode_only_steps_feed_the_cost_fit() -> None:
@@ -95,7 +85,7 @@ def test_only_decode_only_steps_feed_the_cost_fit() -> None:
     from tokenmill.engine.spec.speculator import Speculator
 
     speculator = Speculator(SpeculativeConfig("ngram", 3), NgramProposer(1, 2), max_model_len=100)
-    [r] = _requests(1)
+    [r] = spec_requests(1)
     r.token_ids = [1, 2, 3, 1, 2]
     r.num_computed_tokens, r.status = 4, RequestStatus.RUNNING
     speculator.propose([r])
@@ -109,7 +99,7 @@ def test_only_decode_only_steps_feed_the_cost_fit() -> None:
 
 def test_without_a_fit_smaller_k_are_tried_now_and_then_so_step_sizes_spread() -> None:
     controller = _controller()
-    ks = [controller.plan(_requests(1, acceptance=0.9))[0] for _ in range(64)]
+    ks = [controller.plan(spec_requests(1, acceptance=0.9))[0] for _ in range(64)]
     assert sorted(set(ks)) == [0, 1, 2, 3]
     assert ks.count(3) == 60
 
@@ -123,7 +113,7 @@ def test_measured_step_times_override_the_linear_fit_where_costs_bend() -> None:
     for _ in range(100):
         controller.observe(1, 0.045)
         controller.observe(4, 0.071)
-    requests = _requests(2, acceptance=0.68)
+    requests = spec_requests(2, acceptance=0.68)
     assert min(controller.plan(requests)) > 0  # by the fit alone
     for _ in range(2):
         controller.observe(8, 0.142)
@@ -148,7 +138,7 @@ def test_the_option_not_chosen_is_measured_again_when_stale() -> None:
     controller = _controller(max_batch_size=64)
     for n in (1, 4) * 40:
         controller.observe(n, 0.01 + 0.001 * n)  # nearly free rows: speculation wins
-    requests = _requests(1, acceptance=0.9)
+    requests = spec_requests(1, acceptance=0.9)
     plans = []
     for _ in range(200):
         [k] = controller.plan(requests)
@@ -165,7 +155,7 @@ def test_not_speculating_the_probe_proposes_one_token() -> None:
     controller = _controller(max_batch_size=64)
     for n in (32, 40) * 20:
         controller.observe(n, 0.005 + 0.003 * n)
-    requests = _requests(32, acceptance=0.6)
+    requests = spec_requests(32, acceptance=0.6)
     plans = []
     for _ in range(64):
         ks = controller.plan(requests)
@@ -204,7 +194,7 @@ def test_proposals_go_to_the_buckets_that_pay_and_requests_without_a_match_are_n
         controller.observe(n, 0.030 + 0.008 * n)
     _learned(controller, 4, accepted=3)
     _learned(controller, 1, accepted=0)
-    strong, weak, none = _requests(3, acceptance=0.6)
+    strong, weak, none = spec_requests(3, acceptance=0.6)
     assert controller.plan([strong, weak], [4, 1]) == [3, 0]
     assert controller.plan([weak, strong], [1, 4]) == [0, 3]
     assert controller.plan([strong, none], [4, 0]) == [3, 0]
@@ -215,7 +205,7 @@ def test_proposals_go_to_the_buckets_that_pay_and_requests_without_a_match_are_n
 
 def test_a_verified_draft_is_scored_into_its_bucket_from_the_request_counters() -> None:
     controller = _controller(max_batch_size=64)
-    [r] = _requests(1)
+    [r] = spec_requests(1)
     assert controller.plan([r], [2]) == [3]  # no fit yet: K
     stats = r.spec_stats  # what Scheduler._record_spec does after verification: 3 proposed, 1 accepted
     stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens = stats.num_drafts + 1, 3, 1
@@ -236,7 +226,7 @@ def test_a_gain_within_the_estimates_noise_does_not_speculate(base_s: float, spe
         controller.observe(n, base_s + 0.003 * n)
     for _ in range(100):
         controller.acceptance.record(4, 1, 1)
-    ks = controller.plan(_requests(32), [4] * 32)
+    ks = controller.plan(spec_requests(32), [4] * 32)
     assert any(ks) is speculates
 
 
@@ -252,66 +242,19 @@ def test_the_margin_grows_with_the_batch(batch: int, speculates: bool) -> None:
             controller.observe(n, 0.003 + 0.003 * n)
     for _ in range(100):
         controller.acceptance.record(4, 1, 1)
-    assert any(controller.plan(_requests(batch), [4] * batch)) is speculates
-
-
-def _draft_controller(**kwargs: object) -> SpecController:
-    return SpecController(SpeculativeConfig("draft", 3, draft_model="d", **kwargs))  # type: ignore[arg-type]
-
-
-def test_without_measurements_the_gate_keeps_guesses_while_their_gain_is_half() -> None:
-    """Priors: a guess at confidence p is accepted about p of the time (its bin's middle); a guess is
-    kept while the product of its request's kept guesses' rates is >= 0.5."""
-    gate = _draft_controller().gate(1)
-    assert gate.keep("a", 0.99)  # 0.975
-    assert gate.keep("a", 0.85)  # 0.975 * 0.85 = 0.83
-    assert gate.keep("a", 0.75)  # 0.62
-    assert not gate.keep("a", 0.75)  # 0.47
-    assert not gate.keep("b", 0.45)  # 0.4: a request's first guess may be dropped too
-    assert gate.keep("c", 0.55) and gate.rows == 4  # 0.55, its own chain
-
-
-@pytest.mark.parametrize(("row_s", "kept"), [(0.05, [True, True, False]), (0.001, [True, True, True])])
-def test_the_gate_keeps_a_guess_while_it_pays_for_its_row(row_s: float, kept: list[bool]) -> None:
-    """Measured scoring times T(n) = 50 ms + row_s * n. Expensive rows (50 ms, as much as a decode):
-    the guesses at 0.99 and 0.85 pay (gains 0.975, 0.83 against a break-even of 0.5 and 0.66), one at
-    0.45 (gain 0.33) does not; where rows cost 1 ms every one pays."""
-    controller = _draft_controller()
-    for n in (1, 2, 3, 4) * 8:
-        controller.observe(n, 0.05 + row_s * n)
-    controller.plan(_requests(1, prefix="a"))  # the gate predicts step times as the step's plan did
-    gate = controller.gate(1)
-    assert [gate.keep("a0", p) for p in (0.99, 0.85, 0.45)] == kept
-
-
-def test_kept_guesses_are_scored_into_their_confidence_bins_once_verified() -> None:
-    """Three guesses kept (bins of 0.99, 0.85, 0.2), the first accepted: bin 7 reached and accepted,
-    bin 5 reached and rejected, bin 0 never reached (nothing learnt about it)."""
-    controller = _draft_controller()
-    [r] = _requests(1, acceptance=0.9)
-    assert controller.plan([r]) == [3]
-    gate = controller.gate(1)
-    with pytest.MonkeyPatch.context() as mp:  # keep the third guess too, whatever its gain
-        mp.setattr("tokenmill.engine.spec.controller._KEEP_GAIN_UNFITTED", 0.0)
-        assert [gate.keep(r.request_id, p) for p in (0.99, 0.85, 0.2)] == [True, True, True]
-    stats = r.spec_stats  # what Scheduler._record_spec does after verification: 3 proposed, 1 accepted
-    stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens = stats.num_drafts + 1, 13, 1
-    controller.plan([r])
-    assert controller.confidence_rate(7) == pytest.approx((1 + 2 * 0.975) / 3)  # prior: 2 drafts at 0.975
-    assert controller.confidence_rate(5) == pytest.approx((0 + 2 * 0.85) / 3)
-    assert sorted(controller.confidence.rates()) == [5, 7]
+    assert any(controller.plan(spec_requests(batch), [4] * batch)) is speculates
 
 
 def test_draft_forwards_are_priced_into_the_plan() -> None:
     """Scoring rows is cheap (2 ms a row on 60 ms), acceptance 0.7: free drafts pay for K = 3; drafts
     costing 40 ms a forward (k forwards for k guesses) do not pay for any."""
-    controller = _draft_controller()
+    controller = draft_controller()
     for n in (1, 2, 3, 4) * 8:
         controller.observe(n, 0.06 + 0.002 * n)
-    assert controller.plan(_requests(1, acceptance=0.7, prefix="free")) == [3]
+    assert controller.plan(spec_requests(1, acceptance=0.7, prefix="free")) == [3]
     controller.observe_draft(0.04)
     assert controller.draft_forward_s == pytest.approx(0.04)
-    assert controller.plan(_requests(1, acceptance=0.7, prefix="dear")) == [0]
+    assert controller.plan(spec_requests(1, acceptance=0.7, prefix="dear")) == [0]
 
 
 def test_a_request_whose_guesses_were_all_dropped_is_planned_at_its_kept_rate() -> None:
@@ -327,7 +270,7 @@ def test_a_request_whose_guesses_were_all_dropped_is_planned_at_its_kept_rate() 
             return [[] for _ in requests]
 
     speculator = Speculator(SpeculativeConfig("draft", 3, draft_model="d"), Dropping(), max_model_len=100)
-    [r] = _requests(1, acceptance=1.0, drafts=0)
+    [r] = spec_requests(1, acceptance=1.0, drafts=0)
     r.token_ids = [1, 2, 3, 1, 2]
     r.num_computed_tokens, r.status = 4, RequestStatus.RUNNING
     speculator.propose([r])
@@ -349,7 +292,7 @@ def test_a_fresh_controller_takes_the_ngram_proposers_priors_by_match_length() -
         controller = SpecController(SpeculativeConfig("ngram", 3, max_batch_size=64), prior)
         for n in (2, 3, 4, 5, 6, 7, 8) * 4:
             controller.observe(n, 0.030 + 0.008 * n)
-        long_match, short_match = _requests(2, acceptance=0.6)
+        long_match, short_match = spec_requests(2, acceptance=0.6)
         assert controller.plan([long_match, short_match], [4, 1]) == expected
 
 
@@ -358,24 +301,24 @@ def test_a_draft_far_behind_pays_its_catch_up_before_it_proposes() -> None:
     step proposes K; one whose draft sat out 88 tokens (80 beyond a decode-like forward, 5 ms each)
     would pay 400 ms to catch up first, charged a quarter (the steps after share it), more than its
     guesses are worth, and proposes nothing; one 28 tokens behind (25 ms charged) still proposes."""
-    controller = _draft_controller()
+    controller = draft_controller()
     for n in (1, 2, 3, 4) * 8:
         controller.observe(n, 0.06 + 0.002 * n)
     controller.observe_draft(0.01)
     controller.observe_catch_up(20, 0.11)
     assert controller.draft_token_s == pytest.approx(0.005)
-    assert controller.plan(_requests(1, acceptance=0.7, prefix="in-step"), catch_up=[2]) == [3]
-    assert controller.plan(_requests(1, acceptance=0.7, prefix="behind"), catch_up=[88]) == [0]
-    assert controller.plan(_requests(1, acceptance=0.7, prefix="near"), catch_up=[28]) == [3]
+    assert controller.plan(spec_requests(1, acceptance=0.7, prefix="in-step"), catch_up=[2]) == [3]
+    assert controller.plan(spec_requests(1, acceptance=0.7, prefix="behind"), catch_up=[88]) == [0]
+    assert controller.plan(spec_requests(1, acceptance=0.7, prefix="near"), catch_up=[28]) == [3]
 
 
 def test_the_probe_while_off_leaves_out_drafts_far_behind() -> None:
     """Rows as dear as decodes: nothing is proposed, and the 16th plan probes one guess a request to
     re-measure, but not for a request whose draft would first have to catch up 30 tokens."""
-    controller = _draft_controller()
+    controller = draft_controller()
     for n in (1, 2, 4, 5) * 4:  # 3 tokens (the probe's count) never measured
         controller.observe(n, 0.05 * n)
-    reqs = _requests(2, acceptance=0.5)
+    reqs = spec_requests(2, acceptance=0.5)
     plans = [controller.plan(reqs, catch_up=[1, 30]) for _ in range(16)]
     assert plans[:15] == [[0, 0]] * 15 and plans[15] == [1, 0]
 
@@ -390,7 +333,7 @@ def test_while_speculating_the_probes_alternate_plain_and_every_proposal() -> No
         controller.observe(n, 0.05 + 0.001 * n)
     controller.observe(4, 0.5)  # slow samples: 4 rows look ruinous
     controller.observe(4, 0.5)
-    [r] = _requests(1, acceptance=0.95)
+    [r] = spec_requests(1, acceptance=0.95)
     plans = [controller.plan([r]) for _ in range(16)]
     assert plans[:15] == [[1]] * 15 and plans[15] == [3]
     for _ in range(16):
@@ -412,28 +355,19 @@ def test_one_slow_step_does_not_reprice_its_token_count() -> None:
     assert controller.by_count[2][0] > 0.0155
 
 
-def _verified(request: Request, proposed: int, accepted: int) -> None:
-    """What Scheduler._record_spec does once a draft of `request` is verified."""
-    stats = request.spec_stats
-    stats.num_drafts += 1
-    stats.num_draft_tokens += proposed
-    stats.num_accepted_tokens += accepted
-    stats.note_acceptance(accepted / proposed)
-
-
 def test_a_bucketed_request_is_judged_against_what_its_buckets_expected() -> None:
     """A code edit whose 15-guess drafts of long matches failed five times in a row (a type hint broke a
     copied signature, then the opening lines) has accepted / proposed at 0.17, under min_acceptance, yet
     keeps proposing: it accepted 32% of the tokens its buckets promised. A request whose long matches
     keep failing where other requests' succeed falls below it and stops (probing as before)."""
     controller = SpecController(SpeculativeConfig("ngram", 15, min_acceptance=0.2), lambda b: 0.9)
-    edit, *others = _requests(6, acceptance=1.0, drafts=0)
+    edit, *others = spec_requests(6, acceptance=1.0, drafts=0)
     for _ in range(6):
         assert controller.plan([edit], [4]) == [15]
-        _verified(edit, 15, 15)
+        verified(edit, 15, 15)
     for _ in range(5):
         assert controller.plan([edit], [4]) == [15]
-        _verified(edit, 15, 0)
+        verified(edit, 15, 0)
     assert edit.spec_stats.recent_acceptance < 0.2
     assert controller.plan([edit], [4]) == [15]
     assert 0.2 < controller.calibration(edit.request_id) < 0.4
@@ -442,7 +376,7 @@ def test_a_bucketed_request_is_judged_against_what_its_buckets_expected() -> Non
     for _ in range(8):
         plans.append(controller.plan(others, [4] * 5))
         for r in others:
-            _verified(r, 15, 0 if r is bad else 15)
+            verified(r, 15, 0 if r is bad else 15)
     assert plans[0] == [15] * 5 and plans[-1] == [0, 15, 15, 15, 15]
     assert controller.calibration(bad.request_id) < 0.2
 
@@ -454,7 +388,7 @@ def test_the_probe_of_every_proposal_is_at_most_twice_the_plans() -> None:
     for n in range(8, 33):
         for _ in range(4):
             controller.observe(n, 0.05 + 0.004 * (n - 8))
-    batch = _requests(8, acceptance=0.9)
+    batch = spec_requests(8, acceptance=0.9)
     plans = [controller.plan(batch) for _ in range(16)]
     chosen = sum(plans[0])
     assert 8 <= chosen <= 24 and all(sum(p) == chosen for p in plans[:15])

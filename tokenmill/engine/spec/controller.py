@@ -34,7 +34,7 @@ Two rules, both about goodput (tokens emitted per second), not acceptance:
     a plan of R proposals costs T(n + R) + (its longest proposal) x the mean time of a decode-like
     draft forward (one over a new prompt, or after a long gap, costs like a prefill: not counted;
     counted, one such catch-up priced every later guess as a prefill and kept drafting off).
-  * while a draft model drafts (DraftGate): each guess comes with the draft's top-1 probability p, and
+  * while a draft model drafts (DraftGate, draft_gate.py): each guess comes with the draft's top-1 probability p, and
     the acceptance of guesses in p's bin is learned like a bucket's (prior: the bin's middle, a
     calibrated draft). A guess is kept while its gain (the product of its request's kept guesses'
     bin rates) buys more tokens per second than its verification row costs, by the same measured
@@ -52,8 +52,6 @@ Two rules, both about goodput (tokens emitted per second), not acceptance:
 
 from __future__ import annotations
 
-import bisect
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +59,7 @@ from dataclasses import dataclass, field
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import Request
 from tokenmill.engine.spec.acceptance import AcceptanceModel, ewma
+from tokenmill.engine.spec.draft_gate import CONFIDENCE_PRIORS, DraftGate
 from tokenmill.engine.spec.step_times import StepTimePredictor
 from tokenmill.engine.spec.target_confidence import TargetConfidence
 
@@ -88,13 +87,6 @@ _CALIBRATION_DECAY = 0.7  # each bucketed draft ages a request's calibration sum
 # ~11 expected over its first four, the rewrite's opening lines) otherwise cut it off at once; three failed
 # 15-guess drafts of long matches (~8 expected each) still do.
 _CALIBRATION_PRIOR = 4.0
-# Bins of a draft guess's confidence (the draft's top-1 probability), and each bin's prior acceptance
-# (its middle: a calibrated draft's guesses at p are accepted with probability about p).
-CONFIDENCE_EDGES = (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
-_CONFIDENCE_PRIORS = (0.15, 0.4, 0.55, 0.65, 0.75, 0.85, 0.925, 0.975)
-# Before step times are measured over a spread of sizes, a draft guess is kept while its gain is at
-# least this (on the Zen 3 host's measured costs the best fixed cut was 0.5-0.6, docs/speculative.md).
-_KEEP_GAIN_UNFITTED = 0.5
 # A draft forward in which no sequence computes more than this many tokens (the guesses accepted last
 # step and the correction) costs about what one more guess will; tokens a draft is behind beyond it
 # are a catch-up, priced per token.
@@ -110,11 +102,6 @@ _CATCH_UP_HORIZON = 4
 def min_gain(num_decoding: int) -> float:
     """The predicted gain a step of `num_decoding` requests must promise before it speculates."""
     return min(_MIN_GAIN + _MIN_GAIN_PER_REQUEST * (num_decoding - 1), _MAX_MIN_GAIN)
-
-
-def confidence_bin(confidence: float) -> int:
-    """The bin of a draft guess made with top-1 probability `confidence` (0 .. len(CONFIDENCE_EDGES))."""
-    return bisect.bisect_right(CONFIDENCE_EDGES, confidence)
 
 
 def geometric_gains(acceptance: float, k: int) -> list[float]:
@@ -360,7 +347,7 @@ class SpecController:
 
     def confidence_rate(self, bin_index: int) -> float:
         """The learned acceptance of draft guesses in confidence bin `bin_index`."""
-        return self.confidence.gains(bin_index, 1, _CONFIDENCE_PRIORS[bin_index])[0]
+        return self.confidence.gains(bin_index, 1, CONFIDENCE_PRIORS[bin_index])[0]
 
     def gate(self, num_decoding: int) -> DraftGate:
         """A DraftGate for the drafting of the step just planned, `num_decoding` requests decoding: it
@@ -392,42 +379,3 @@ class SpecController:
         self._pending.pop(request_id, None)
         self.target.forget(request_id)
         self._last_drafted.pop(request_id, None)
-
-
-class DraftGate:
-    """One step's guess-by-guess decisions while a draft model drafts (ProposalGate): keep a guess
-    while the tokens it is expected to add buy more than the time its verification row takes. With n
-    requests decoding, `rows` guesses kept so far over the batch, `emitted` = n + their gains and S the
-    time drafting has taken so far this step (spent whatever is decided), a guess of gain g is kept iff
-        (emitted + g) / (T(n + rows + 1) + S)  >  emitted / (T(n + rows) + S)
-    with T the controller's measured times of scoring that many rows; without measurements, iff
-    g >= _KEEP_GAIN_UNFITTED. Whether to draft at all, and how far at most, is the plan's (which
-    prices each draft forward at draft_forward_s)."""
-
-    def __init__(self, controller: SpecController, num_decoding: int, predict: StepTimePredictor | None) -> None:
-        self.started = time.monotonic()
-        self.controller = controller
-        self.predict = predict
-        self.num_decoding = num_decoding
-        self.rows = 0
-        self.dropped = 0  # guesses not kept (each cost a draft forward, none is verified)
-        self.emitted = float(num_decoding)
-        self._gains: dict[str, float] = {}  # request → gain of its last kept guess
-
-    def keep(self, request_id: str, confidence: float) -> bool:
-        b = confidence_bin(confidence)
-        gain = self._gains.get(request_id, 1.0) * self.controller.confidence_rate(b)
-        if self.predict is None:
-            worth = gain >= _KEEP_GAIN_UNFITTED
-        else:  # the draft forwards so far are spent either way: the guess costs its row
-            n, spent = self.num_decoding + self.rows, time.monotonic() - self.started
-            worth = ((self.emitted + gain) / max(self.predict(n + 1) + spent, 1e-9)
-                     > self.emitted / max(self.predict(n) + spent, 1e-9))
-        if worth:
-            self.rows += 1
-            self.emitted += gain
-            self._gains[request_id] = gain
-            self.controller.note_kept(request_id, b)
-        else:
-            self.dropped += 1
-        return worth
