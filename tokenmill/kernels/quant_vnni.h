@@ -321,7 +321,7 @@ void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, f
     // docs/quantization.md), except on a streamed matrix from kDuoStreamRows rows, where one sequential
     // duo stream a thread beat the 512-bit tiles' two (the lm_head at 6-8 rows 2.7-3.6 ms against
     // 3.4-5.7). One row stays on the duo tiles (whole decode steps alike, SmolLM2 0.98x with the 512-bit).
-    if (M == 1 || (streamed && M >= (forced ? 1 : kDuoStreamRows))) return groups_duo(w, a, 0, M, g0, g1, out, ld);
+    if (M == 1 || forced || (streamed && M >= kDuoStreamRows)) return groups_duo(w, a, 0, M, g0, g1, out, ld);
     wide_rows = 1;
   }
 
