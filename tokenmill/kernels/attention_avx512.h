@@ -43,20 +43,19 @@ inline bool fits(int64_t head_dim) {
   return kTyped<T> && head_dim % 16 == 0;
 }
 
-// exp on 16 lanes: exp8's Cephes polynomial (cpu_kernels.cpp), same constants and clamping (the same
-// value per lane).
+// exp on 16 lanes: exp8's steps on cpu_kernels.cpp's cephes constants (the same value per lane).
 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(cephes::kMin)), _mm512_set1_ps(cephes::kMax));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(cephes::kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(cephes::kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(cephes::kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(cephes::kP[0]);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(cephes::kP[1]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(cephes::kP[2]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(cephes::kP[3]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(cephes::kP[4]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(cephes::kP[5]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));

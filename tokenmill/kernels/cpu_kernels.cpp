@@ -50,6 +50,16 @@
 
 namespace {
 
+// Cephes expf, shared by exp8 and wide::exp16 so a lane gets the same value at either width: inputs
+// clamped to [kMin, kMax] (2^n stays normal), x = n ln2 + r with ln2 split in two (kLn2Hi exact in
+// float), exp(r) = 1 + r + r^2 (kP[0] r^5 + ... + kP[5]).
+namespace cephes {
+constexpr float kMin = -87.3f, kMax = 88.3f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace cephes
+
 #if defined(TM_AVX2)
 inline float hsum(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -75,17 +85,17 @@ inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128
 // 2^n through the exponent bits; ~1 ulp. Inputs are clamped to [-87.3, 88.3], where 2^n stays normal.
 // The softmax spends most of its time in scalar expf otherwise (one per key and query head).
 inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(cephes::kMin)), _mm256_set1_ps(cephes::kMax));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(cephes::kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(cephes::kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(cephes::kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(cephes::kP[0]);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(cephes::kP[1]));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(cephes::kP[2]));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(cephes::kP[3]));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(cephes::kP[4]));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(cephes::kP[5]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
