@@ -106,9 +106,10 @@ def _assert_group_equal(fast: GroupMetadata | None, slow: GroupMetadata | None) 
     assert (fast.pad_index is None) == (slow.pad_index is None)
     if fast.pad_index is not None and slow.pad_index is not None:
         torch.testing.assert_close(fast.pad_index, slow.pad_index, rtol=0, atol=0)
-    if fast.mask is not None:  # the fast path leaves it out only where the decode kernel serves
-        assert slow.mask is not None
-        torch.testing.assert_close(fast.mask, slow.mask, rtol=0, atol=0)
+    if fast.has_mask:  # the fast path leaves it out only where the decode kernel serves
+        assert slow.has_mask
+        for sliding in (False, True):
+            torch.testing.assert_close(fast.dense_mask(sliding), slow.dense_mask(sliding), rtol=0, atol=0)
 
 
 def _assert_inputs_equal(fast: ModelInput, slow: ModelInput) -> None:
@@ -155,7 +156,7 @@ def test_inputs_from_persistent_tables_equal_a_rebuild_every_step(events: list[t
             slow = build_model_input(out.scheduled, BS, sliding, CPU)
             _assert_inputs_equal(fast, slow)
             if decode_mask and fast.meta.decode is not None:
-                assert fast.meta.decode.mask is not None
+                assert fast.meta.decode.has_mask
             sampled = {s.request.request_id: SampledTokens([size % 11], [None]) for s in out.scheduled
                        if s.needs_sample}
             for o in scheduler.update(out, RunnerOutput(sampled=sampled)):
@@ -170,8 +171,12 @@ def test_a_decode_group_on_the_kernel_carries_no_mask_and_a_prefill_keeps_its_ow
     assert MAX_DECODE_QUERY < 20
     prefill = ScheduledRequest(Request("p", [2] * 20, SamplingParams()), 0, 20, [1, 2, 4, 7, 9])
     inp = build_model_input([decode, prefill], BS, None, CPU, tables, decode_mask=False)
-    assert inp.meta.decode is not None and inp.meta.decode.mask is None
-    assert inp.meta.prefill is not None and inp.meta.prefill.mask is not None
+    assert inp.meta.decode is not None and not inp.meta.decode.has_mask
+    assert inp.meta.prefill is not None and inp.meta.prefill.has_mask
+    assert inp.meta.prefill.mask is None, "a prefill group's mask waits for its first reader"
+    mask = inp.meta.prefill.dense_mask(False)
+    assert mask.shape == (1, 1, 20, 5 * BS) and mask[0, 0].tolist() == [[k <= q for k in range(5 * BS)]
+                                                                        for q in range(20)]
     assert inp.meta.slot_mapping.tolist() == [6 * BS, *range(1 * BS, 3 * BS), *range(4 * BS, 5 * BS),
                                               *range(7 * BS, 8 * BS), *range(9 * BS, 10 * BS)]
     assert inp.meta.decode.block_table.tolist() == [[3, 5, 6]]

@@ -3,10 +3,16 @@ choice between it and gather + SDPA."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
 from tests.fixtures.attention import decode_path, decode_threads, paged_attention_reference
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine import model_input
 from tokenmill.kernels import cpu_kernels
 from tokenmill.layers.attention import AttentionMetadata, GroupMetadata, PagedAttention
 from tokenmill.layers.kv_cache import DenseKVCache
@@ -136,3 +142,28 @@ def test_the_layer_takes_the_kernel_and_agrees_with_gather_and_sdpa(window: int 
     ref = paged_attention_reference(q, k_cache, v_cache, tables[rows], row_lens, 0.125, window or 0, 0.0)
     torch.testing.assert_close(outs["wide"], ref.view(sum(qlens), -1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs["avx2"], ref.view(sum(qlens), -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
+def test_a_prefill_the_kernel_serves_never_builds_the_dense_mask(backend: str, tiny_hf_dir: Callable[[str], Path],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner defers a prefill group's [S, 1, Lq, Lk] mask to its first reader: with the native kernel
+    no layer reads it (two chunked prompts and a decode in one step), with SDPA every prefill step builds it."""
+    built: list[tuple[int, ...]] = []
+    causal_masks = model_input._causal_masks
+
+    def counting(*args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        masks = causal_masks(*args)
+        built.append(tuple(masks[0].shape))
+        return masks
+
+    monkeypatch.setattr(model_input, "_causal_masks", counting)
+    llm = LLM(str(tiny_hf_dir("gemma3")), dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=256,
+              attention_backend=backend, max_num_batched_tokens=48)
+    outs = llm.generate([[5 + i % 200 for i in range(70)], [9 + i % 150 for i in range(30)]],
+                        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+    if backend == "auto":
+        assert built == []
+    else:
+        assert built and all(len(shape) == 4 for shape in built)

@@ -170,7 +170,7 @@ class DecodeGraphs:
         as a plain decode, so the same graphs serve it. None where it has a prefill group or no
         graph fits."""
         meta, decode = host.meta, host.meta.decode
-        if meta.prefill is not None or decode is None or decode.max_query_len != 1 or decode.mask is not None:
+        if meta.prefill is not None or decode is None or decode.max_query_len != 1 or decode.has_mask:
             return None
         n = host.input_ids.shape[0]
         key = self.key_for(n, decode.block_table.shape[1])

@@ -11,6 +11,7 @@ calls, not a loop per token.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -246,17 +247,11 @@ def _group(group: list[ScheduledRequest], tables: _Tables, token_start: int, blo
     # kept after a rollback), and the attention gathers through a flat view of it.
     table = tables.dense(int(ctx_blocks))
     max_q = int(lens.max())
-    q_idx = np.arange(max_q)[None, :, None]  # [1, Lq, 1]
-    k_pos = np.arange(ctx_blocks * block_size)[None, None, :]  # [1, 1, Lk]
-    q_pos = starts[:, :, None] + q_idx  # [S, Lq, 1]
-    is_pad = q_idx >= lens[:, :, None]
-    # Causal: key j visible to the query at position p iff j <= p. Padding query rows see key 0
-    # only, so softmax never meets an all-masked row (their output is discarded).
-    mask = sliding = None
+    masks = None
     if need_mask or max_q > 1:  # one query per sequence on the paged decode kernel: no mask
-        mask = (k_pos <= q_pos) & ~is_pad | (is_pad & (k_pos == 0))
-        if sliding_window is not None:
-            sliding = mask & ((k_pos > q_pos - sliding_window) | is_pad)
+        # Built on first use: a group the native prefill kernel serves never reads it, and at a 2,048-token
+        # chunk over 8,192 keys the dense [S, 1, Lq, Lk] mask alone is ~50 ms of numpy.
+        masks = functools.partial(_causal_masks, starts, lens, int(ctx_blocks) * block_size, sliding_window, device)
     pad_index = None
     if len(group) > 1 and max_q > 1:
         rows = np.repeat(np.arange(len(group)), lens[:, 0])
@@ -265,11 +260,28 @@ def _group(group: list[ScheduledRequest], tables: _Tables, token_start: int, blo
     return GroupMetadata(
         block_table=torch.from_numpy(table).to(device),
         seq_lens=torch.from_numpy((starts + lens)[:, 0]).to(device),
-        mask=None if mask is None else torch.from_numpy(mask[:, None]).to(device),
-        sliding_mask=None if sliding is None else torch.from_numpy(sliding[:, None]).to(device),
+        mask=None,
+        sliding_mask=None,
         token_start=token_start,
         num_tokens=int(lens.sum()),
         max_query_len=max_q,
         pad_index=pad_index,
         query_lens=torch.from_numpy(lens[:, 0].copy()).to(device),
+        build_masks=masks,
     )
+
+
+def _causal_masks(starts: np.ndarray, lens: np.ndarray, num_keys: int, sliding_window: int | None,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[S, 1, Lq, Lk] masks of a group whose sequence i has lens[i] queries after starts[i] cached keys
+    (both [S, 1]): causal, and sliding when a window is given."""
+    q_idx = np.arange(int(lens.max()))[None, :, None]  # [1, Lq, 1]
+    k_pos = np.arange(num_keys)[None, None, :]  # [1, 1, Lk]
+    q_pos = starts[:, :, None] + q_idx  # [S, Lq, 1]
+    is_pad = q_idx >= lens[:, :, None]
+    # Causal: key j visible to the query at position p iff j <= p. Padding query rows see key 0
+    # only, so softmax never meets an all-masked row (their output is discarded).
+    mask = (k_pos <= q_pos) & ~is_pad | (is_pad & (k_pos == 0))
+    sliding = None if sliding_window is None else mask & ((k_pos > q_pos - sliding_window) | is_pad)
+    return (torch.from_numpy(mask[:, None]).to(device),
+            None if sliding is None else torch.from_numpy(sliding[:, None]).to(device))

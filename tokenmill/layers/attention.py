@@ -18,11 +18,13 @@ Attention runs once per group, never once per request:
   * prefill group: on CPU builds with AVX-512, flash attention over the keys read in place
                    (kernels/prefill_avx512.h); elsewhere q padded to [P, H, Lq_max, hd] against keys
                    gathered the same way
-Masks are built once per step by the runner and shared by all layers.
+Masks are built at most once per step (by the runner, or on first use for a prefill group) and shared
+by all layers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -49,6 +51,22 @@ class GroupMetadata:
     pad_index: torch.Tensor | None  # [num_tokens] position of each token in the padded [S*Lq] layout
     query_lens: torch.Tensor | None = None  # [S] int64 query tokens per sequence (prefill groups: the
     # native prefill kernel takes the group's rows as they are, no padding)
+    build_masks: Callable[[], tuple[torch.Tensor, torch.Tensor | None]] | None = None  # (mask, sliding_mask)
+    # built on first use: the runner leaves a prefill group's masks to this, since the native prefill
+    # kernel never reads them
+
+    @property
+    def has_mask(self) -> bool:
+        return self.mask is not None or self.build_masks is not None
+
+    def dense_mask(self, is_sliding: bool) -> torch.Tensor:
+        """The group's mask for SDPA (the sliding one on a local layer), built now if it is deferred."""
+        if self.mask is None and self.build_masks is not None:
+            self.mask, self.sliding_mask = self.build_masks()
+            self.build_masks = None
+        mask = self.sliding_mask if is_sliding and self.sliding_mask is not None else self.mask
+        assert mask is not None, "the runner builds masks for every group the decode kernel does not serve"
+        return mask
 
 
 @dataclass(slots=True)
@@ -140,8 +158,7 @@ class PagedAttention:
         num_seqs = group.block_table.shape[0]
         q_pad = _pad_queries(q, group, num_seqs).transpose(1, 2)  # [S, H, Lq, hd]
         keys, values = cache.gather(group.block_table, q.dtype)  # [S, KVH, Lk, hd]
-        mask = group.sliding_mask if is_sliding and group.sliding_mask is not None else group.mask
-        assert mask is not None, "the runner builds masks for every group the decode kernel does not serve"
+        mask = group.dense_mask(is_sliding)
         if self.logit_softcap is None:
             out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=self.scale,
                                                  enable_gqa=self.num_kv_heads != self.num_heads)
