@@ -129,10 +129,12 @@ class Sampler:
         row_requests = [r for r, c in zip(requests, counts, strict=True) for _ in range(c)]
         # Row j of a request sees its first j proposals as generated tokens (penalties, min_tokens).
         extra = [d[:j] for d in drafts for j in range(len(d) + 1)]
-        processed = self._apply_penalties(logits.clone(), row_requests, extra)
-        processed = _mask_early_stop(processed, row_requests, extra)
-        if self.logits_processor is not None:
-            processed = self.logits_processor(processed, row_requests, extra)
+        processed = logits
+        if any(edits_logits(r) for r in requests):  # else no copy: [1 + k, vocab] floats, ~5 MB at 8 rows
+            processed = self._apply_penalties(logits.clone(), row_requests, extra)
+            processed = _mask_early_stop(processed, row_requests, extra)
+            if self.logits_processor is not None:
+                processed = self.logits_processor(processed, row_requests, extra)
         starts = [sum(counts[:i]) for i in range(len(counts))]
         emitted = self._verify_greedy(processed, requests, drafts, starts)
         random_ids = [i for i, r in enumerate(requests) if not r.params.is_greedy]
@@ -142,10 +144,12 @@ class Sampler:
                                          [starts[i] for i in random_ids], [q[i] for i in random_ids])
             for i, tokens in zip(random_ids, picked, strict=True):
                 emitted[i] = tokens
-        rows = [starts[i] + j for i, tokens in enumerate(emitted) for j in range(len(tokens))]
-        flat = torch.tensor([t for tokens in emitted for t in tokens], device=logits.device)
         wanted = [requests[i].params.logprobs for i, tokens in enumerate(emitted) for _ in tokens]
-        entries = token_logprobs(logits[rows], flat, wanted)
+        entries: list[TokenLogprob | None] = [None] * len(wanted)
+        if any(n is not None for n in wanted):  # else no gather of the emitted rows (~600 KB each)
+            rows = [starts[i] + j for i, tokens in enumerate(emitted) for j in range(len(tokens))]
+            flat = torch.tensor([t for tokens in emitted for t in tokens], device=logits.device)
+            entries = token_logprobs(logits[rows], flat, wanted)
         result, at = [], 0
         for tokens in emitted:
             result.append((tokens, entries[at:at + len(tokens)]))
@@ -289,8 +293,14 @@ def top1_probs(logits: torch.Tensor) -> list[float]:
 def needs_python(request: Request) -> bool:
     """Whether a row needs the per-request sampling path (anything beyond temperature/top-k/top-p/min-p)."""
     p = request.params
-    return (p.uses_penalties or bool(p.min_tokens) or p.seed is not None or p.logprobs is not None
-            or p.structured is not None)
+    return edits_logits(request) or p.seed is not None or p.logprobs is not None
+
+
+def edits_logits(request: Request) -> bool:
+    """Whether sampling rewrites the request's logits before choosing (penalties, min_tokens, a grammar's
+    mask): the rows are then processed on a copy, the raw ones kept for logprobs."""
+    p = request.params
+    return p.uses_penalties or bool(p.min_tokens) or p.structured is not None
 
 
 def _mask_early_stop(logits: torch.Tensor, requests: list[Request],
