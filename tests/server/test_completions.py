@@ -143,3 +143,23 @@ def test_min_tokens_and_priority_are_accepted(client: openai.OpenAI) -> None:
     result = client.completions.create(model=MODEL, prompt="hello", max_tokens=4,
                                        extra_body={"min_tokens": 4, "priority": -5, "top_k": 5, "min_p": 0.1})
     assert result.usage is not None and result.usage.completion_tokens == 4
+
+
+
+def _greedy_ids(client: openai.OpenAI, **kwargs: Any) -> tuple[list[int], list[float]]:
+    """Five greedy tokens after "hello" as ids, with their logprobs."""
+    lp = _complete(client, "hello", max_tokens=5, logprobs=0, extra_body={"return_tokens_as_token_ids": True},
+                   **GREEDY, **kwargs).choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    return [int(t.removeprefix("token_id:")) for t in lp.tokens], [float(x) for x in lp.token_logprobs]
+
+
+def test_logit_bias_forces_and_bans_tokens(client: openai.OpenAI) -> None:
+    """+100 on one id makes it every greedy token, -100 on the unbiased run's tokens keeps them all out;
+    logprobs stay the raw model's (the forced token is far from certain under it)."""
+    plain, _ = _greedy_ids(client)
+    assert plain != [42] * 5
+    forced, logprobs = _greedy_ids(client, logit_bias={"42": 100})
+    assert forced == [42] * 5 and all(x < -0.1 for x in logprobs)
+    banned, _ = _greedy_ids(client, logit_bias={str(t): -100 for t in set(plain)})
+    assert not set(banned) & set(plain)

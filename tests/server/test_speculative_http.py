@@ -38,6 +38,10 @@ def test_greedy_completions_match_the_plain_server_and_drafts_are_counted(
     spec_client = spec_live.client()
     assert _completions(spec_client) == _completions(client)
     assert _completions(spec_client, stop=["o"]) == _completions(client, stop=["o"])
+    # logit_bias applies to every verified row: the biased greedy text, token for token
+    biased = _completions(client, logit_bias={str(t): 4.0 for t in range(40, 120, 3)})
+    assert biased != _completions(client)
+    assert _completions(spec_client, logit_bias={str(t): 4.0 for t in range(40, 120, 3)}) == biased
     metrics = httpx.get(f"{spec_live.url}/metrics").text
     drafts = [line for line in metrics.splitlines() if line.startswith("tokenmill:spec_decode_num_drafts_total")]
     assert drafts and float(drafts[0].split()[-1]) > 0

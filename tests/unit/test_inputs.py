@@ -40,6 +40,8 @@ def test_max_tokens_resolves_to_the_room_left_or_is_refused_beyond_it() -> None:
     ([1, 100], SamplingParams(), "prompt", "prompt holds token id 100, outside the vocabulary [0, 100)"),
     ([1], SamplingParams(stop_token_ids=[-1]), "stop_token_ids",
      "stop_token_ids holds token id -1, outside the vocabulary [0, 100)"),
+    ([1], SamplingParams(logit_bias={5: 1.0, 100: -3.0}), "logit_bias",
+     "logit_bias holds token id 100, outside the vocabulary [0, 100)"),
 ])
 def test_check_request_names_the_field_at_fault(prompt: list[int], params: SamplingParams, param: str,
                                                 message: str) -> None:
@@ -50,3 +52,9 @@ def test_check_request_names_the_field_at_fault(prompt: list[int], params: Sampl
 
 def test_check_request_lets_a_long_max_tokens_end_at_the_context() -> None:
     LIMITS.check_request(list(range(63)), SamplingParams(max_tokens=1000))  # the offline API's behaviour
+
+
+def test_logit_bias_values_stay_in_the_openai_range() -> None:
+    SamplingParams(logit_bias={1: -100.0, 2: 100.0})
+    with pytest.raises(RequestValidationError, match=r"logit_bias values must be in \[-100, 100\]"):
+        SamplingParams(logit_bias={1: 100.5})

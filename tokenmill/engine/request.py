@@ -51,6 +51,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-n logprobs per prompt token (disables prefix-cache hits)
     skip_special_tokens: bool = True
     structured: StructuredOutputParams | None = None  # a grammar the output must match (engine/structured)
+    logit_bias: dict[int, float] | None = None  # added to the token's logit before sampling (OpenAI: -100..100;
+    # -100 bans a token, +100 all but forces it); logprobs stay those of the raw model, as with penalties
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +72,8 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
+            (not self.logit_bias or all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
+             "logit_bias values must be in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:

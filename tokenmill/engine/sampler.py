@@ -215,9 +215,13 @@ class Sampler:
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request],
                          extra: list[list[int]] | None = None) -> torch.Tensor:
-        """`extra[row]`: tokens to count as generated after the request's own (proposals being verified)."""
+        """logit_bias, then the penalties, in place. `extra[row]`: tokens to count as generated after the
+        request's own (proposals being verified)."""
         for row, request in enumerate(requests):
             p = request.params
+            if p.logit_bias:  # first, as vLLM: the penalties below then see the biased logits
+                ids, bias = _bias_tensors(p.logit_bias, logits.device, logits.dtype)
+                logits[row].index_add_(0, ids, bias)
             if not p.uses_penalties:
                 continue
             more = extra[row] if extra is not None else []
@@ -300,7 +304,13 @@ def edits_logits(request: Request) -> bool:
     """Whether sampling rewrites the request's logits before choosing (penalties, min_tokens, a grammar's
     mask): the rows are then processed on a copy, the raw ones kept for logprobs."""
     p = request.params
-    return p.uses_penalties or bool(p.min_tokens) or p.structured is not None
+    return p.uses_penalties or bool(p.min_tokens) or p.structured is not None or bool(p.logit_bias)
+
+
+def _bias_tensors(bias: dict[int, float], device: torch.device,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor(list(bias), device=device, dtype=torch.long),
+            torch.tensor(list(bias.values()), device=device, dtype=dtype))
 
 
 def _mask_early_stop(logits: torch.Tensor, requests: list[Request],

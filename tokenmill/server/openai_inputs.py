@@ -192,8 +192,8 @@ def _refuse_unsupported_chat(body: ChatRequest) -> None:
 
 def sampling_params(body: GenerationRequest, limits: RequestLimits, max_tokens: int, logprobs: int | None,
                     prompt_logprobs: int | None) -> SamplingParams:
-    if body.logit_bias:
-        raise RequestValidationError("logit_bias is not supported yet: drop it from the request", "logit_bias")
+    logit_bias = _logit_bias(body.logit_bias)
+    limits.check_token_ids(list(logit_bias or ()), "logit_bias")
     stop_token_ids = body.stop_token_ids or []
     limits.check_token_ids(stop_token_ids, "stop_token_ids")
     if any(not s for s in body.stop_strings):
@@ -205,4 +205,21 @@ def sampling_params(body: GenerationRequest, limits: RequestLimits, max_tokens: 
         frequency_penalty=body.frequency_penalty, seed=body.seed, n=body.n, stop=body.stop_strings,
         stop_token_ids=list(stop_token_ids), include_stop_str_in_output=body.include_stop_str_in_output,
         ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens)
+        prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens, logit_bias=logit_bias)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's map of token id (a JSON key, so a string) to a bias in [-100, 100]."""
+    if not bias:
+        return None
+    result: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise RequestValidationError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not -100.0 <= value <= 100.0:
+            raise RequestValidationError(f"logit_bias of token {token} is {value}: values must be in [-100, 100]",
+                                         "logit_bias")
+        result[token] = float(value)
+    return result
