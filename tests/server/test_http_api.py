@@ -60,6 +60,9 @@ ANY_PARAM = object()  # a check whose error names no field yet (SamplingParams' 
     ({"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, ANY_PARAM, "min_tokens must be <= max_tokens"),
     ({"prompt": "hi", "logit_bias": {"5": 200}}, "logit_bias",
      "logit_bias of token 5 is 200.0: values must be in [-100, 100]"),
+    ({"prompt": "hi", "suffix": "x"}, "suffix",
+     f"suffix needs a model trained to fill in the middle; {MODEL} has no FIM tokens: "
+     "put the whole text in the prompt"),
     ({"prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias", "logit_bias keys must be token ids, got 'five'"),
     ({"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias",
      "logit_bias holds token id 99999, outside the vocabulary [0, 263)"),

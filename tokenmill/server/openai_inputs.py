@@ -19,6 +19,7 @@ from tokenmill.engine.service_class import ServiceClass, parse_service_tier
 from tokenmill.engine.structured import StructuredOutputParams
 from tokenmill.engine.structured.manager import StructuredOutputs
 from tokenmill.errors import RequestValidationError, TokenmillError
+from tokenmill.models.loading.fim import FimTokens, fim_tokens
 from tokenmill.models.loading.tokenizer import Tokenizer
 from tokenmill.server.openai_tools import ToolPlan, template_messages, tool_plan
 from tokenmill.server.protocol import ChatMessage, ChatRequest, CompletionRequest, GenerationRequest
@@ -39,16 +40,36 @@ def completion_inputs(body: CompletionRequest, tokenizer: Tokenizer, limits: Req
                       grammars: StructuredOutputs | None = None) -> EngineInputs:
     """`grammars`: where a requested grammar is compiled now (a 400 before queueing); without it the
     engine compiles it when the request is added."""
-    _refuse_unsupported_completion(body)
     structured = _compiled(structured_params(body), grammars)
-    prompts = completion_prompts(tokenizer, limits, body.prompt)
+    fim = _fim_tokens(body, tokenizer)
+    prompts = completion_prompts(tokenizer, limits, body.prompt, add_special_tokens=fim is None)
+    stops: list[int] = []
+    if fim is not None and body.suffix is not None:
+        suffix = encode_text(tokenizer, body.suffix, "suffix", add_special_tokens=False)
+        bos = [tokenizer.bos_token_id] if tokenizer.add_bos_token and tokenizer.bos_token_id is not None else []
+        prompts = [EncodedPrompt(p.text, [*bos, *fim.frame(p.token_ids, suffix)]) for p in prompts]
+        stops = list(fim.stops)
     children: list[ChildRequest] = []
     prompt_logprobs = body.logprobs if body.echo else None
     for i, prompt in enumerate(prompts):
         max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_tokens)
         params = sampling_params(body, limits, max_tokens, body.logprobs, prompt_logprobs)
-        children.extend(fan_out(i, prompt, replace(params, structured=structured)))
+        params = replace(params, structured=structured, stop_token_ids=[*params.stop_token_ids, *stops])
+        children.extend(fan_out(i, prompt, params))
     return EngineInputs(prompts, children)
+
+
+def _fim_tokens(body: CompletionRequest, tokenizer: Tokenizer) -> FimTokens | None:
+    """The model's fill-in-the-middle markers where the body has a `suffix` (a 400 where it has none)."""
+    if body.suffix is None:
+        return None
+    if body.echo:
+        raise RequestValidationError("echo cannot be combined with suffix (a fill-in-the-middle prompt)", "suffix")
+    fim = fim_tokens(tokenizer)
+    if fim is None:
+        raise RequestValidationError(f"suffix needs a model trained to fill in the middle; {tokenizer.name} has no "
+                                     "FIM tokens: put the whole text in the prompt", "suffix")
+    return fim
 
 
 def chat_inputs(body: ChatRequest, tokenizer: Tokenizer, limits: RequestLimits,
@@ -147,10 +168,11 @@ def encode_text(tokenizer: Tokenizer, text: str, param: str, add_special_tokens:
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def completion_prompts(tokenizer: Tokenizer, limits: RequestLimits, prompt: str | list[Any]) -> list[EncodedPrompt]:
+def completion_prompts(tokenizer: Tokenizer, limits: RequestLimits, prompt: str | list[Any],
+                       add_special_tokens: bool = True) -> list[EncodedPrompt]:
     """A string, a batch of strings, one prompt of token ids, or a batch of token-id prompts."""
     if isinstance(prompt, str):
-        return [EncodedPrompt(prompt, encode_text(tokenizer, prompt, "prompt"))]
+        return [EncodedPrompt(prompt, encode_text(tokenizer, prompt, "prompt", add_special_tokens))]
     if not prompt:
         raise RequestValidationError("prompt must not be an empty list", "prompt")
     # A flat list of ids is one prompt; otherwise every item is a prompt of its own.
@@ -158,7 +180,7 @@ def completion_prompts(tokenizer: Tokenizer, limits: RequestLimits, prompt: str 
     encoded = []
     for i, item in enumerate(batch):
         if isinstance(item, str):
-            encoded.append(EncodedPrompt(item, encode_text(tokenizer, item, f"prompt.{i}")))
+            encoded.append(EncodedPrompt(item, encode_text(tokenizer, item, f"prompt.{i}", add_special_tokens)))
         else:
             limits.check_token_ids(item, "prompt")
             encoded.append(EncodedPrompt(None, list(item)))
@@ -178,11 +200,6 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
                                      "messages") from exc
     # The template writes BOS itself where the model wants it.
     return EncodedPrompt(text, encode_text(tokenizer, text, "messages", add_special_tokens=False))
-
-
-def _refuse_unsupported_completion(body: CompletionRequest) -> None:
-    if body.suffix:
-        raise RequestValidationError("suffix is not supported: put the whole text in the prompt", "suffix")
 
 
 def _refuse_unsupported_chat(body: ChatRequest) -> None:
