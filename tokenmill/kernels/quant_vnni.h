@@ -1,7 +1,7 @@
 // The AVX-512 VNNI tiles of quant_kernels.cpp (included there, inside its anonymous namespace, after
 // the shared definitions: Weights, Act, prefetch_ahead, the TM_SIMD_TILES macro, the constants):
-// the 256-bit tiles stamped out with vpdpwssd, the duo tiles for 1-8 activation rows, and the 512-bit
-// tiles over two row groups. Every tile takes the 256-bit tile's integer sums and float steps in order,
+// the 256-bit tiles stamped out with vpdpwssd, the duo tiles for 1-8 activation rows, the 512-bit
+// tiles over two row groups, and for q8 the four-group tiles of 8 rows. Every tile takes the 256-bit tile's integer sums and float steps in order,
 // so all of them give the same bits (tests/unit/test_quant_kernels.py). Layout and measurements:
 // docs/quantization.md.
 #pragma once
@@ -121,6 +121,66 @@ void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, fl
     float* y = out + (m0 + r) * ld;
     _mm256_mask_storeu_ps(y + g * RG, mask, _mm512_castps512_ps256(acc[r]));
     _mm256_mask_storeu_ps(y + g2 * RG, mask2, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+  }
+}
+
+// Four-group tile for q8 weights (prefill and wide batches: 8 activation rows, 32 output rows): groups
+// g, g2 in one zmm and g3, g4 in another, so each activation pair's broadcast feeds two vpdpwssd instead
+// of one, at the 8-row tile's widening per multiply-add; 16 integer chains. Each lane takes tile2's steps
+// in its order: the same bits. Not for q4/q5, whose nibble decode per pair (two groups' worth of
+// ands, shifts and mask adds for each broadcast) left them no faster and a 16 x 110-token Qwen2.5-Coder
+// prefill 0.96x (docs/quantization.md).
+void tile4(const Weights& w, const int64_t (&gs)[4], const Act& a, int64_t m0, float* out, int64_t ld) {
+  constexpr int RM = 8;
+  // The float sums stay in memory (touched once a block): in registers next to the 16 integer chains,
+  // GCC spilled one of the chains instead, a store and a reload on it every pair.
+  volatile __m512 acc[RM][2];
+  const int16_t* arow[RM];
+  for (int r = 0; r < RM; ++r) {
+    acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    arow[r] = a.a + (m0 + r) * a.K;
+  }
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* bl[4];
+    for (int j = 0; j < 4; ++j) {
+      bl[j] = w.block(gs[j], b);
+      if (m0 == 0) prefetch_ahead<false, false>(w, gs[j], b);  // the first pass over the chunk, as tile2
+    }
+    __m512i isum[RM][2];
+    for (int r = 0; r < RM; ++r) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int p = 0; p < 16; ++p) {
+      const __m512i w0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(load_two(bl[0] + 16 * p, bl[1] + 16 * p)));
+      const __m512i w1 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(load_two(bl[2] + 16 * p, bl[3] + 16 * p)));
+      for (int r = 0; r < RM; ++r) {
+        int32_t v;
+        std::memcpy(&v, arow[r] + b * QK + 2 * p, sizeof v);
+        const __m512i av = _mm512_set1_epi32(v);
+        isum[r][0] = _mm512_dpwssd_epi32(isum[r][0], w0, av);
+        isum[r][1] = _mm512_dpwssd_epi32(isum[r][1], w1, av);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m512 sw = lanes16(w, w.scale, w.lanes(gs[2 * h], b), w.lanes(gs[2 * h + 1], b));
+      for (int r = 0; r < RM; ++r) {
+        const __m512 scale = _mm512_mul_ps(sw, _mm512_set1_ps(a.d[(m0 + r) * a.nb + b]));
+        acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][h]), scale, acc[r][h]);
+      }
+    }
+  }
+  auto rows_mask = [&](int64_t grp) {
+    const int64_t valid = std::min<int64_t>(RG, w.rows - grp * RG);
+    return static_cast<__mmask8>(valid >= RG ? 0xFF : (1u << valid) - 1);
+  };
+  for (int h = 0; h < 2; ++h) {
+    const __mmask8 mask = rows_mask(gs[2 * h]), mask2 = rows_mask(gs[2 * h + 1]);
+    for (int r = 0; r < RM; ++r) {
+      float* y = out + (m0 + r) * ld;
+      const __m512 sums = acc[r][h];
+      _mm256_mask_storeu_ps(y + gs[2 * h] * RG, mask, _mm512_castps512_ps256(sums));
+      _mm256_mask_storeu_ps(y + gs[2 * h + 1] * RG, mask2,
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1)));
+    }
   }
 }
 
@@ -300,6 +360,17 @@ void span2(const Weights& w, int64_t c0, int64_t c1, const Act& a, int64_t m0, f
   else if (rest == 1) tile<1>(w, g, a, m, out, ld);
 }
 
+// q8 groups c0 .. c1 - 1 in four-group tiles a quarter of the span apart (four sequential streams), then
+// the groups left over (at most three) as span2 does.
+void span4(const Weights& w, int64_t c0, int64_t c1, const Act& a, int64_t m0, float* out, int64_t ld) {
+  const int64_t q = (c1 - c0) / 4;
+  for (int64_t i = 0; i < q; ++i) {
+    const int64_t gs[4] = {c0 + i, c0 + q + i, c0 + 2 * q + i, c0 + 3 * q + i};
+    tile4(w, gs, a, m0, out, ld);
+  }
+  if (c0 + 4 * q < c1) span2<kRM512>(w, c0 + 4 * q, c1, a, m0, out, ld);
+}
+
 template <int R>
 void rest2(int64_t rest, const Weights& w, int64_t c0, int64_t c1, const Act& a, int64_t m0, float* out, int64_t ld) {
   if constexpr (R > 0) {
@@ -345,7 +416,10 @@ void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, f
   for (int64_t c0 = g0; c0 < g1; c0 += chunk) {
     const int64_t c1 = std::min(g1, c0 + chunk);
     int64_t m0 = 0;
-    for (; m0 + kRM512 <= M; m0 += kRM512) span2<kRM512>(w, c0, c1, a, m0, out, ld);
+    for (; m0 + kRM512 <= M; m0 += kRM512) {
+      if (w.q4) span2<kRM512>(w, c0, c1, a, m0, out, ld);
+      else span4(w, c0, c1, a, m0, out, ld);
+    }
     // Rows past the last 8-row tile (the chunk is in L2 by now): the 512-bit tiles of as many rows, or
     // the duo tiles where forced (tests).
     if (M > m0 && forced) groups_duo(w, a, m0, M - m0, c0, c1, out, ld);
