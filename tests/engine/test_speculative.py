@@ -224,6 +224,29 @@ def test_mixed_batch_of_speculating_sampled_and_prefilling_requests() -> None:
     assert_all_free(core)
 
 
+# At temperature 0.001 a seeded request mostly takes the argmax and so the lookups that a greedy one accepts;
+# at 0.3 and 2 the seeds decide (rejections, draws from the rest of p).
+SEEDED = [SamplingParams(max_tokens=6 + (5 * i) % 17, temperature=(0.001, 0.3, 2.0)[i % 3], seed=100 + i,
+                         top_k=0 if i % 2 else 40) for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize(("method", "adaptive"), [("ngram", False), ("ngram", True), ("draft", False)])
+def test_seeded_sampled_requests_emit_the_tokens_they_emit_without_speculation(method: str, adaptive: bool) -> None:
+    """Point-mass proposals (lookups, a seeded request's argmax guesses) are verified by the plain sampler's
+    own draw, one noise row of the request's stream per emitted token: whatever k the controller picks,
+    a seeded request's tokens are those of the engine without speculation."""
+    model = tiny_model("llama")
+    reference = run_to_completion(make_core(model), PROMPTS, SEEDED)
+    reseeded = [SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, seed=7, top_k=p.top_k)
+                for p in SEEDED]
+    assert run_to_completion(make_core(model), PROMPTS, reseeded) != reference  # the seeds do matter here
+    core = spec_core(model, method, "llama" if method == "draft" else None, adaptive=adaptive)
+    outputs, drafts, accepted = _run_counting(core, PROMPTS, SEEDED)
+    assert outputs == reference
+    assert drafts > 0 and accepted > 0
+    assert_all_free(core)
+
+
 def test_no_block_leak_after_random_speculative_requests_with_aborts() -> None:
     rng = random.Random(5)
     core = spec_core(tiny_model("llama"), "draft", "llama", num_blocks=48)

@@ -14,7 +14,9 @@ token from norm(max(0, p_j - q_j)); when all are accepted emit a bonus token fro
 token is then distributed exactly as p (the proof: P(x) = q(x) min(1, p/q) + (1 - sum_y min(p, q))
 max(0, p - q)(x) / sum max(0, p - q) = min(p, q)(x) + max(0, p - q)(x) = p(x)). A point-mass
 proposal (n-gram lookup, a greedy draft) is q = one-hot(d): accept with probability p(d), else
-sample from p with d removed.
+sample from p with d removed. That one is done by the plain sampler's own draw (`_race_run`): the
+exponential race over p_j with the request's next noise row picks the token, and d is accepted iff it
+is the pick; so a seeded request's tokens are those it gets without speculation.
 """
 
 from __future__ import annotations
@@ -179,36 +181,59 @@ class Sampler:
                             device=processed.device)
         row_requests = [r for r, c in zip(requests, counts, strict=True) for _ in range(c)]
         probs = filtered_probs(processed[rows], row_requests)
-        finals, emitted, at = [], [], 0
-        for request, draft, q in zip(requests, drafts, draft_probs, strict=True):
+        emitted: list[list[int]] = []
+        drawn: list[tuple[int, list[int], torch.Tensor]] = []  # requests with q: (index, accepted, final p)
+        at = 0
+        for i, (request, draft, q) in enumerate(zip(requests, drafts, draft_probs, strict=True)):
             p = probs[at:at + len(draft) + 1]
             at += len(draft) + 1
-            tokens, final = self._accept_run(p, draft, q, self.generator_for(request))
-            emitted.append(tokens)
-            finals.append(final)
-        last = argmax_rows(torch.stack(finals) / self._noise(torch.empty(len(requests), probs.shape[1],
-                                                                         device=probs.device), requests)).tolist()
-        return [[*tokens, t] for tokens, t in zip(emitted, last, strict=True)]
+            if q is None:
+                emitted.append(self._race_run(p, draft, request))
+            else:
+                tokens, final = self._accept_run(p, draft, q, self.generator_for(request))
+                emitted.append([])
+                drawn.append((i, tokens, final))
+        if drawn:
+            finals = torch.stack([final for _, _, final in drawn])
+            noise = self._noise(torch.empty_like(finals), [requests[i] for i, _, _ in drawn])
+            for (i, tokens, _), last in zip(drawn, argmax_rows(finals / noise).tolist(), strict=True):
+                emitted[i] = [*tokens, last]
+        return emitted
 
-    def _accept_run(self, p: torch.Tensor, draft: list[int], q: torch.Tensor | None,
+    def _race_run(self, p: torch.Tensor, draft: list[int], request: Request) -> list[int]:
+        """Point-mass proposals (q = one-hot(d)), verified by the plain sampler's own draw: position j's
+        token is the exponential race over p_j with the next noise row of the request's stream (its seed's,
+        else the shared one), as a plain step would draw it, and the proposal is accepted iff the race
+        picks it. P(accept d) = p(d), and a rejection emits the race's pick, distributed as p without d:
+        the rule above for a point mass. It draws nothing else, one row per emitted token, so a seeded
+        request emits the same tokens with speculation as without (the rows' logits are the same bits)."""
+        gen = self.generator_for(request)
+        tokens: list[int] = []
+        for j in range(len(draft) + 1):
+            noise = torch.empty(1, p.shape[1], device=p.device, dtype=p.dtype)
+            noise.exponential_(generator=gen if gen is not None else self.generator)
+            token = int(argmax_rows(p[j:j + 1] / noise)[0])
+            tokens.append(token)
+            if j == len(draft) or token != draft[j]:
+                break
+        return tokens
+
+    def _accept_run(self, p: torch.Tensor, draft: list[int], q: torch.Tensor,
                     gen: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
-        """Accepted proposals and the distribution the next token is drawn from (residual or bonus)."""
+        """Proposals drawn from q: accepted ones and the distribution the next token is drawn from (residual
+        or bonus)."""
         k = len(draft)
         if k == 0:
             return [], p[0]
         ids = torch.tensor(draft, device=p.device)
         p_d = p[:k].gather(1, ids[:, None])[:, 0]
-        q_d = torch.ones_like(p_d) if q is None else q.gather(1, ids[:, None])[:, 0]
+        q_d = q.gather(1, ids[:, None])[:, 0]
         u = torch.rand(k, device=p.device, generator=gen if gen is not None else self.generator)
         accept = (u * q_d < p_d).tolist()  # u < min(1, p/q), without dividing by a zero q
         num = accept.index(False) if False in accept else k
         if num == k:
             return list(draft), p[k]
-        if q is None:
-            residual = p[num].clone()
-            residual[draft[num]] = 0.0
-        else:
-            residual = (p[num] - q[num]).clamp_min(0.0)
+        residual = (p[num] - q[num]).clamp_min(0.0)
         total = residual.sum()
         # p == q (up to rounding) leaves nothing to correct with: then p itself is the residual's limit.
         return list(draft[:num]), residual / total if float(total) > 0.0 else p[num]
@@ -265,17 +290,16 @@ def race_noise(probs: torch.Tensor, generator: torch.Generator,
     return noise
 
 
-def request_generator(generators: dict[str, torch.Generator], request: Request, device: torch.device,
-                      salt: int = 0) -> torch.Generator | None:
-    """A seeded request's own random stream (None without a seed), made once per request in
-    `generators`; a nonzero `salt` gives another consumer of the same seed (a draft) a stream of its own."""
+def request_generator(generators: dict[str, torch.Generator], request: Request,
+                      device: torch.device) -> torch.Generator | None:
+    """A seeded request's own random stream (None without a seed), made once per request in `generators`."""
     seed = request.params.seed
     if seed is None:
         return None
     gen = generators.get(request.request_id)
     if gen is None:
         gen = generators[request.request_id] = torch.Generator(device=device)
-        gen.manual_seed(seed if not salt else (seed * 0x9E3779B1 + salt) % 2**63)
+        gen.manual_seed(seed)
     return gen
 
 

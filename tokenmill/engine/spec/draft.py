@@ -4,7 +4,9 @@ A greedy request's guesses are the draft's argmax (q a point mass); a sampled re
 from the draft's own distribution under the request's temperature, top-k, top-p and min-p, and that
 q goes to verification (Sampler.verify accepts with min(1, p/q)): where the target hesitates
 between tokens, a guess drawn from a similar q is accepted far more often than the draft's argmax
-(p = q = (0.5, 0.5): every time against half the time). `sample=False` keeps greedy guesses for all.
+(p = q = (0.5, 0.5): every time against half the time). A seeded request keeps argmax guesses: point
+masses are verified by the plain sampler's own draw, so its tokens stay those it gets without
+speculation (Sampler._race_run). `sample=False` keeps greedy guesses for all.
 
 The draft keeps its own paged KV cache (its own block pool and tables, no prefix cache) and runs
 through an ordinary ModelRunner, batched across requests:
@@ -39,11 +41,11 @@ from tokenmill.engine.interfaces import ScheduledRequest, SchedulerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenmill.engine.request import Request, SamplingParams
-from tokenmill.engine.sampler import argmax_rows, filtered_probs, race_noise, request_generator, top1_probs
+from tokenmill.engine.sampler import argmax_rows, filtered_probs, race_noise, top1_probs
 from tokenmill.engine.spec.base import ProposalGate, Proposer, register_proposer
 from tokenmill.engine.spec.controller import DECODE_LIKE_TOKENS
 
-_DRAFT_SEED = 0x5EED  # the draft's own sampling stream (unseeded requests)
+_DRAFT_SEED = 0x5EED  # the draft's own sampling stream (only unseeded requests draw from q)
 
 
 @dataclass(slots=True)
@@ -69,7 +71,6 @@ class DraftModelProposer(Proposer):
         self.sample = sample
         self.generator = torch.Generator(device=runner.device)
         self.generator.manual_seed(_DRAFT_SEED)
-        self._generators: dict[str, torch.Generator] = {}  # seeded requests' own draft streams
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.kv = KVCacheManager(1, block_size, enable_prefix_caching=False)
@@ -194,14 +195,12 @@ class DraftModelProposer(Proposer):
         order, logits = self.runner.sample_logits(SchedulerOutput(scheduled))
         tokens = argmax_rows(logits)
         probs: list[float] = top1_probs(logits) if confidence else []  # p of the argmax
-        sampled = [i for i, s in enumerate(order)
-                   if self.sample and not self._seqs[s.request.request_id].target.params.is_greedy]
+        sampled = [i for i, s in enumerate(order) if self.sample and _draws(self._seqs[s.request.request_id].target)]
         if sampled:  # draw from q instead (the exponential race, as the sampler does); p of the guess
             rows = torch.tensor(sampled, device=logits.device)
             seqs_drawn = [self._seqs[order[i].request.request_id] for i in sampled]
             q = filtered_probs(logits[rows], [seq.target for seq in seqs_drawn])
-            noise = race_noise(q, self.generator, [request_generator(self._generators, seq.target, self.runner.device,
-                                                                     _DRAFT_SEED) for seq in seqs_drawn])
+            noise = race_noise(q, self.generator, [None] * len(seqs_drawn))
             picked = argmax_rows(q / noise)
             tokens[rows] = picked
             if q.shape[1] < self.vocab_size:  # a cut head (draft_vocab): q is 0 past it, a distribution still
@@ -220,7 +219,6 @@ class DraftModelProposer(Proposer):
         return out
 
     def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.kv.free(seq.shadow)
@@ -230,3 +228,8 @@ class DraftModelProposer(Proposer):
         keep = set(request_ids)
         for rid in [r for r in self._seqs if r not in keep]:
             self.forget(rid)
+
+
+def _draws(target: Request) -> bool:
+    """Whether a request's guesses are drawn from q (sampled, unseeded) rather than the draft's argmax."""
+    return not target.params.is_greedy and target.params.seed is None
