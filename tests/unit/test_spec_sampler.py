@@ -7,8 +7,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from tokenmill.engine.distributions import filtered_probs
 from tokenmill.engine.request import Request, SamplingParams
-from tokenmill.engine.sampler import Sampler, filtered_probs
+from tokenmill.engine.sampler import Sampler
 
 V = 6
 

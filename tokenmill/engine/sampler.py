@@ -2,8 +2,8 @@
 
 Rows are independent: a request's token depends only on its own logits, parameters and
 generator, so a seeded request samples the same way whatever else shares the batch.
-Sampling uses the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with
-probability p_i, and needs one noise row per request (seeded rows use their own generator).
+A token is drawn by inverse CDF with one uniform per row (engine/distributions.py; seeded rows
+draw theirs from their own generator).
 
 `verify` scores speculative proposals (Leviathan et al. 2023, Chen et al. 2023). Request i brings
 k proposals d_1..d_k, drawn from q, and k + 1 target rows p_0..p_k (p_j scores the token after d_j;
@@ -14,9 +14,9 @@ token from norm(max(0, p_j - q_j)); when all are accepted emit a bonus token fro
 token is then distributed exactly as p (the proof: P(x) = q(x) min(1, p/q) + (1 - sum_y min(p, q))
 max(0, p - q)(x) / sum max(0, p - q) = min(p, q)(x) + max(0, p - q)(x) = p(x)). A point-mass
 proposal (n-gram lookup, a greedy draft) is q = one-hot(d): accept with probability p(d), else
-sample from p with d removed. That one is done by the plain sampler's own draw (`_race_run`): the
-exponential race over p_j with the request's next noise row picks the token, and d is accepted iff it
-is the pick; so a seeded request's tokens are those it gets without speculation.
+sample from p with d removed. That one is done by the plain sampler's own draw (`_draw_run`): the
+token drawn from p_j with the request's next uniform, d accepted iff it is that token; so a seeded
+request's tokens are those it gets without speculation.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from tokenmill.engine.distributions import draw_tokens, filtered_probs, sample_tokens
 from tokenmill.engine.request import Request, TokenLogprob
 from tokenmill.kernels import cpu_kernels
 
@@ -105,9 +106,8 @@ class Sampler:
         random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy and i not in special]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
-            probs = filtered_probs(logits[rows], [requests[i] for i in random_rows])
-            noise = torch.empty_like(probs).exponential_(generator=self.generator)
-            picked[rows] = argmax_rows(probs / noise)
+            uniforms = torch.rand(len(random_rows), generator=self.generator, dtype=torch.float64)
+            picked[rows] = sample_tokens(logits[rows], [requests[i] for i in random_rows], uniforms).to(picked.device)
         return picked
 
     def _sample_each(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
@@ -180,39 +180,39 @@ class Sampler:
         rows = torch.tensor([s + j for s, c in zip(starts, counts, strict=True) for j in range(c)],
                             device=processed.device)
         row_requests = [r for r, c in zip(requests, counts, strict=True) for _ in range(c)]
-        probs = filtered_probs(processed[rows], row_requests)
+        rows_of = processed[rows]
+        probs = filtered_probs(rows_of, row_requests) if any(q is not None for q in draft_probs) else None
         emitted: list[list[int]] = []
         drawn: list[tuple[int, list[int], torch.Tensor]] = []  # requests with q: (index, accepted, final p)
         at = 0
         for i, (request, draft, q) in enumerate(zip(requests, drafts, draft_probs, strict=True)):
-            p = probs[at:at + len(draft) + 1]
             at += len(draft) + 1
             if q is None:
-                emitted.append(self._race_run(p, draft, request))
+                emitted.append(self._draw_run(rows_of[at - len(draft) - 1:at], draft, request))
             else:
+                assert probs is not None
+                p = probs[at - len(draft) - 1:at]
                 tokens, final = self._accept_run(p, draft, q, self.generator_for(request))
                 emitted.append([])
                 drawn.append((i, tokens, final))
         if drawn:
             finals = torch.stack([final for _, _, final in drawn])
-            noise = self._noise(torch.empty_like(finals), [requests[i] for i, _, _ in drawn])
-            for (i, tokens, _), last in zip(drawn, argmax_rows(finals / noise).tolist(), strict=True):
+            lasts = draw_tokens(finals, self._uniforms([requests[i] for i, _, _ in drawn])).tolist()
+            for (i, tokens, _), last in zip(drawn, lasts, strict=True):
                 emitted[i] = [*tokens, last]
         return emitted
 
-    def _race_run(self, p: torch.Tensor, draft: list[int], request: Request) -> list[int]:
+    def _draw_run(self, logits: torch.Tensor, draft: list[int], request: Request) -> list[int]:
         """Point-mass proposals (q = one-hot(d)), verified by the plain sampler's own draw: position j's
-        token is the exponential race over p_j with the next noise row of the request's stream (its seed's,
-        else the shared one), as a plain step would draw it, and the proposal is accepted iff the race
-        picks it. P(accept d) = p(d), and a rejection emits the race's pick, distributed as p without d:
-        the rule above for a point mass. It draws nothing else, one row per emitted token, so a seeded
-        request emits the same tokens with speculation as without (the rows' logits are the same bits)."""
-        gen = self.generator_for(request)
+        token is drawn from p_j with the next uniform of the request's stream (its seed's, else the shared
+        one), as a plain step would draw it, and the proposal is accepted iff it is the token drawn.
+        P(accept d) = p(d), and a rejection emits the draw, distributed as p without d: the rule above for
+        a point mass. It draws nothing else, one uniform per emitted token, so a seeded request emits the
+        same tokens with speculation as without (the rows' logits are the same bits)."""
         tokens: list[int] = []
         for j in range(len(draft) + 1):
-            noise = torch.empty(1, p.shape[1], device=p.device, dtype=p.dtype)
-            noise.exponential_(generator=gen if gen is not None else self.generator)
-            token = int(argmax_rows(p[j:j + 1] / noise)[0])
+            uniform = torch.tensor([self._uniform(request)], dtype=torch.float64)
+            token = int(sample_tokens(logits[j:j + 1], [request], uniform)[0])
             tokens.append(token)
             if j == len(draft) or token != draft[j]:
                 break
@@ -269,25 +269,18 @@ class Sampler:
             return greedy
         rows = torch.tensor(random_rows, device=logits.device)
         sub = [requests[i] for i in random_rows]
-        probs = filtered_probs(logits[rows], sub)
-        noise = self._noise(probs, sub)
-        greedy[rows] = argmax_rows(probs / noise)
+        greedy[rows] = sample_tokens(logits[rows], sub, self._uniforms(sub)).to(greedy.device)
         return greedy
 
-    def _noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        return race_noise(probs, self.generator, [self.generator_for(r) for r in requests])
+    def _uniforms(self, requests: list[Request]) -> torch.Tensor:
+        """One U[0, 1) draw per request, float64: from its own stream where it has a seed (so a seeded
+        row does not depend on the rows beside it), else from the shared one."""
+        values = [self._uniform(r) for r in requests]
+        return torch.tensor(values, dtype=torch.float64)
 
-
-def race_noise(probs: torch.Tensor, generator: torch.Generator,
-               row_generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Exp(1) noise shaped like `probs` for the exponential race (argmax_i p_i / E_i picks i with
-    probability p_i): drawn from `generator`, then row i again from row_generators[i] where a seeded
-    request has its own stream, so a seeded row does not depend on the rows beside it."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    for row, gen in enumerate(row_generators):
-        if gen is not None:
-            noise[row].exponential_(generator=gen)
-    return noise
+    def _uniform(self, request: Request) -> float:
+        gen = self.generator_for(request)
+        return float(torch.rand(1, generator=gen if gen is not None else self.generator, dtype=torch.float64))
 
 
 def request_generator(generators: dict[str, torch.Generator], request: Request,
@@ -347,36 +340,6 @@ def _mask_early_stop(logits: torch.Tensor, requests: list[Request],
             if banned:
                 logits[row, banned] = _NEG_INF
     return logits
-
-
-def filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Row i's sampling distribution under requests[i]'s temperature, top-k, top-p and min-p."""
-    temps = torch.tensor([r.params.temperature for r in requests], device=logits.device, dtype=logits.dtype)
-    logits = logits / temps.unsqueeze(1)
-    top_ks = [r.params.top_k if r.params.top_k > 0 else logits.shape[1] for r in requests]
-    top_ps = [r.params.top_p for r in requests]
-    if any(k < logits.shape[1] for k in top_ks) or any(p < 1.0 for p in top_ps):
-        logits = _top_k_top_p(logits, top_ks, top_ps)
-    probs = torch.softmax(logits, dim=-1)
-    min_ps = [r.params.min_p for r in requests]
-    if any(min_ps):
-        # min-p: drop tokens whose probability is below min_p × the top probability.
-        threshold = torch.tensor(min_ps, device=probs.device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs
-
-
-def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
-    """Keep the k most likely tokens, then the smallest set whose mass reaches p (≥ 1 token)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
-    ks = torch.tensor(top_ks, device=logits.device).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(ranks >= ks, _NEG_INF)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    ps = torch.tensor(top_ps, device=logits.device, dtype=probs.dtype).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(mass_before >= ps, _NEG_INF)
-    return torch.full_like(logits, _NEG_INF).scatter(1, order, sorted_logits)
 
 
 def token_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, wanted: list[int | None]) -> list[TokenLogprob | None]:

@@ -37,11 +37,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.engine.distributions import draw_tokens, filtered_probs
 from tokenmill.engine.interfaces import ScheduledRequest, SchedulerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenmill.engine.request import Request, SamplingParams
-from tokenmill.engine.sampler import argmax_rows, filtered_probs, race_noise, top1_probs
+from tokenmill.engine.sampler import argmax_rows, top1_probs
 from tokenmill.engine.spec.base import ProposalGate, Proposer, register_proposer
 from tokenmill.engine.spec.controller import DECODE_LIKE_TOKENS
 
@@ -196,12 +197,11 @@ class DraftModelProposer(Proposer):
         tokens = argmax_rows(logits)
         probs: list[float] = top1_probs(logits) if confidence else []  # p of the argmax
         sampled = [i for i, s in enumerate(order) if self.sample and _draws(self._seqs[s.request.request_id].target)]
-        if sampled:  # draw from q instead (the exponential race, as the sampler does); p of the guess
+        if sampled:  # draw from q instead (by inverse CDF, as the sampler does); p of the guess
             rows = torch.tensor(sampled, device=logits.device)
             seqs_drawn = [self._seqs[order[i].request.request_id] for i in sampled]
             q = filtered_probs(logits[rows], [seq.target for seq in seqs_drawn])
-            noise = race_noise(q, self.generator, [None] * len(seqs_drawn))
-            picked = argmax_rows(q / noise)
+            picked = draw_tokens(q, torch.rand(len(seqs_drawn), generator=self.generator, dtype=torch.float64))
             tokens[rows] = picked
             if q.shape[1] < self.vocab_size:  # a cut head (draft_vocab): q is 0 past it, a distribution still
                 q = torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[1]))
