@@ -6,6 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from tokenmill.engine import distributions
 from tokenmill.engine.distributions import _top_k_top_p, draw_tokens, filtered_probs, sample_tokens
 from tokenmill.engine.request import Request, SamplingParams
 
@@ -67,3 +68,38 @@ def test_sampling_over_the_kept_tokens_draws_what_the_whole_row_draws(params: Sa
         uniforms = torch.rand(4, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
         expected = draw_tokens(filtered_probs(logits, requests), uniforms)
         assert sample_tokens(logits, requests, uniforms).tolist() == expected.tolist()
+
+
+@pytest.fixture(params=["native", "torch"])
+def whole_row_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Rows without a top-k/top-p cut: the CPU kernel where it builds, else (and forced here) torch ops."""
+    if request.param == "torch":
+        monkeypatch.setattr(distributions, "cpu_kernels", lambda: None)
+    elif distributions.cpu_kernels() is None:
+        pytest.skip("the CPU kernels do not build here")
+    return str(request.param)
+
+
+def test_whole_rows_follow_the_distribution_and_never_draw_a_masked_token(whole_row_path: str) -> None:
+    vocab = 37  # not a multiple of 8: the kernel's tail
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(4)) * 2
+    logits[0, [0, 5, 36]] = float("-inf")  # a grammar's or min_tokens' mask
+    params = SamplingParams(temperature=0.7, min_p=0.05)
+    expected = filtered_probs(logits, [Request("r", [1], params)])[0].double()
+    expected /= expected.sum()  # min-p drops mass without renormalising
+    n = 30_000
+    uniforms = torch.rand(n, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    tokens = sample_tokens(logits.expand(n, -1).contiguous(), [Request("r", [1], params)] * n, uniforms)
+    counts = torch.bincount(tokens, minlength=vocab)
+    assert int(counts[expected == 0].sum()) == 0
+    kept = expected > 0
+    assert chisquare(counts[kept].tolist(), (expected[kept] * n).tolist()).pvalue > 1e-3
+    last = sample_tokens(logits, [Request("r", [1], params)], torch.tensor([1.0 - 1e-15], dtype=torch.float64))
+    assert int(last[0]) == int(torch.nonzero(kept)[-1])
+
+
+def test_a_target_rounded_up_to_the_total_still_lands_on_an_allowed_token(whole_row_path: str) -> None:
+    logits = torch.zeros(1, 20)
+    logits[0, 11:] = float("-inf")  # masked tail, no min-p to hide it
+    params = Request("r", [1], SamplingParams(temperature=1.0))
+    assert int(sample_tokens(logits, [params], torch.tensor([1.0], dtype=torch.float64))[0]) == 10

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from tokenmill.engine.request import Request
+from tokenmill.kernels import cpu_kernels
 
 _NEG_INF = float("-inf")
 _FIRST_CANDIDATES = 256  # tokens looked at first for a top-p cut (then ×4 until the mass reaches p)
@@ -77,13 +78,12 @@ def _kept_ids(row: torch.Tensor, k: int, p: float) -> torch.Tensor:
 def sample_tokens(logits: torch.Tensor, requests: Sequence[Request], uniforms: torch.Tensor) -> torch.Tensor:
     """The token row i draws with uniforms[i] under requests[i]'s temperature, top-k, top-p and min-p:
     the distribution of `filtered_probs`, drawn by inverse CDF in vocabulary order over the unnormalised
-    weights exp(x - max x). A row with a top-k or top-p cut computes only over the tokens it keeps
-    (sorted by id, so the draw is the one over the whole row: zeros add nothing to a running sum); the
-    plain sampler and speculative verification both draw through here, so one uniform picks the same
-    token in either."""
+    weights exp((x - max x) / T). A row with a top-k or top-p cut computes only over the tokens it keeps
+    (sorted by id, so the draw is the one over the whole row: zeros add nothing to a running sum); other
+    rows take the native kernel on CPU (kernels/cpu_kernels.cpp `sample_rows`: three passes over the row,
+    no [N, V] temporaries). The plain sampler and speculative verification both draw through here, so
+    one uniform picks the same token in either."""
     vocab = logits.shape[1]
-    temps = torch.tensor([r.params.temperature for r in requests], device=logits.device, dtype=logits.dtype)
-    scaled = logits / temps.unsqueeze(1)
     out = torch.empty(len(requests), dtype=torch.long, device=logits.device)
     whole: list[int] = []
     for row, request in enumerate(requests):
@@ -92,13 +92,22 @@ def sample_tokens(logits: torch.Tensor, requests: Sequence[Request], uniforms: t
         if k >= vocab and params.top_p >= 1.0:
             whole.append(row)
             continue
-        ids = _kept_ids(scaled[row], k, params.top_p).sort().values
-        weights = _min_p(_weights(scaled[row, ids].unsqueeze(0)), [params.min_p])
+        scaled = logits[row] / params.temperature
+        ids = _kept_ids(scaled, k, params.top_p).sort().values
+        weights = _min_p(_weights(scaled[ids].unsqueeze(0)), [params.min_p])
         out[row] = ids[draw_tokens(weights, uniforms[row:row + 1])[0]]
     if whole:
         index = torch.tensor(whole, device=logits.device)
-        weights = _min_p(_weights(scaled[index]), [requests[i].params.min_p for i in whole])
-        out[index] = draw_tokens(weights, uniforms[index.cpu()])
+        rows = logits if len(whole) == len(requests) else logits[index]
+        temps = [requests[i].params.temperature for i in whole]
+        min_ps = [requests[i].params.min_p for i in whole]
+        native = cpu_kernels() if rows.device.type == "cpu" and rows.dtype == torch.float32 else None
+        if native is not None:
+            out[index] = native.sample_rows(rows.contiguous(), torch.tensor(temps), torch.tensor(min_ps),
+                                            uniforms[index.cpu()])
+        else:
+            scaled = rows / torch.tensor(temps, device=rows.device, dtype=rows.dtype).unsqueeze(1)
+            out[index] = draw_tokens(_min_p(_weights(scaled), min_ps), uniforms[index.cpu()])
     return out
 
 
