@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -15,6 +17,8 @@ def _reference_cut(logits: torch.Tensor, k: int, p: float) -> set[int]:
     """The whole row sorted: the k most likely, then those whose preceding mass (over the k) is below p."""
     values, order = logits.sort(descending=True)
     values, order = values[:k], order[:k]
+    if p >= 1.0:
+        return set(order.tolist())
     probs = torch.softmax(values.double(), dim=0)
     before = torch.cumsum(probs, dim=0) - probs
     return set(order[:max(int((before < p).sum()), 1)].tolist())
@@ -103,3 +107,70 @@ def test_a_target_rounded_up_to_the_total_still_lands_on_an_allowed_token(whole_
     logits[0, 11:] = float("-inf")  # masked tail, no min-p to hide it
     params = Request("r", [1], SamplingParams(temperature=1.0))
     assert int(sample_tokens(logits, [params], torch.tensor([1.0], dtype=torch.float64))[0]) == 10
+
+
+@pytest.mark.parametrize("scale", [8.0, 1.0, 0.05])
+@pytest.mark.parametrize(("k", "p"), [(0, 0.9), (0, 0.5), (50, 0.9), (3000, 0.95), (20, 1.0), (1, 1.0), (0, 1e-9)])
+def test_draws_stay_inside_the_cut_and_reach_all_of_it(whole_row_path: str, scale: float, k: int, p: float) -> None:
+    """A grid of uniforms over one row: every token drawn is in the full sort's cut, and every token of
+    the cut with more than two grid steps of probability is drawn."""
+    vocab = 5000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(int(scale * 100) + k)) * scale
+    request = Request("r", [1], SamplingParams(temperature=1.0, top_k=k, top_p=p))
+    k_eff = k if 0 < k < vocab else vocab
+    cut = _reference_cut(logits[0], k_eff, p)
+    grid = 20_000
+    uniforms = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
+    drawn = set(sample_tokens(logits.expand(grid, -1).contiguous(), [request] * grid, uniforms).tolist())
+    assert drawn <= cut
+    probs = torch.zeros(vocab, dtype=torch.float64)
+    ids = torch.tensor(sorted(cut))
+    probs[ids] = torch.softmax(logits[0, ids].double(), dim=0)
+    assert {i for i in cut if probs[i] > 2 / grid} <= drawn
+
+
+def _native() -> Any:
+    kernels = distributions.cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels do not build here")
+    return kernels
+
+
+def _peaked(vocab: int, seed: int) -> torch.Tensor:
+    """A few likely tokens and a vocabulary far below them (> 2^-24 of the top weight: the kernel's floor)."""
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) - 40.0
+    logits[[3, 777, 1500, 4999]] = torch.tensor([2.0, 1.5, 0.0, -1.0])
+    return logits
+
+
+@pytest.mark.parametrize(("k", "p"), [(0, 0.9), (50, 1.0), (50, 0.9), (3, 1.0), (3000, 0.95), (0, 1e-9), (0, 0.999999)])
+@pytest.mark.parametrize("row", ["random-8", "random-1", "flat", "peaked"])
+def test_the_kernels_cut_keeps_exactly_what_a_full_sort_keeps(row: str, k: int, p: float) -> None:
+    """The histogram cut against a full sort, on rows whose cut lands among likely tokens, on a flat row
+    (every token in one bucket) and on a peaked row where top-k reaches the tokens below the floor."""
+    vocab = 5000
+    logits = {"random-8": torch.randn(vocab, generator=torch.Generator().manual_seed(k)) * 8,
+              "random-1": torch.randn(vocab, generator=torch.Generator().manual_seed(k + 1)),
+              "flat": torch.zeros(vocab), "peaked": _peaked(vocab, k)}[row]
+    weights = _native().sample_weights(logits.contiguous(), 1.0, k, p, 0.0)
+    kept = set(torch.nonzero(weights > 0).squeeze(1).tolist())
+    k_eff = k if 0 < k < vocab else vocab
+    reference = _reference_cut(logits, k_eff, p)
+    # A token whose preceding mass is within rounding of p (float32 weights here, float64 there) may fall
+    # either side of a top-p cut; top-k alone is exact.
+    slack = 1 if p < 1.0 else 0
+    if row == "flat":  # equal weights: the kernel keeps the lowest ids, a sort any of them
+        assert abs(len(kept) - len(reference)) <= slack and max(kept) < len(kept)
+    else:  # peaked top-k 50: the cut is among weights ~e^-40, below the kernel's floor (its re-binning)
+        assert len(kept ^ reference) <= slack
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=5),
+                                    SamplingParams(temperature=1.0, top_p=0.8)])
+def test_nan_logits_never_crash_the_kernel_or_get_drawn(params: SamplingParams) -> None:
+    _native()
+    logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(2))
+    logits[0, ::7] = float("nan")
+    uniforms = torch.rand(200, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    tokens = sample_tokens(logits.expand(200, -1).contiguous(), [Request("r", [1], params)] * 200, uniforms)
+    assert all(t % 7 != 0 for t in tokens.tolist())

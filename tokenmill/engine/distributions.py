@@ -14,6 +14,7 @@ language model's next-token distribution is a few hundred tokens at most tempera
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -78,36 +79,38 @@ def _kept_ids(row: torch.Tensor, k: int, p: float) -> torch.Tensor:
 def sample_tokens(logits: torch.Tensor, requests: Sequence[Request], uniforms: torch.Tensor) -> torch.Tensor:
     """The token row i draws with uniforms[i] under requests[i]'s temperature, top-k, top-p and min-p:
     the distribution of `filtered_probs`, drawn by inverse CDF in vocabulary order over the unnormalised
-    weights exp((x - max x) / T). A row with a top-k or top-p cut computes only over the tokens it keeps
-    (sorted by id, so the draw is the one over the whole row: zeros add nothing to a running sum); other
-    rows take the native kernel on CPU (kernels/cpu_kernels.cpp `sample_rows`: three passes over the row,
-    no [N, V] temporaries). The plain sampler and speculative verification both draw through here, so
-    one uniform picks the same token in either."""
+    weights exp((x - max x) / T). On CPU one native call does every row (kernels/cpu_kernels.cpp
+    `sample_rows`: the cut from a histogram of the weights, no sort of the vocabulary, no [N, V]
+    temporaries); elsewhere a row with a top-k or top-p cut computes over the tokens it keeps (sorted
+    by id, so the draw is the one over the whole row: zeros add nothing to a running sum). The plain
+    sampler and speculative verification both draw through here, so one uniform picks the same token
+    in either."""
+    native = cpu_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if native is not None:
+        params = [r.params for r in requests]
+        return cast(torch.Tensor, native.sample_rows(
+            logits.contiguous(), torch.tensor([p.temperature for p in params]),
+            torch.tensor([p.top_k for p in params], dtype=torch.long), torch.tensor([p.top_p for p in params]),
+            torch.tensor([p.min_p for p in params]), uniforms))
     vocab = logits.shape[1]
     out = torch.empty(len(requests), dtype=torch.long, device=logits.device)
     whole: list[int] = []
     for row, request in enumerate(requests):
-        params = request.params
-        k = params.top_k if 0 < params.top_k < vocab else vocab
-        if k >= vocab and params.top_p >= 1.0:
+        params_ = request.params
+        k = params_.top_k if 0 < params_.top_k < vocab else vocab
+        if k >= vocab and params_.top_p >= 1.0:
             whole.append(row)
             continue
-        scaled = logits[row] / params.temperature
-        ids = _kept_ids(scaled, k, params.top_p).sort().values
-        weights = _min_p(_weights(scaled[ids].unsqueeze(0)), [params.min_p])
+        scaled = logits[row] / params_.temperature
+        ids = _kept_ids(scaled, k, params_.top_p).sort().values
+        weights = _min_p(_weights(scaled[ids].unsqueeze(0)), [params_.min_p])
         out[row] = ids[draw_tokens(weights, uniforms[row:row + 1])[0]]
     if whole:
         index = torch.tensor(whole, device=logits.device)
         rows = logits if len(whole) == len(requests) else logits[index]
-        temps = [requests[i].params.temperature for i in whole]
-        min_ps = [requests[i].params.min_p for i in whole]
-        native = cpu_kernels() if rows.device.type == "cpu" and rows.dtype == torch.float32 else None
-        if native is not None:
-            out[index] = native.sample_rows(rows.contiguous(), torch.tensor(temps), torch.tensor(min_ps),
-                                            uniforms[index.cpu()])
-        else:
-            scaled = rows / torch.tensor(temps, device=rows.device, dtype=rows.dtype).unsqueeze(1)
-            out[index] = draw_tokens(_min_p(_weights(scaled), min_ps), uniforms[index.cpu()])
+        temps = torch.tensor([requests[i].params.temperature for i in whole], device=rows.device, dtype=rows.dtype)
+        weights = _min_p(_weights(rows / temps.unsqueeze(1)), [requests[i].params.min_p for i in whole])
+        out[index] = draw_tokens(weights, uniforms[index.cpu()])
     return out
 
 

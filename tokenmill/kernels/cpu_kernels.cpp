@@ -1052,81 +1052,285 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Sampling's inverse-CDF draw over whole rows of logits [N, V] float32 (engine/distributions.py): row
-// r's weights w_i = exp((x_i - max x) / T_r), zero below min_p_r (the top weight is 1), and the first
-// index whose running sum exceeds u_r × Σ w. The sums are float64 over blocks of 8 weights (each
-// block's lanes added in order), and the running sum is the same sequence of block sums, so a target
-// below the total always lands on a token of positive weight (a zero weight never raises the sum); a
-// target rounded up to the total falls back to the last positive weight. Three passes over the row
-// (max; weights and block sums into scratch; the search), where the torch version allocated six
-// [N, V] tensors: ~0.6 ms a 151,936-wide row there.
-static int64_t sample_row(const float* x, int64_t n, float inv_temp, float min_p, double u,
-                          std::vector<float>& w, std::vector<double>& blocks) {
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i]);  // vectorised by the compiler (-O3, no NaN care)
-  const int64_t nb = (n + 7) / 8;
-  w.resize(static_cast<size_t>(nb * 8));
-  blocks.resize(static_cast<size_t>(nb));
+// Sampling's inverse-CDF draw over rows of logits [N, V] float32 (engine/distributions.py): row r's
+// weights w_i = exp((x_i - max x) / T_r) (a -inf logit, masked by a grammar or min_tokens, exactly 0),
+// cut to its top-k tokens and then to the smallest most-likely-first set whose mass reaches top_p of
+// theirs, zeroed below min_p (the top weight is 1), and the first index whose running sum exceeds
+// u_r × Σ w. The cut needs no sort of the row: weights in (0, 1] order like their float bits, so a
+// histogram of count and mass over the top 12 bits (1/16 of an octave a bucket) finds the one bucket
+// the cut falls in, and only that bucket's tokens are sorted (by weight, then id). Sums are float64
+// over blocks of 8 weights, the running sum the same sequence of block sums, so a target below the total
+// lands on a token of positive weight (a zero never raises the sum); a target rounded up to the total
+// falls back to the last positive weight. Torch ops took ~0.6 ms for a whole 151,936-wide row and
+// ~0.45 ms for a top-p cut (topk, logsumexp, gathers); this is a handful of passes over the row in L2.
+struct SampleScratch {
+  std::vector<float> w;
+  std::vector<double> blocks;
+  std::vector<int64_t> count;
+  std::vector<double> mass;
+  std::vector<std::pair<float, int64_t>> edge;
+};
+
+constexpr int kSampleBucketShift = 19;  // float bits >> 19: sign, exponent and 4 mantissa bits
+constexpr int64_t kSampleBuckets = (0x3F800000 >> kSampleBucketShift) + 1;  // weights in [0, 1]
+// Weights below 2^-24 (a token 1.6e7 times less likely than the top one) are first binned together, in
+// the rest bucket: most of a vocabulary sits there, and a block of eight of them takes one vector compare.
+// A cut that reaches them (top-k past the tokens above the floor; top-p near 1 on a flat row) re-bins
+// them at full resolution (cut_weights' refine), so it stays exact.
+constexpr uint32_t kSampleFloorBits = 0x33800000;  // 2^-24
+constexpr int64_t kSampleRest = kSampleFloorBits >> kSampleBucketShift;
+
+inline int64_t weight_bucket(float w) {
+  uint32_t bits;
+  std::memcpy(&bits, &w, sizeof bits);
+  return std::clamp<int64_t>(static_cast<int64_t>(bits >> kSampleBucketShift), kSampleRest, kSampleBuckets - 1);
+}
+
+inline float bucket_floor(int64_t bucket) {  // the least weight of a bucket above the rest
+  const uint32_t bits = static_cast<uint32_t>(bucket) << kSampleBucketShift;
+  float w;
+  std::memcpy(&w, &bits, sizeof w);
+  return w;
+}
+
+// Indices of the weights in [lo, hi), sorted by weight (descending), then id, into s.edge.
+static void sorted_edge(const float* w, int64_t n, float lo, float hi, SampleScratch& s) {
+  s.edge.clear();
   int64_t i = 0;
 #if defined(TM_AVX2)
-  const __m256 vmx = _mm256_set1_ps(mx), vt = _mm256_set1_ps(inv_temp), vmin = _mm256_set1_ps(min_p);
+  const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(w + i);
+    unsigned hit = static_cast<unsigned>(_mm256_movemask_ps(
+        _mm256_and_ps(_mm256_cmp_ps(v, vlo, _CMP_GE_OQ), _mm256_cmp_ps(v, vhi, _CMP_LT_OQ))));
+    for (; hit; hit &= hit - 1) {
+      const int64_t j = i + __builtin_ctz(hit);
+      s.edge.emplace_back(w[j], j);
+    }
+  }
+#endif
+  for (; i < n; ++i)
+    if (w[i] >= lo && w[i] < hi) s.edge.emplace_back(w[i], i);
+  std::sort(s.edge.begin(), s.edge.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+}
+
+// Zero every weight outside the top-k / top-p cut (the tokens kept keep their weight).
+static void cut_weights(float* w, int64_t n, int64_t top_k, float top_p, SampleScratch& s) {
+  s.count.assign(kSampleBuckets, 0);
+  s.mass.assign(kSampleBuckets, 0.0);
+  const float floor_w = bucket_floor(kSampleRest + 1);
+  int64_t i = 0;
+#if defined(TM_AVX2)
+  const __m256 vfloor = _mm256_set1_ps(floor_w);
+  __m256d rest = _mm256_setzero_pd();
+  int64_t rest_count = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(w + i);
+    const unsigned big = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, vfloor, _CMP_GE_OQ)));
+    if (big == 0) {  // eight weights of the rest
+      rest = _mm256_add_pd(rest, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)),
+                                               _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))));
+      rest_count += 8;
+      continue;
+    }
+    for (int l = 0; l < 8; ++l) {
+      const int64_t b = weight_bucket(w[i + l]);
+      s.count[static_cast<size_t>(b)] += 1;
+      s.mass[static_cast<size_t>(b)] += w[i + l];
+    }
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, rest);
+  s.count[kSampleRest] += rest_count;
+  s.mass[kSampleRest] += (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+#endif
+  for (; i < n; ++i) {
+    const int64_t b = weight_bucket(w[i]);
+    s.count[static_cast<size_t>(b)] += 1;
+    s.mass[static_cast<size_t>(b)] += w[i];
+  }
+  auto edge_of = [&](int64_t bucket) { sorted_edge(w, n, bucket_floor(bucket), bucket_floor(bucket + 1), s); };
+  // A walk that reaches the rest (a top-k of more tokens than lie above the floor: common for small k on
+  // a peaked row) bins the weights below the floor at full resolution first, one more pass, so that only
+  // the bucket the cut falls in is sorted (sorting the rest, ~150,000 tokens, took ~10 ms).
+  bool refined = false;
+  auto refine = [&]() {
+    if (refined) return;
+    refined = true;
+    for (int64_t b = 0; b <= kSampleRest; ++b) {
+      s.count[static_cast<size_t>(b)] = 0;
+      s.mass[static_cast<size_t>(b)] = 0.0;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      if (w[j] >= floor_w) continue;
+      uint32_t bits;
+      std::memcpy(&bits, &w[j], sizeof bits);
+      const size_t b = std::min<size_t>(bits >> kSampleBucketShift, kSampleRest);
+      s.count[b] += 1;
+      s.mass[b] += w[j];
+    }
+  };
+  // top-k: buckets above kb whole, then the first k_left of bucket kb (in s.edge order).
+  int64_t kb = -1, k_left = 0;
+  double z = 0.0;  // mass of the top-k set
+  if (top_k < n) {
+    int64_t above = 0;
+    for (int64_t b = kSampleBuckets - 1; b >= 0; --b) {
+      if (b == kSampleRest) refine();
+      if (above + s.count[static_cast<size_t>(b)] >= top_k) {
+        kb = b;
+        k_left = top_k - above;
+        break;
+      }
+      above += s.count[static_cast<size_t>(b)];
+      z += s.mass[static_cast<size_t>(b)];
+    }
+    edge_of(kb);
+    k_left = std::min<int64_t>(k_left, static_cast<int64_t>(s.edge.size()));  // equal unless the bins disagree
+    for (int64_t j = 0; j < k_left; ++j) z += s.edge[static_cast<size_t>(j)].first;
+  } else {
+    for (int64_t b = 0; b < kSampleBuckets; ++b) z += s.mass[static_cast<size_t>(b)];
+  }
+  int64_t cut_bucket = kb;  // tokens of buckets above it are kept whole; of it, the first `keep` of s.edge
+  int64_t keep = k_left;
+  if (top_p < 1.f) {
+    const double target = static_cast<double>(top_p) * z;
+    double before = 0.0;
+    for (int64_t b = kSampleBuckets - 1; b >= 0; --b) {
+      if (b == kSampleRest) refine();
+      const bool partial = b == kb;
+      double bucket_mass = s.mass[static_cast<size_t>(b)];
+      if (partial) {
+        bucket_mass = 0.0;
+        for (int64_t j = 0; j < k_left; ++j) bucket_mass += s.edge[static_cast<size_t>(j)].first;
+      }
+      if (before + bucket_mass >= target || partial) {  // the cut falls in this bucket (or top-k ends here)
+        if (!partial) edge_of(b);
+        const int64_t limit = partial ? k_left : static_cast<int64_t>(s.edge.size());
+        keep = 0;
+        while (keep < limit && before < target) before += s.edge[static_cast<size_t>(keep++)].first;
+        cut_bucket = b;
+        break;
+      }
+      before += bucket_mass;
+    }
+  }
+  // No top-k and a top-p walk that met its target only with every token (p within rounding of 1): no cut.
+  if (cut_bucket < 0) return;
+  std::vector<float> kept_w(static_cast<size_t>(keep));
+  for (int64_t j = 0; j < keep; ++j) kept_w[static_cast<size_t>(j)] = s.edge[static_cast<size_t>(j)].first;
+  const float cut_w = bucket_floor(cut_bucket + 1);  // everything below it goes (bar the kept edge)
+  i = 0;
+#if defined(TM_AVX2)
+  const __m256 vcut = _mm256_set1_ps(cut_w);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(w + i);
+    _mm256_storeu_ps(w + i, _mm256_andnot_ps(_mm256_cmp_ps(v, vcut, _CMP_LT_OQ), v));
+  }
+#endif
+  for (; i < n; ++i)
+    if (w[i] < cut_w) w[i] = 0.f;
+  for (int64_t j = 0; j < keep; ++j) w[s.edge[static_cast<size_t>(j)].second] = kept_w[static_cast<size_t>(j)];
+}
+
+// The row's weights in s.w (padded to whole blocks of 8 with zeros): exp((x - max) / T), cut, min-p.
+static void sample_weights_row(const float* x, int64_t n, float inv_temp, int64_t top_k, float top_p, float min_p,
+                               SampleScratch& s) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if defined(TM_AVX2)
+  {  // four independent max chains (a scalar running max was a dependent chain: ~0.14 ms a 151,936 row)
+    __m256 m[4];
+    for (auto& v : m) v = _mm256_set1_ps(mx);
+    for (; i + 32 <= n; i += 32)
+      for (int q = 0; q < 4; ++q) m[q] = _mm256_max_ps(m[q], _mm256_loadu_ps(x + i + 8 * q));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
+    for (float l : lanes) mx = std::max(mx, l);
+  }
+#endif
+  for (; i < n; ++i) mx = std::max(mx, x[i]);
+  const int64_t nb = (n + 7) / 8;
+  s.w.resize(static_cast<size_t>(nb * 8));
+  s.blocks.resize(static_cast<size_t>(nb));
+  float* w = s.w.data();
+  i = 0;
+#if defined(TM_AVX2)
+  const __m256 vmx = _mm256_set1_ps(mx), vt = _mm256_set1_ps(inv_temp);
   const __m256 floor = _mm256_set1_ps(cephes::kMin);
   for (; i + 8 <= n; i += 8) {
     const __m256 arg = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmx), vt);
-    __m256 e = exp8(arg);
-    // Below min_p, and past exp8's clamp (a -inf logit, masked by a grammar or min_tokens): exactly 0.
-    const __m256 drop = _mm256_or_ps(_mm256_cmp_ps(e, vmin, _CMP_LT_OQ), _mm256_cmp_ps(arg, floor, _CMP_LT_OQ));
-    _mm256_storeu_ps(w.data() + i, _mm256_andnot_ps(drop, e));
+    // Past exp8's clamp (a -inf logit) or NaN: exactly 0.
+    _mm256_storeu_ps(w + i, _mm256_andnot_ps(_mm256_cmp_ps(arg, floor, _CMP_NGE_UQ), exp8(arg)));
   }
 #endif
   for (; i < nb * 8; ++i) {
-    float e = i < n ? std::exp((x[i] - mx) * inv_temp) : 0.f;
-    w[static_cast<size_t>(i)] = e < min_p ? 0.f : e;
+    const float arg = i < n ? (x[i] - mx) * inv_temp : -std::numeric_limits<float>::infinity();
+    w[i] = arg >= cephes::kMin ? std::exp(arg) : 0.f;  // NaN: 0
   }
+  if (top_k < n || top_p < 1.f) cut_weights(w, n, top_k, top_p, s);
+  if (min_p > 0.f)
+    for (int64_t j = 0; j < n; ++j) w[j] = w[j] < min_p ? 0.f : w[j];
+}
+
+static int64_t sample_row(const float* x, int64_t n, float inv_temp, int64_t top_k, float top_p, float min_p,
+                          double u, SampleScratch& s) {
+  sample_weights_row(x, n, inv_temp, top_k, top_p, min_p, s);
+  const int64_t nb = (n + 7) / 8;
+  const float* w = s.w.data();
+  // Each block's sum as a tree (independent across blocks, so the adds overlap; a running sum over all
+  // 151,936 weights was a chain of dependent adds, ~0.14 ms alone). The search below adds a block's
+  // weights one by one: where that lands an ulp off the tree, the block is passed over and the next
+  // positive weight taken, a shift of ~1e-16 in probability.
   double total = 0.0;
   for (int64_t b = 0; b < nb; ++b) {
-    double s = 0.0;
-    for (int l = 0; l < 8; ++l) s += w[static_cast<size_t>(8 * b + l)];
-    blocks[static_cast<size_t>(b)] = s;
-    total += s;
+    const float* q = w + 8 * b;
+    const double sum = ((static_cast<double>(q[0]) + q[1]) + (static_cast<double>(q[2]) + q[3])) +
+                       ((static_cast<double>(q[4]) + q[5]) + (static_cast<double>(q[6]) + q[7]));
+    s.blocks[static_cast<size_t>(b)] = sum;
+    total += sum;
   }
   const double target = u * total;
   double running = 0.0;
   for (int64_t b = 0; b < nb; ++b) {
-    const double next = running + blocks[static_cast<size_t>(b)];
+    const double next = running + s.blocks[static_cast<size_t>(b)];
     if (next > target) {
       double r = running;
       for (int l = 0; l < 8; ++l) {
-        r += w[static_cast<size_t>(8 * b + l)];
+        r += w[8 * b + l];
         if (r > target) return 8 * b + l;
       }
     }
     running = next;
   }
   for (int64_t j = n - 1; j > 0; --j)
-    if (w[static_cast<size_t>(j)] > 0.f) return j;
+    if (w[j] > 0.f) return j;
   return 0;
 }
 
-torch::Tensor sample_rows(const torch::Tensor& x, const torch::Tensor& temps, const torch::Tensor& min_ps,
-                          const torch::Tensor& uniforms) {
+torch::Tensor sample_rows(const torch::Tensor& x, const torch::Tensor& temps, const torch::Tensor& top_ks,
+                          const torch::Tensor& top_ps, const torch::Tensor& min_ps, const torch::Tensor& uniforms) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
               "sample_rows: x must be contiguous float32 [N, V] with V > 0");
   const int64_t N = x.size(0), V = x.size(1);
-  TORCH_CHECK(temps.numel() == N && min_ps.numel() == N && uniforms.numel() == N, "sample_rows: one value a row");
+  TORCH_CHECK(temps.numel() == N && top_ks.numel() == N && top_ps.numel() == N && min_ps.numel() == N &&
+              uniforms.numel() == N, "sample_rows: one value a row");
   const auto t = temps.to(at::kFloat).contiguous(), mp = min_ps.to(at::kFloat).contiguous();
+  const auto tk = top_ks.to(at::kLong).contiguous(), tp = top_ps.to(at::kFloat).contiguous();
   const auto u = uniforms.to(at::kDouble).contiguous();
   const tokenmill_capi::ReleaseGilIfLong gil(N * V);
   torch::Tensor out = torch::empty({N}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
-  const float* tp = t.data_ptr<float>();
-  const float* mpp = mp.data_ptr<float>();
-  const double* up = u.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> w;
-    std::vector<double> blocks;
-    for (int64_t r = r0; r < r1; ++r) op[r] = sample_row(xp + r * V, V, 1.f / tp[r], mpp[r], up[r], w, blocks);
+    SampleScratch scratch;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t k = tk.data_ptr<int64_t>()[r];
+      op[r] = sample_row(xp + r * V, V, 1.f / t.data_ptr<float>()[r], k > 0 && k < V ? k : V, tp.data_ptr<float>()[r],
+                         mp.data_ptr<float>()[r], u.data_ptr<double>()[r], scratch);
+    }
   });
   return out;
 }
@@ -1267,9 +1471,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up from [..., 2I] = [gate | up], float32 (CPU)");
   m.def("skinny_linear", &skinny_linear, "y = x W^T + b for 1-4 rows of x, fp32, threads over W's rows (CPU)");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) for contiguous float32 [N, V], vectorised (CPU)");
+  m.def("sample_weights", [](const torch::Tensor& x, double temp, int64_t top_k, double top_p, double min_p) {
+    TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(0) > 0,
+                "sample_weights: x must be contiguous float32 [V]");
+    const int64_t V = x.size(0);
+    SampleScratch scratch;
+    sample_weights_row(x.data_ptr<float>(), V, static_cast<float>(1.0 / temp), top_k > 0 && top_k < V ? top_k : V,
+                       static_cast<float>(top_p), static_cast<float>(min_p), scratch);
+    return torch::from_blob(scratch.w.data(), {V}, torch::kFloat).clone();
+  }, "the weights sample_rows draws one row from, cut and min-p applied (tests)");
   m.def("sample_rows", &sample_rows,
-        "each row's token by inverse CDF over exp((x - max) / T), weights below min_p dropped, with its uniform "
-        "(float32 [N, V]; temps, min_ps, uniforms [N]; CPU)");
+        "each row's token by inverse CDF over exp((x - max) / T) cut to top-k, then top-p, then min-p, with its "
+        "uniform (float32 [N, V]; temps, top_ks, top_ps, min_ps, uniforms [N]; CPU)");
   m.def("c_api", [] {
     pybind11::dict api;
     TM_CAPI_ENTRY(api, KvWrite, kv_write);
