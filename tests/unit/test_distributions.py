@@ -119,7 +119,7 @@ def test_draws_stay_inside_the_cut_and_reach_all_of_it(whole_row_path: str, scal
     request = Request("r", [1], SamplingParams(temperature=1.0, top_k=k, top_p=p))
     k_eff = k if 0 < k < vocab else vocab
     cut = _reference_cut(logits[0], k_eff, p)
-    grid = 20_000
+    grid = 20_000 if whole_row_path == "native" else 2_000  # the torch path cuts row by row in Python
     uniforms = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
     drawn = set(sample_tokens(logits.expand(grid, -1).contiguous(), [request] * grid, uniforms).tolist())
     assert drawn <= cut
