@@ -7,8 +7,9 @@ vocabulary of Exp(1) variables: 2.2 ms a row of 151,936 on this CPU against ~0.2
 cumsum and search (docs/performance.md).
 
 top-p needs the most probable tokens in order, not the whole vocabulary sorted (a 151,936-wide sort
-took ~10 ms a row): the k largest by `topk`, k doubled (×4) until their mass reaches p, which for a
-language model's next-token distribution is a few hundred tokens at most temperatures.
+took ~10 ms a row): here the k largest by `topk`, k grown ×4 until their mass reaches p (a few hundred
+tokens at most temperatures for a language model's next token); on CPU the native `sample_rows` does
+the whole draw, its cut from a histogram of the weights (kernels/cpu_kernels.cpp).
 """
 
 from __future__ import annotations
