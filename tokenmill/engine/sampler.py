@@ -113,10 +113,11 @@ class Sampler:
     def _sample_each(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
         """The general path: penalties, min_tokens, the logits processor, seeds and logprobs per row."""
         raw = logits
-        logits = self._apply_penalties(logits.clone(), requests)
-        logits = _mask_early_stop(logits, requests)
-        if self.logits_processor is not None:
-            logits = self.logits_processor(logits, requests)
+        if any(edits_logits(r) for r in requests):  # else (seeds, logprobs only) no [N, vocab] copy
+            logits = self._apply_penalties(logits.clone(), requests)
+            logits = _mask_early_stop(logits, requests)
+            if self.logits_processor is not None:
+                logits = self.logits_processor(logits, requests)
         token_ids = self._pick(logits, requests)
         ids = token_ids.tolist()
         logprobs = token_logprobs(raw, token_ids, [r.params.logprobs for r in requests])
