@@ -50,7 +50,8 @@ def parse_args() -> argparse.Namespace:
                    help="draft: the draft model alone; ngram-draft: a lookup where the context repeats, "
                         "the draft elsewhere")
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="draft: sampling temperature of the requests (0: greedy, outputs compared token for token)")
+                   help="sampling temperature of the requests, n-gram and draft (0: greedy, outputs compared token "
+                        "for token)")
     p.add_argument("--draft-sampling", choices=["on", "off"], default="on",
                    help="draft: a sampled request's guesses drawn from the draft's distribution (on) or its argmax")
     p.add_argument("--draft-edits", type=int, default=2, help="draft: code-edit prompts, each run alone")
@@ -104,7 +105,7 @@ def run_ngram(args: argparse.Namespace) -> list[dict[str, Any]]:
         if c == 1 and args.ngram_prompts > 1:
             rows += run_ngram_prompts(llm, args, prompt)
             continue
-        result = measure(llm, [prompt(i) for i in range(c)], args.ngram_tokens, args.rounds,
+        result = measure(llm, [prompt(i) for i in range(c)], args.ngram_tokens, args.rounds, args.temperature,
                          ignore_eos=not args.ngram_answers)
         rows.append({"method": "ngram", "model": args.ngram_model, "concurrency": c, **result})
         print(f"ngram c={c}: {result['spec_tok_s']:.1f} vs {result['plain_tok_s']:.1f} tok/s = "
@@ -119,7 +120,8 @@ def run_ngram_prompts(llm: Any, args: argparse.Namespace,
     serving them one after another (one prompt's figure depends on how much of its answer is copied)."""
     per_prompt = []
     for i in range(args.ngram_prompts):
-        result = measure(llm, [prompt(i)], args.ngram_tokens, args.rounds, ignore_eos=not args.ngram_answers)
+        result = measure(llm, [prompt(i)], args.ngram_tokens, args.rounds, args.temperature,
+                         ignore_eos=not args.ngram_answers)
         per_prompt.append({"method": "ngram", "model": args.ngram_model, "concurrency": 1,
                            "prompt": f"code-edit-{i}", "tokens": result.pop("tokens"), **result})
         print(f"ngram c=1 prompt {i}: {result['ratio']:.2f}x, acceptance {result['acceptance_rate']:.2f}", flush=True)
