@@ -31,7 +31,7 @@ def filtered_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     temps = torch.tensor([r.params.temperature for r in requests], device=logits.device, dtype=logits.dtype)
     logits = logits / temps.unsqueeze(1)
     vocab = logits.shape[1]
-    top_ks = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in requests]
+    top_ks = [_top_k(r, vocab) for r in requests]
     top_ps = [r.params.top_p for r in requests]
     if any(k < vocab or p < 1.0 for k, p in zip(top_ks, top_ps, strict=True)):
         logits = _top_k_top_p(logits, top_ks, top_ps)
@@ -42,6 +42,12 @@ def filtered_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
         threshold = torch.tensor(min_ps, device=probs.device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
+
+
+def _top_k(request: Request, vocab: int) -> int:
+    """The request's top-k as a count (the whole vocabulary where it is off: 0 or -1)."""
+    k = request.params.top_k
+    return k if 0 < k < vocab else vocab
 
 
 def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
@@ -97,14 +103,13 @@ def sample_tokens(logits: torch.Tensor, requests: Sequence[Request], uniforms: t
     out = torch.empty(len(requests), dtype=torch.long, device=logits.device)
     whole: list[int] = []
     for row, request in enumerate(requests):
-        params_ = request.params
-        k = params_.top_k if 0 < params_.top_k < vocab else vocab
-        if k >= vocab and params_.top_p >= 1.0:
+        k, p = _top_k(request, vocab), request.params.top_p
+        if k >= vocab and p >= 1.0:
             whole.append(row)
             continue
-        scaled = logits[row] / params_.temperature
-        ids = _kept_ids(scaled, k, params_.top_p).sort().values
-        weights = _min_p(_weights(scaled[ids].unsqueeze(0)), [params_.min_p])
+        scaled = logits[row] / request.params.temperature
+        ids = _kept_ids(scaled, k, p).sort().values
+        weights = _min_p(_weights(scaled[ids].unsqueeze(0)), [request.params.min_p])
         out[row] = ids[draw_tokens(weights, uniforms[row:row + 1])[0]]
     if whole:
         index = torch.tensor(whole, device=logits.device)

@@ -113,12 +113,7 @@ class Sampler:
     def _sample_each(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
         """The general path: penalties, min_tokens, the logits processor, seeds and logprobs per row."""
         raw = logits
-        if any(edits_logits(r) for r in requests):  # else (seeds, logprobs only) no [N, vocab] copy
-            logits = self._apply_penalties(logits.clone(), requests)
-            logits = _mask_early_stop(logits, requests)
-            if self.logits_processor is not None:
-                logits = self.logits_processor(logits, requests)
-        token_ids = self._pick(logits, requests)
+        token_ids = self._pick(self._processed(logits, requests), requests)
         ids = token_ids.tolist()
         logprobs = token_logprobs(raw, token_ids, [r.params.logprobs for r in requests])
         return list(zip(ids, logprobs, strict=True))
@@ -132,12 +127,7 @@ class Sampler:
         row_requests = [r for r, c in zip(requests, counts, strict=True) for _ in range(c)]
         # Row j of a request sees its first j proposals as generated tokens (penalties, min_tokens).
         extra = [d[:j] for d in drafts for j in range(len(d) + 1)]
-        processed = logits
-        if any(edits_logits(r) for r in requests):  # else no copy: [1 + k, vocab] floats, ~5 MB at 8 rows
-            processed = self._apply_penalties(logits.clone(), row_requests, extra)
-            processed = _mask_early_stop(processed, row_requests, extra)
-            if self.logits_processor is not None:
-                processed = self.logits_processor(processed, row_requests, extra)
+        processed = self._processed(logits, row_requests, extra)
         starts = [sum(counts[:i]) for i in range(len(counts))]
         emitted = self._verify_greedy(processed, requests, drafts, starts)
         random_ids = [i for i, r in enumerate(requests) if not r.params.is_greedy]
@@ -212,8 +202,7 @@ class Sampler:
         same tokens with speculation as without (the rows' logits are the same bits)."""
         tokens: list[int] = []
         for j in range(len(draft) + 1):
-            uniform = torch.tensor([self._uniform(request)], dtype=torch.float64)
-            token = int(sample_tokens(logits[j:j + 1], [request], uniform)[0])
+            token = int(sample_tokens(logits[j:j + 1], [request], self._uniforms([request]))[0])
             tokens.append(token)
             if j == len(draft) or token != draft[j]:
                 break
@@ -238,6 +227,19 @@ class Sampler:
         total = residual.sum()
         # p == q (up to rounding) leaves nothing to correct with: then p itself is the residual's limit.
         return list(draft[:num]), residual / total if float(total) > 0.0 else p[num]
+
+    def _processed(self, logits: torch.Tensor, requests: list[Request],
+                   extra: list[list[int]] | None = None) -> torch.Tensor:
+        """Row i's logits as requests[i] samples from them: logit_bias, penalties, min_tokens and a grammar's
+        mask applied to a copy (the raw rows stay for logprobs); the rows themselves where no request edits
+        them (no [N, vocab] copy: ~5 MB for 8 rows of Qwen's vocabulary). `extra` as in `_apply_penalties`."""
+        if not any(edits_logits(r) for r in requests):
+            return logits
+        processed = self._apply_penalties(logits.clone(), requests, extra)
+        processed = _mask_early_stop(processed, requests, extra)
+        if self.logits_processor is not None:
+            processed = self.logits_processor(processed, requests, extra)
+        return processed
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request],
                          extra: list[list[int]] | None = None) -> torch.Tensor:

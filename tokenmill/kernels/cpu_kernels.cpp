@@ -1000,9 +1000,11 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 // argmax carries an index per element and ran ~340 us for one 151936-wide row here (Qwen's
 // vocabulary) against ~30 us for the max alone; this is the max as a vector reduction, then a
 // vector scan for the first element equal to it.
-static int64_t argmax_row(const float* x, int64_t n) {
+// The largest non-NaN value of x[0, n) (-inf where there is none), and whether x holds a NaN: four
+// independent max chains (one running max is a chain of dependent maxes, ~0.14 ms a 151,936 row).
+static float row_max(const float* x, int64_t n, bool* has_nan) {
   float best = -std::numeric_limits<float>::infinity();
-  bool has_nan = false;
+  bool nan = false;
   int64_t i = 0;
 #if defined(TM_AVX2)
   __m256 m[4], unordered = _mm256_setzero_ps();
@@ -1011,18 +1013,25 @@ static int64_t argmax_row(const float* x, int64_t n) {
     for (int u = 0; u < 4; ++u) {
       const __m256 v = _mm256_loadu_ps(x + i + 8 * u);
       unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-      m[u] = _mm256_max_ps(v, m[u]);  // a NaN in v yields m[u]: NaNs are found by the scan below
+      m[u] = _mm256_max_ps(v, m[u]);  // a NaN in v yields m[u]
     }
   }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
   for (float v : lanes) best = std::max(best, v);
-  has_nan = _mm256_movemask_ps(unordered) != 0;
+  nan = _mm256_movemask_ps(unordered) != 0;
 #endif
   for (; i < n; ++i) {
-    if (std::isnan(x[i])) has_nan = true;
+    if (std::isnan(x[i])) nan = true;
     else if (x[i] > best) best = x[i];
   }
+  *has_nan = nan;
+  return best;
+}
+
+static int64_t argmax_row(const float* x, int64_t n) {
+  bool has_nan = false;
+  const float best = row_max(x, n, &has_nan);  // NaNs are found by the scan below
   int64_t j = 0;
 #if defined(TM_AVX2)
   const __m256 target = _mm256_set1_ps(best);
@@ -1121,6 +1130,10 @@ static void cut_weights(float* w, int64_t n, int64_t top_k, float top_p, SampleS
   s.count.assign(kSampleBuckets, 0);
   s.mass.assign(kSampleBuckets, 0.0);
   const float floor_w = bucket_floor(kSampleRest + 1);
+  auto bin = [&](size_t bucket, float weight) {
+    s.count[bucket] += 1;
+    s.mass[bucket] += weight;
+  };
   int64_t i = 0;
 #if defined(TM_AVX2)
   const __m256 vfloor = _mm256_set1_ps(floor_w);
@@ -1135,22 +1148,14 @@ static void cut_weights(float* w, int64_t n, int64_t top_k, float top_p, SampleS
       rest_count += 8;
       continue;
     }
-    for (int l = 0; l < 8; ++l) {
-      const int64_t b = weight_bucket(w[i + l]);
-      s.count[static_cast<size_t>(b)] += 1;
-      s.mass[static_cast<size_t>(b)] += w[i + l];
-    }
+    for (int l = 0; l < 8; ++l) bin(static_cast<size_t>(weight_bucket(w[i + l])), w[i + l]);
   }
   alignas(32) double lanes[4];
   _mm256_store_pd(lanes, rest);
   s.count[kSampleRest] += rest_count;
   s.mass[kSampleRest] += (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 #endif
-  for (; i < n; ++i) {
-    const int64_t b = weight_bucket(w[i]);
-    s.count[static_cast<size_t>(b)] += 1;
-    s.mass[static_cast<size_t>(b)] += w[i];
-  }
+  for (; i < n; ++i) bin(static_cast<size_t>(weight_bucket(w[i])), w[i]);
   auto edge_of = [&](int64_t bucket) { sorted_edge(w, n, bucket_floor(bucket), bucket_floor(bucket + 1), s); };
   // A walk that reaches the rest (a top-k of more tokens than lie above the floor: common for small k on
   // a peaked row) bins the weights below the floor at full resolution first, one more pass, so that only
@@ -1167,9 +1172,7 @@ static void cut_weights(float* w, int64_t n, int64_t top_k, float top_p, SampleS
       if (w[j] >= floor_w) continue;
       uint32_t bits;
       std::memcpy(&bits, &w[j], sizeof bits);
-      const size_t b = std::min<size_t>(bits >> kSampleBucketShift, kSampleRest);
-      s.count[b] += 1;
-      s.mass[b] += w[j];
+      bin(std::min<size_t>(bits >> kSampleBucketShift, kSampleRest), w[j]);
     }
   };
   // top-k: buckets above kb whole, then the first k_left of bucket kb (in s.edge order).
@@ -1238,25 +1241,13 @@ static void cut_weights(float* w, int64_t n, int64_t top_k, float top_p, SampleS
 // The row's weights in s.w (padded to whole blocks of 8 with zeros): exp((x - max) / T), cut, min-p.
 static void sample_weights_row(const float* x, int64_t n, float inv_temp, int64_t top_k, float top_p, float min_p,
                                SampleScratch& s) {
-  float mx = -std::numeric_limits<float>::infinity();
-  int64_t i = 0;
-#if defined(TM_AVX2)
-  {  // four independent max chains (a scalar running max was a dependent chain: ~0.14 ms a 151,936 row)
-    __m256 m[4];
-    for (auto& v : m) v = _mm256_set1_ps(mx);
-    for (; i + 32 <= n; i += 32)
-      for (int q = 0; q < 4; ++q) m[q] = _mm256_max_ps(m[q], _mm256_loadu_ps(x + i + 8 * q));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
-    for (float l : lanes) mx = std::max(mx, l);
-  }
-#endif
-  for (; i < n; ++i) mx = std::max(mx, x[i]);
+  bool has_nan = false;
+  const float mx = row_max(x, n, &has_nan);  // NaN logits weigh 0 below
   const int64_t nb = (n + 7) / 8;
   s.w.resize(static_cast<size_t>(nb * 8));
   s.blocks.resize(static_cast<size_t>(nb));
   float* w = s.w.data();
-  i = 0;
+  int64_t i = 0;
 #if defined(TM_AVX2)
   const __m256 vmx = _mm256_set1_ps(mx), vt = _mm256_set1_ps(inv_temp);
   const __m256 floor = _mm256_set1_ps(cephes::kMin);

@@ -6,7 +6,7 @@ q goes to verification (Sampler.verify accepts with min(1, p/q)): where the targ
 between tokens, a guess drawn from a similar q is accepted far more often than the draft's argmax
 (p = q = (0.5, 0.5): every time against half the time). A seeded request keeps argmax guesses: point
 masses are verified by the plain sampler's own draw, so its tokens stay those it gets without
-speculation (Sampler._race_run). `sample=False` keeps greedy guesses for all.
+speculation (Sampler._draw_run). `sample=False` keeps greedy guesses for all.
 
 The draft keeps its own paged KV cache (its own block pool and tables, no prefix cache) and runs
 through an ordinary ModelRunner, batched across requests:
