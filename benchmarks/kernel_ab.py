@@ -37,7 +37,7 @@ KERNELS = Path("tokenmill") / "kernels"
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default="HEAD", help="git revision whose kernel sources are the baseline")
-    p.add_argument("--model", default="smollm2-135m", choices=common.MODELS)
+    p.add_argument("--model", default="smollm2-135m", choices=(*common.MODELS, "qwen2.5-coder-1.5b", "gemma3-270m"))
     p.add_argument("--batch", type=int, default=1, help="requests decoding together")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128, help="tokens per request and round")
@@ -75,7 +75,10 @@ class Build:
         from tokenmill.layers.linear import QuantLinear
         from tokenmill.models.native_stack import stack_over
 
-        self.plans = {name: lin.plan_from(modules["quant"])
+        # A build that predates two-level lanes (Q4_K's own form) gets them multiplied out into float32 lanes,
+        # the same values it used to load: an A/B across that change then also measures the bytes it saved.
+        two_level = "supers" in (modules["quant"].QuantPlan.__init__.__doc__ or "")
+        self.plans = {name: lin.plan_from(modules["quant"], two_level)
                       for name, lin in model.linears().items() if isinstance(lin, QuantLinear)}
         by_layer = {id(lin): self.plans[name] for name, lin in model.linears().items() if name in self.plans}
         self.stack = stack_over(model, modules["stack"], modules["glue"], modules["module"], modules["quant"],

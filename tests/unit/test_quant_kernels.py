@@ -62,7 +62,7 @@ def run(mat: qf.QuantMatrix, x: torch.Tensor, isa: int, passes: int = 2, bf16_ro
     avx512vnni path runs its duo tiles (-1: the CPU's default, 0: never)."""
     assert kernels is not None
     return kernels.quant_linear(x, [mat.qs], [mat.scale], [mat.offset], [mat.rows], passes, isa, [mat.high],
-                                amx_rows=1, bf16_rows=bf16_rows, duo_rows=duo_rows)
+                                amx_rows=1, bf16_rows=bf16_rows, duo_rows=duo_rows, supers=[mat.supers])
 
 
 def combined(qa: torch.Tensor) -> torch.Tensor:
@@ -170,7 +170,8 @@ def test_segments_of_mixed_formats_fill_one_output(isa: int) -> None:
     for bf16_rows in (0, 1):  # (amx: its int8 tiles, then its bf16 tiles)
         y = kernels.quant_linear(x, [s.qs for s in segments], [s.scale for s in segments],
                                  [s.offset for s in segments], [s.rows for s in segments], 2, isa,
-                                 [s.high for s in segments], amx_rows=1, bf16_rows=bf16_rows)
+                                 [s.high for s in segments], amx_rows=1, bf16_rows=bf16_rows,
+                                 supers=[s.supers for s in segments])
         expected = torch.cat([run(m, x, isa, bf16_rows=bf16_rows) for m in (a, b, c, d)], dim=1)
         torch.testing.assert_close(y, expected, rtol=0, atol=0)
 
@@ -280,13 +281,65 @@ def test_gguf_fp16_scales_stay_fp16_and_give_the_float32_result_exactly(isa: int
     assert mat.nbytes < wide.nbytes
 
 
-def test_q4_k_and_q8_rerounding_keep_float32_scales_and_a_q4_rerounding_takes_fp16_ones() -> None:
-    """Q4_K's d·sc products are not fp16 values (exact mapping: float32); Q6_K → q8 (auto's near-lossless
-    re-rounding) keeps float32 too; Q8_0 → q4 (a q4 draft, `--quantization q4`) rounds onto fp16 lanes."""
-    for ggml_type, fmt, lanes in ((T.Q4_K, gguf_format(T.Q4_K), torch.float32), (T.Q6_K, "q8", torch.float32),
+def test_q4_k_keeps_two_level_lanes_q8_rerounding_float32_and_a_q4_rerounding_fp16() -> None:
+    """Q4_K's d·sc products are not fp16 values: its lanes stay in the file's two levels (uint8 sc and m a
+    block, fp16 d and -dmin per 8 blocks); Q6_K → q8 (auto's near-lossless re-rounding) keeps float32;
+    Q8_0 → q4 (a q4 draft, `--quantization q4`) rounds onto fp16 lanes."""
+    for ggml_type, fmt, lanes in ((T.Q4_K, gguf_format(T.Q4_K), torch.uint8), (T.Q6_K, "q8", torch.float32),
                                   (T.Q8_0, "q4", torch.float16)):
         mat = gq.from_gguf(gguf_blocks(ggml_type, 8, 256, 2), ggml_type, 256, fmt)  # type: ignore[arg-type]
         assert mat.scale.dtype == lanes, ggml_type
+        assert mat.two_level == (ggml_type == T.Q4_K)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("out_features", [8, 37, 72])
+def test_two_level_lanes_give_the_float32_lanes_result_bit_for_bit(isa: int, out_features: int) -> None:
+    """Q4_K kept in two levels: each lane is sc · d formed in the kernel, the float32 lane's exact value,
+    so the outputs equal the multiplied-out matrix's bit for bit on every tile (1-17 and 64 rows: the
+    1-row, duo, 256- and 512-bit tiles, a partial last group, an odd group), at 0.58 bytes a weight
+    against 0.75. Four super-blocks a row (K = 1024), so a wrong super-block index shows."""
+    raw = gguf_blocks(T.Q4_K, out_features, 1024, seed=out_features + 7)
+    mat = gq.from_gguf(raw, T.Q4_K, 1024, "q4")
+    flat = qf.expand_lanes(mat)
+    assert mat.two_level and not flat.two_level and flat.scale.dtype == torch.float32
+    assert torch.equal(mat.dequantize(), flat.dequantize())
+    groups = -(-out_features // 8)
+    assert mat.nbytes == groups * 8 * 1024 * (0.5 + 2 / 32 + 4 / 256)  # nibbles, sc + m, d + dmin
+    assert flat.nbytes == groups * 8 * 1024 * (0.5 + 8 / 32)
+    duos = (0, 9, 17) if isa == 2 else (-1,)
+    for rows in [*range(1, 18), 64]:
+        x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows))
+        for passes in PASSES:
+            for duo_rows in duos:
+                assert torch.equal(run(mat, x, isa, passes, duo_rows=duo_rows),
+                                   run(flat, x, isa, passes, duo_rows=duo_rows)), (rows, passes, duo_rows)
+
+
+def test_two_level_lanes_slice_and_join_by_whole_groups() -> None:
+    """Row groups of two-level matrices concatenate (their super lanes with them); joined with another
+    kind of lanes they are multiplied out into float32; the repack of a partial group keeps the values."""
+    a = gq.from_gguf(gguf_blocks(T.Q4_K, 16, 512, 1), T.Q4_K, 512, "q4")
+    b = gq.from_gguf(gguf_blocks(T.Q4_K, 5, 512, 2), T.Q4_K, 512, "q4")
+    (joined,) = qf.concat([a, b])
+    assert joined.two_level and joined.supers.shape == (2, 3, 16)
+    assert torch.equal(joined.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    (regrouped,) = qf.concat([b, a])  # b ends mid-group: rows regrouped through float32 lanes
+    assert torch.equal(regrouped.dequantize(), torch.cat([b.dequantize(), a.dequantize()]))
+    q4_1 = gq.from_gguf(gguf_blocks(T.Q4_1, 8, 512, 3), T.Q4_1, 512, "q4")
+    (mixed,) = qf.concat([q4_1, a])
+    assert not mixed.two_level and mixed.scale.dtype == torch.float32
+    assert torch.equal(mixed.dequantize(), torch.cat([q4_1.dequantize(), a.dequantize()]))
+
+
+def test_two_level_lanes_without_their_super_lanes_are_an_error() -> None:
+    assert kernels is not None
+    mat = gq.from_gguf(gguf_blocks(T.Q4_K, 8, 256, 2), T.Q4_K, 256, "q4")
+    with pytest.raises(RuntimeError, match="need supers"):
+        kernels.quant_linear(torch.randn(2, 256), [mat.qs], [mat.scale], [mat.offset], [mat.rows], 2, 0)
+    with pytest.raises(RuntimeError, match="need supers"):
+        kernels.quant_linear(torch.randn(2, 256), [mat.qs], [mat.scale], [mat.offset], [mat.rows], 2, 0,
+                             supers=[mat.supers[:, :, :4].contiguous()])
 
 
 @pytest.mark.parametrize("fmt", qf.QUANT_FORMATS)
@@ -365,7 +418,8 @@ def test_amx_path_picks_its_tiles_by_rows() -> None:
 
     def default(x: torch.Tensor) -> torch.Tensor:
         assert kernels is not None
-        return kernels.quant_linear(x, [mat.qs], [mat.scale], [mat.offset], [mat.rows], 2, AMX, [mat.high])
+        return kernels.quant_linear(x, [mat.qs], [mat.scale], [mat.offset], [mat.rows], 2, AMX, [mat.high],
+                                    supers=[mat.supers])
 
     small = torch.randn(kernels.amx_min_rows() - 1 or 1, 512)
     assert torch.equal(default(small), run(mat, small, 2))

@@ -96,7 +96,7 @@ void regroup(const Weights& w, int64_t g, bool two, uint8_t* buf) {
   }
 }
 
-inline __m512 lanes(const Weights& w, const void* p, int64_t g, int64_t b, bool two) {
+inline __m512 lanes(const Weights& w, const Lanes& p, int64_t g, int64_t b, bool two) {
   if (two) return vnni::lanes16(w, p, w.lanes(g, b), w.lanes(g + 1, b));
   return _mm512_zextps256_ps512(vnni::lanes8(w, p, w.lanes(g, b)));
 }
@@ -227,7 +227,7 @@ void configure() {
 }
 
 // Lane 2i and 2i + 1 = lane i of the 8 scale (offset) lanes of group g, block b: one per weight of a pair.
-inline __m512 pair_lanes(const Weights& w, const void* p, int64_t g, int64_t b) {
+inline __m512 pair_lanes(const Weights& w, const Lanes& p, int64_t g, int64_t b) {
   const __m512 l8 = _mm512_zextps256_ps512(vnni::lanes8(w, p, w.lanes(g, b)));
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), l8);
 }

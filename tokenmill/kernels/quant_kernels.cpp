@@ -85,23 +85,36 @@ struct Act {  // quantized activations: a [M, K] int16 (the combined integer), d
   int64_t P;
 };
 
+// One array of 8 scale or offset lanes a (group, block): float32, fp16, or (two-level, Q4_K's own form)
+// a uint8 multiplier a lane times an fp16 lane per 8 blocks (a 256-weight super-block): lane (g, b, r) =
+// p[(g nb + b) 8 + r] * d[(g nb + 8 floor(b / 8)) + r], the product exact in float32 (6 x 11 bits).
+struct Lanes {
+  const void* p;
+  const c10::Half* d;  // two-level only: [G, nb] fp16, (group, super-block, row)
+};
+
 struct Weights {           // one interleaved matrix (quant_formats.py)
   const uint8_t* qs;       // [G, nb * (q4 ? 128 : 256)]
-  const void* scale;       // [G, nb * 8] float32, or fp16 (`half`: where GGUF's own fp16 scales are exact)
-  const void* offset;      // [G, nb * 8] like scale (q4) or nullptr (q8, q5)
+  Lanes scale;             // [G, nb * 8] float32, or fp16 (`half`: where GGUF's own fp16 scales are exact), or uint8 (`two`)
+  Lanes offset;            // [G, nb * 8] like scale (q4) or nullptr (q8, q5)
   const uint8_t* high;     // [G, nb * 32] q5's fifth-bit masks, or nullptr
   int64_t nb, rows;
   bool q4, half, q5;       // q4: nibbles (q4 and q5); q5: plus the fifth bits
+  bool two;                // two-level lanes (q4 from Q4_K; nb a multiple of 8)
   // The 16 mask words of block (g, b): word 2c = chunk c's low nibbles, 2c + 1 its high nibbles.
   const uint8_t* high_block(int64_t g, int64_t b) const { return high + (g * nb + b) * 32; }
-  int64_t lane_bytes() const { return half ? 2 : 4; }
+  int64_t lane_bytes() const { return two ? 1 : half ? 2 : 4; }
   // Lane i of scale / offset (the portable path; the SIMD tiles load eight at a time).
   float scale_at(int64_t i) const { return lane(scale, i); }
   float offset_at(int64_t i) const { return lane(offset, i); }
-  float lane(const void* p, int64_t i) const {
-    return half ? static_cast<float>(static_cast<const c10::Half*>(p)[i]) : static_cast<const float*>(p)[i];
+  float lane(const Lanes& l, int64_t i) const {
+    if (two) return static_cast<float>(static_cast<const uint8_t*>(l.p)[i]) * static_cast<float>(l.d[super(i) + (i & 7)]);
+    return half ? static_cast<float>(static_cast<const c10::Half*>(l.p)[i]) : static_cast<const float*>(l.p)[i];
   }
-  const char* lane_ptr(const void* p, int64_t i) const { return static_cast<const char*>(p) + i * lane_bytes(); }
+  // The first of the 8 fp16 lanes of block lane index i's super-block: i = (g nb + b) 8 with nb = 8k, so
+  // (i >> 6) << 3 = g nb + 8 floor(b / 8).
+  static int64_t super(int64_t i) { return (i >> 6) << 3; }
+  const char* lane_ptr(const Lanes& l, int64_t i) const { return static_cast<const char*>(l.p) + i * lane_bytes(); }
   int64_t block_bytes() const { return q4 ? 128 : 256; }
   const uint8_t* block(int64_t g, int64_t b) const { return qs + (g * nb + b) * block_bytes(); }
   int64_t lanes(int64_t g, int64_t b) const { return (g * nb + b) * RG; }
@@ -218,10 +231,15 @@ inline void prefetch_ahead(const Weights& w, int64_t g, int64_t b) {
 // and the macro below builds the tiles from it, so the two fast paths share one body.
 
 #define TM_SIMD_TILES                                                                                            \
-/* Eight scale or offset lanes as float32, from float32 or fp16 storage. */                                            \
-inline __m256 lanes8(const Weights& w, const void* p, int64_t i) {                                                     \
-  if (w.half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.lane_ptr(p, i))));            \
-  return _mm256_loadu_ps(reinterpret_cast<const float*>(w.lane_ptr(p, i)));                                            \
+/* Eight scale or offset lanes as float32, from float32, fp16 or two-level storage. */                                 \
+inline __m256 lanes8(const Weights& w, const Lanes& l, int64_t i) {                                                    \
+  if (w.two) {                                                                                                         \
+    const __m128i m = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.lane_ptr(l, i)));                            \
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(l.d + Weights::super(i))));     \
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m)), d);                                              \
+  }                                                                                                                    \
+  if (w.half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.lane_ptr(l, i))));            \
+  return _mm256_loadu_ps(reinterpret_cast<const float*>(w.lane_ptr(l, i)));                                            \
 }                                                                                                                      \
 inline __m256i bcast_pair(const int16_t* p) {                                                                          \
   int32_t v;                                                                                                           \
@@ -623,12 +641,16 @@ void check_isa(int64_t isa, int64_t passes) {
 
 // The matrices (qs_i, scale_i, offset_i, high_i) of rows_i output rows each, checked and viewed as the
 // tiles read them. qs int8 → q8 (offset and high ignored: pass empty tensors), uint8 → q4, or q5 where
-// high_i is not empty (offset ignored). `highs` may be empty: no q5 matrix. K: the input features.
+// high_i is not empty (offset ignored). `highs` may be empty: no q5 matrix. `supers` may be empty, or
+// hold per matrix an empty tensor or (q4 with uint8 scale and offset lanes: two-level, Q4_K's own form)
+// fp16 [2, G, nb]: the scale's and the offset's lane per 8 blocks. K: the input features.
 std::vector<Weights> checked_weights(const std::vector<at::Tensor>& qs, const std::vector<at::Tensor>& scales,
                                      const std::vector<at::Tensor>& offsets, const std::vector<int64_t>& rows,
-                                     const std::vector<at::Tensor>& highs, int64_t K) {
+                                     const std::vector<at::Tensor>& highs, int64_t K,
+                                     const std::vector<at::Tensor>& supers = {}) {
   TORCH_CHECK(qs.size() == scales.size() && qs.size() == offsets.size() && qs.size() == rows.size() && !qs.empty() &&
-              (highs.empty() || highs.size() == qs.size()), "one scale/offset/row count (and high plane) per matrix");
+              (highs.empty() || highs.size() == qs.size()) && (supers.empty() || supers.size() == qs.size()),
+              "one scale/offset/row count (and high plane, super lanes) per matrix");
   TORCH_CHECK(K % QK == 0, "in_features ", K, " is not a multiple of 32");
   auto is_q5 = [&](size_t i) { return !highs.empty() && highs[i].numel() > 0; };
   const int64_t nb = K / QK;
@@ -640,16 +662,29 @@ std::vector<Weights> checked_weights(const std::vector<at::Tensor>& qs, const st
     TORCH_CHECK(rows[i] > 0 && qs[i].dim() == 2 && qs[i].is_contiguous() && qs[i].size(0) == groups &&
                 qs[i].size(1) == nb * (q4 ? 128 : 256), "qs shape");
     const at::ScalarType lane_type = scales[i].scalar_type();
-    TORCH_CHECK((lane_type == at::kFloat || lane_type == at::kHalf) && scales[i].is_contiguous() &&
-                scales[i].numel() == groups * nb * RG, "scale must be float32 or fp16 [ceil(rows/8), K/32 * 8]");
+    const bool two = lane_type == at::kByte;
+    TORCH_CHECK((lane_type == at::kFloat || lane_type == at::kHalf || two) && scales[i].is_contiguous() &&
+                scales[i].numel() == groups * nb * RG,
+                "scale must be float32, fp16 or uint8 (two-level) [ceil(rows/8), K/32 * 8]");
     TORCH_CHECK(!q4 || q5 || (offsets[i].scalar_type() == lane_type && offsets[i].is_contiguous() &&
                         offsets[i].numel() == groups * nb * RG), "offset must be [ceil(rows/8), K/32 * 8] of scale's dtype");
     TORCH_CHECK(!q5 || (q4 && highs[i].scalar_type() == at::kByte && highs[i].is_contiguous() &&
                         highs[i].numel() == groups * nb * 32), "high must be uint8 [ceil(rows/8), K/32 * 32] (q5)");
-    out.push_back(Weights{static_cast<const uint8_t*>(qs[i].data_ptr()), scales[i].data_ptr(),
-                          q4 && !q5 ? offsets[i].data_ptr() : nullptr,
+    const c10::Half* scale_d = nullptr;
+    const c10::Half* offset_d = nullptr;
+    if (two) {
+      TORCH_CHECK(q4 && !q5 && nb % 8 == 0, "two-level (uint8) lanes are for q4 with K a multiple of 256");
+      TORCH_CHECK(!supers.empty() && supers[i].scalar_type() == at::kHalf && supers[i].is_contiguous() &&
+                  supers[i].numel() == 2 * groups * nb, "two-level lanes need supers fp16 [2, ceil(rows/8), K/32]");
+      scale_d = static_cast<const c10::Half*>(supers[i].data_ptr());
+      offset_d = scale_d + groups * nb;
+    } else {
+      TORCH_CHECK(supers.empty() || supers[i].numel() == 0, "super lanes go with uint8 (two-level) lanes only");
+    }
+    out.push_back(Weights{static_cast<const uint8_t*>(qs[i].data_ptr()), Lanes{scales[i].data_ptr(), scale_d},
+                          Lanes{q4 && !q5 ? offsets[i].data_ptr() : nullptr, offset_d},
                           q5 ? static_cast<const uint8_t*>(highs[i].data_ptr()) : nullptr, nb, rows[i], q4,
-                          lane_type == at::kHalf, q5});
+                          lane_type == at::kHalf, q5, two});
   }
   return out;
 }
@@ -718,10 +753,10 @@ int64_t call_work(int64_t M, int64_t K, int64_t N) { return std::max(K * N, M * 
 at::Tensor quant_linear(const at::Tensor& x, const std::vector<at::Tensor>& qs, const std::vector<at::Tensor>& scales,
                         const std::vector<at::Tensor>& offsets, const std::vector<int64_t>& rows, int64_t passes,
                         int64_t isa, const std::vector<at::Tensor>& highs, int64_t amx_rows = -1,
-                        int64_t bf16_rows = -1, int64_t duo_rows = -1) {
+                        int64_t bf16_rows = -1, int64_t duo_rows = -1, const std::vector<at::Tensor>& supers = {}) {
   check_isa(isa, passes);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
-  const std::vector<Weights> ws = checked_weights(qs, scales, offsets, rows, highs, x.size(1));
+  const std::vector<Weights> ws = checked_weights(qs, scales, offsets, rows, highs, x.size(1), supers);
   const int64_t total = total_rows(ws);
   at::Tensor out = at::empty({x.size(0), total}, x.options());
   const tokenmill_capi::ReleaseGilIfLong gil(call_work(x.size(0), x.size(1), total));  // called from Python only
@@ -751,7 +786,7 @@ std::vector<at::Tensor> quantize_activations_op(const at::Tensor& x, int64_t pas
 // the kernel itself for a batch-1 matrix of SmolLM2 (121 calls a step).
 struct QuantPlan {
   std::vector<at::Tensor> qs, scales, offsets;  // kept alive: `ws` points into them
-  std::vector<at::Tensor> highs;
+  std::vector<at::Tensor> highs, supers;
   std::vector<Weights> ws;  // checked once, at construction
   int64_t K, N, passes, isa;
   c10::optional<at::Tensor> bias;
@@ -791,20 +826,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<QuantPlan>(m, "QuantPlan")
       .def(pybind11::init([](std::vector<at::Tensor> qs, std::vector<at::Tensor> scales,
                              std::vector<at::Tensor> offsets, std::vector<int64_t> rows, int64_t passes, int64_t isa,
-                             c10::optional<at::Tensor> bias, std::vector<at::Tensor> highs, int64_t bf16_rows) {
+                             c10::optional<at::Tensor> bias, std::vector<at::Tensor> highs, int64_t bf16_rows,
+                             std::vector<at::Tensor> supers) {
              check_isa(isa, passes);
              TORCH_CHECK(!qs.empty() && qs[0].dim() == 2, "a plan needs its matrices");
              // qs [groups, nb * (128 or 256)]: K = nb * 32 either way.
              const int64_t K = qs[0].size(1) / (qs[0].scalar_type() == at::kByte ? 128 : 256) * QK;
-             std::vector<Weights> ws = checked_weights(qs, scales, offsets, rows, highs, K);
+             std::vector<Weights> ws = checked_weights(qs, scales, offsets, rows, highs, K, supers);
              const int64_t N = total_rows(ws);
              TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                                                bias->numel() == N), "bias must be contiguous float32 [N]");
-             return QuantPlan{std::move(qs), std::move(scales), std::move(offsets), std::move(highs), std::move(ws),
+             return QuantPlan{std::move(qs), std::move(scales), std::move(offsets), std::move(highs), std::move(supers),
+                              std::move(ws),
                               K, N, passes, isa, std::move(bias), bf16_rows};
            }), pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("rows"),
            pybind11::arg("passes"), pybind11::arg("isa"), pybind11::arg("bias"),
-           pybind11::arg("highs") = std::vector<at::Tensor>{}, pybind11::arg("bf16_rows") = -1)
+           pybind11::arg("highs") = std::vector<at::Tensor>{}, pybind11::arg("bf16_rows") = -1,
+           pybind11::arg("supers") = std::vector<at::Tensor>{})
       .def("__call__", [](const QuantPlan& plan, const at::Tensor& x) {
              const tokenmill_capi::ReleaseGilIfLong gil(call_work(x.numel() / std::max<int64_t>(1, plan.K), plan.K,
                                                                   plan.N));
@@ -823,7 +861,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "y = x W^T for interleaved q8/q4/q5 block-quantized W, int16 activations (CPU)",
         pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("rows"),
         pybind11::arg("passes"), pybind11::arg("isa"), pybind11::arg("highs") = std::vector<at::Tensor>{},
-        pybind11::arg("amx_rows") = -1, pybind11::arg("bf16_rows") = -1, pybind11::arg("duo_rows") = -1);
+        pybind11::arg("amx_rows") = -1, pybind11::arg("bf16_rows") = -1, pybind11::arg("duo_rows") = -1,
+        pybind11::arg("supers") = std::vector<at::Tensor>{});
   m.def("quantize_activations", &quantize_activations_op, "int8 blocks of 32 per row, 1 or 2 passes: (qa, scale, sum)");
   m.def("duo_tiles", &duo_tiles, "whether the avx512vnni path runs its duo tiles for 1-8 activation rows");
   m.def("wide_min_rows", &wide_min_rows, "least activation rows the avx512vnni path runs 512-bit tiles for");

@@ -21,12 +21,19 @@ TM_SIMD_TILES
 // 16-byte pair of each group fills one half, so an activation pair is still one broadcast (from memory, no shuffle) and
 // one vpdpwssd does 32 multiply-adds where the 256-bit tile did 16. Each lane does exactly the
 // 256-bit tile's integer and float steps in the same order, so the result is bit-identical.
-inline __m512 lanes16(const Weights& w, const void* p, int64_t i0, int64_t i1) {
+inline __m512 lanes16(const Weights& w, const Lanes& l, int64_t i0, int64_t i1) {
+  if (w.two) {  // the two groups' uint8 multipliers times their super-blocks' fp16 lanes (exact products)
+    const __m128i m = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.lane_ptr(l, i0))),
+                                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.lane_ptr(l, i1))));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(l.d + Weights::super(i1)),
+                                                         reinterpret_cast<const __m128i*>(l.d + Weights::super(i0))));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m)), d);
+  }
   if (w.half)
-    return _mm512_cvtph_ps(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(w.lane_ptr(p, i1)),
-                                               reinterpret_cast<const __m128i*>(w.lane_ptr(p, i0))));
-  const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(reinterpret_cast<const float*>(w.lane_ptr(p, i0)))));
-  return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(reinterpret_cast<const float*>(w.lane_ptr(p, i1)))), 1));
+    return _mm512_cvtph_ps(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(w.lane_ptr(l, i1)),
+                                               reinterpret_cast<const __m128i*>(w.lane_ptr(l, i0))));
+  const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(reinterpret_cast<const float*>(w.lane_ptr(l, i0)))));
+  return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(reinterpret_cast<const float*>(w.lane_ptr(l, i1)))), 1));
 }
 inline __m512i load_two(const uint8_t* p0, const uint8_t* p1) {
   return _mm512_castsi256_si512(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p1), reinterpret_cast<const __m128i*>(p0)));

@@ -107,7 +107,7 @@ class QuantLinear(Linear):
     every M."""
 
     __slots__ = ("bf16", "bias", "dtype", "highs", "in_features", "isa", "module", "offsets", "out_features",
-                 "passes", "plan", "qs", "rows", "scales", "segments")
+                 "passes", "plan", "qs", "rows", "scales", "segments", "supers")
 
     def __init__(self, segments: list[qf.QuantMatrix], bias: torch.Tensor | None, dtype: torch.dtype,
                  module: Any, isa: str, passes: int = 2, bf16: bool = False) -> None:
@@ -153,11 +153,11 @@ class QuantLinear(Linear):
 
     @property
     def relocatable(self) -> tuple[torch.Tensor, ...]:
-        return (*self.qs, *self.scales, *self.offsets, *self.highs)
+        return (*self.qs, *self.scales, *self.offsets, *self.highs, *self.supers)
 
     def relocate(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self._set_segments([dataclasses.replace(s, qs=place(s.qs), scale=place(s.scale), offset=place(s.offset),
-                                                high=place(s.high)) for s in self.segments])
+                                                high=place(s.high), supers=place(s.supers)) for s in self.segments])
 
     def first_rows(self, rows: int) -> QuantLinear:
         """Whole 8-row groups of the interleaved layout are views; the group holding row `rows - 1`
@@ -172,7 +172,8 @@ class QuantLinear(Linear):
             segments.append(dataclasses.replace(
                 s, qs=s.qs[:groups], scale=s.scale[:groups], rows=take,
                 offset=s.offset[:groups] if s.offset.numel() else s.offset,
-                high=s.high[:groups] if s.high.numel() else s.high))
+                high=s.high[:groups] if s.high.numel() else s.high,
+                supers=s.supers[:, :groups] if s.two_level else s.supers))
             left -= take
         bias = None if self.bias is None else self.bias[:rows]
         return QuantLinear(segments, bias, self.dtype, self.module, QUANT_ISAS[self.isa], self.passes, self.bf16)
@@ -185,13 +186,22 @@ class QuantLinear(Linear):
         self.offsets = [s.offset for s in segments]
         self.rows = [s.rows for s in segments]
         self.highs = [s.high for s in segments]
+        self.supers = [s.supers for s in segments]
         self.plan = self.plan_from(self.module)
 
-    def plan_from(self, module: Any) -> Any:
+    def plan_from(self, module: Any, two_level: bool = True) -> Any:
         """This layer's kernel arguments bound by `module`'s QuantPlan (benchmarks/kernel_ab.py passes
-        another build of the quant kernels)."""
+        another build of the quant kernels). `two_level=False`: two-level lanes multiplied out into float32
+        ones (the same values; for a build that predates them)."""
+        if not any(s.two_level for s in self.segments):
+            return module.QuantPlan(self.qs, self.scales, self.offsets, self.rows, self.passes, self.isa, self.bias,
+                                    self.highs, -1 if self.bf16 else 0)
+        if not two_level:
+            flat = [qf.expand_lanes(s) for s in self.segments]
+            return module.QuantPlan([s.qs for s in flat], [s.scale for s in flat], [s.offset for s in flat],
+                                    self.rows, self.passes, self.isa, self.bias, self.highs, -1 if self.bf16 else 0)
         return module.QuantPlan(self.qs, self.scales, self.offsets, self.rows, self.passes, self.isa, self.bias,
-                                self.highs, -1 if self.bf16 else 0)
+                                self.highs, -1 if self.bf16 else 0, supers=self.supers)
 
 
 def _check_rows(rows: int, out_features: int) -> None:

@@ -18,8 +18,12 @@ horizontal sums (the kernel's comment has the arithmetic).
                                      w(r, 2c+e) | w(r, 2c+e+16) << 4  (low nibbles: pairs 0-7, high: 8-15)
     scale  [G, nb * 8] float32       block (g, b) = the 8 rows' scales; fp16 where the GGUF block stored an
                                      fp16 scale that is the packed scale exactly (Q8_0, Q5_0, Q4_0, Q4_1):
-                                     half the bytes, the same values (Q4_K's d·sc products need fp32)
+                                     half the bytes, the same values; uint8 for two-level lanes (Q4_K's own
+                                     form: scale = sc · d, sc a 6-bit multiplier a block, d fp16 per 8 blocks)
     offset [G, nb * 8] like scale    q4 only, same order and dtype as scale (q5's is -16 * scale, implied)
+    supers [2, G, nb] fp16           two-level lanes only (nb a multiple of 8): per (g, super-block t = b // 8)
+                                     the 8 rows' d (index 0: the scale's, 1: the offset's, -dmin), at
+                                     g·nb + 8t + r; a lane is then multiplier · d, exact in float32
     high   [G, nb * 32] uint8        q5 only: per (g, b), 8 chunks c x (low, high nibbles) of a
                                      little-endian uint16 whose bit 2r + e is the fifth bit of the
                                      weight in lane 2r + e of that chunk's widened int16 vector,
@@ -56,7 +60,8 @@ ROW_GROUP = 8  # output rows interleaved per group (the kernel's 8 int32 lanes)
 # q4 and q5 8 (two column pairs per row, in the bytes' low and high nibbles).
 _PAIRS: dict[str, int] = {"q8": 16, "q4": 8, "q5": 8}
 HIGH_BYTES = 32  # q5's fifth-bit plane per (group, block): 8 chunks x 2 nibble halves x uint16
-QUANT_LAYOUT_VERSION = 5  # bump when packed bytes change meaning: it keys the on-disk cache (loading/repack_cache.py)
+SUPER = 8  # blocks per two-level super-block (Q4_K's 256 weights)
+QUANT_LAYOUT_VERSION = 6  # bump when packed bytes change meaning: it keys the on-disk cache (loading/repack_cache.py)
 @dataclass(frozen=True, slots=True)
 class RawBlocks:
     """A GGUF tensor's stored blocks, rows in Hugging Face order: uint8 [rows, row_bytes]."""
@@ -67,6 +72,7 @@ class RawBlocks:
 
 
 _EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
+_EMPTY_F16 = torch.empty(0, dtype=torch.float16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,18 +81,23 @@ class QuantMatrix:
 
     fmt: QuantFormat
     qs: torch.Tensor  # q8: int8 [G, nb * 256]; q4, q5: uint8 [G, nb * 128]   (G = ceil(rows / 8))
-    scale: torch.Tensor  # float32 or float16 [G, nb * 8]
+    scale: torch.Tensor  # float32 or float16 [G, nb * 8]; uint8 multipliers for two-level lanes
     offset: torch.Tensor  # [G, nb * 8] for q4, scale's dtype; empty for q8 and q5
     rows: int  # true output rows (the last group's padding excluded)
     high: torch.Tensor = _EMPTY_U8  # q5: uint8 [G, nb * 32] fifth bits; empty for q8 and q4
+    supers: torch.Tensor = _EMPTY_F16  # two-level lanes (q4 from Q4_K): fp16 [2, G, nb]; else empty
 
     @property
     def cols(self) -> int:
         return int(self.scale.shape[1]) // ROW_GROUP * BLOCK
 
     @property
+    def two_level(self) -> bool:
+        return self.supers.numel() > 0
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.offset, self.high))
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.offset, self.high, self.supers))
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols]: the weights the kernel multiplies by."""
@@ -178,7 +189,8 @@ def _unpack_high(plane: torch.Tensor, nb: int) -> torch.Tensor:
 
 
 def row_major(mat: QuantMatrix) -> RowMajor:
-    """interleave's inverse, padding rows dropped."""
+    """interleave's inverse, padding rows dropped (two-level lanes come back as their float32 values)."""
+    mat = expand_lanes(mat)
     groups, nb = mat.qs.shape[0], mat.cols // BLOCK
     pairs = _PAIRS[mat.fmt]
     qs = _pairs_as_int16(mat.qs).reshape(groups, nb, pairs, ROW_GROUP).permute(0, 3, 1, 2)
@@ -190,6 +202,38 @@ def row_major(mat: QuantMatrix) -> RowMajor:
     offset = rows_of(mat.offset) if mat.fmt == "q4" else None
     high = _unpack_high(mat.high, nb)[:mat.rows] if mat.fmt == "q5" else None
     return RowMajor(qs[:mat.rows], rows_of(mat.scale), offset, high)
+
+
+def two_level(mat: QuantMatrix, scale_d: torch.Tensor, offset_d: torch.Tensor) -> QuantMatrix:
+    """A q4 matrix interleaved with uint8 lanes (its blocks' multipliers) given its super-blocks' fp16 lanes,
+    row-major [rows, nb / 8] each: the lanes are multiplier · d (Q4_K's d · sc and -dmin · m, exact in
+    float32), at 0.5625 + 0.0156 bytes a weight where float32 lanes took 0.75."""
+    groups, nb = mat.qs.shape[0], mat.cols // BLOCK
+    if mat.fmt != "q4" or mat.scale.dtype != torch.uint8 or nb % SUPER:
+        raise ValueError("two-level lanes are uint8 multipliers of a q4 matrix whose K is a multiple of 256")
+
+    def lanes(d: torch.Tensor) -> torch.Tensor:  # [rows, nb / 8] → [G, nb / 8, 8 rows] → [G, nb]
+        d = d.to(torch.float16)
+        pad = groups * ROW_GROUP - d.shape[0]
+        if pad:
+            d = torch.cat([d, d.new_zeros(pad, d.shape[1])])
+        return d.reshape(groups, ROW_GROUP, nb // SUPER).transpose(1, 2).reshape(groups, nb)
+
+    return replace(mat, supers=torch.stack([lanes(scale_d), lanes(offset_d)]).contiguous())
+
+
+def expand_lanes(mat: QuantMatrix) -> QuantMatrix:
+    """The same matrix with two-level lanes multiplied out into float32 lanes (the same values); others as they are."""
+    if not mat.two_level:
+        return mat
+    groups, nb = mat.qs.shape[0], mat.cols // BLOCK
+
+    def lanes(mult: torch.Tensor, d: torch.Tensor) -> torch.Tensor:  # [G, nb/8, 8 blocks, 8 rows] x [G, nb/8, 1, 8]
+        return (mult.reshape(groups, nb // SUPER, SUPER, ROW_GROUP).float()
+                * d.reshape(groups, nb // SUPER, 1, ROW_GROUP).float()).reshape(groups, nb * ROW_GROUP)
+
+    return replace(mat, scale=lanes(mat.scale, mat.supers[0]), offset=lanes(mat.offset, mat.supers[1]),
+                   supers=_EMPTY_F16)
 
 
 def concat(mats: list[QuantMatrix]) -> list[QuantMatrix]:
@@ -206,11 +250,14 @@ def concat(mats: list[QuantMatrix]) -> list[QuantMatrix]:
 
 def _cat(group: list[QuantMatrix]) -> QuantMatrix:
     fmt, rows = group[0].fmt, sum(m.rows for m in group)
+    if len({m.two_level for m in group}) > 1:  # two-level lanes join others as float32
+        group = [expand_lanes(m) for m in group]
     if len({m.scale.dtype for m in group}) > 1:
         group = [replace(m, scale=m.scale.float(), offset=m.offset.float()) for m in group]
     if all(m.rows % ROW_GROUP == 0 for m in group[:-1]):  # whole groups: the packed bytes simply follow
+        supers = torch.cat([m.supers for m in group], dim=1) if group[0].two_level else _EMPTY_F16
         return QuantMatrix(fmt, torch.cat([m.qs for m in group]), torch.cat([m.scale for m in group]),
-                           torch.cat([m.offset for m in group]), rows, torch.cat([m.high for m in group]))
+                           torch.cat([m.offset for m in group]), rows, torch.cat([m.high for m in group]), supers)
     parts = [row_major(m) for m in group]  # a part ends mid-group: regroup the rows
     return interleave(fmt, torch.cat([p.qs for p in parts]), torch.cat([p.scale for p in parts]),
                       _cat_present([p.offset for p in parts]), _cat_present([p.high for p in parts]))

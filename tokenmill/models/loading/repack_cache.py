@@ -25,7 +25,7 @@ copies every tensor to bytes (a second GB at peak) and `safe_open` copies each t
 
     header "__metadata__" {"tokenmill": JSON {"key": {...}, "source": path, "entries": {entry: [fmt, ...]}}}
     entry  = "<name>,<name>,...@<method>+<method>"       one linear layer: its checkpoint names and methods
-    tensor = "<entry>#<segment>.qs" | ".scale" | ".offset" (q4 only)      (QuantMatrix fields)
+    tensor = "<entry>#<segment>.qs" | ".scale" | ".offset" (q4 only) | ".high" (q5) | ".supers" (two-level lanes)
     order  = every qs first, from a 64-byte aligned data start (aligned as a model's qs sizes are multiples
              of 64), then the float32s
 
@@ -190,9 +190,9 @@ class RepackCache:
         quant: qf.QuantFormat = fmt  # checked against QUANT_FORMATS above
         qs_shape, lane_shape = qf.packed_shapes(quant, rows, cols)
         qs = _checked(self._tensors, prefix + "qs", torch.int8 if quant == "q8" else torch.uint8, qs_shape)
-        lane_type = self._tensors[prefix + "scale"].dtype  # float32, or fp16 where GGUF's scales are exact
-        if lane_type not in (torch.float32, torch.float16):
-            raise ValueError(f"tensor {prefix + 'scale'!r} is {lane_type}, expected float32 or float16")
+        lane_type = self._tensors[prefix + "scale"].dtype  # float32, fp16 where GGUF's scales are exact, uint8
+        if lane_type not in (torch.float32, torch.float16, torch.uint8) or (lane_type == torch.uint8 and quant != "q4"):
+            raise ValueError(f"tensor {prefix + 'scale'!r} is {lane_type}, expected float32 or float16 (or uint8, q4)")
         scale = _checked(self._tensors, prefix + "scale", lane_type, lane_shape)
         offset = torch.empty(0)
         if quant == "q4":
@@ -200,7 +200,10 @@ class RepackCache:
         high = torch.empty(0, dtype=torch.uint8)
         if quant == "q5":
             high = _checked(self._tensors, prefix + "high", torch.uint8, qf.high_shape(rows, cols))
-        return qf.QuantMatrix(quant, qs, scale, offset, rows, high)
+        supers = torch.empty(0, dtype=torch.float16)
+        if lane_type == torch.uint8:  # two-level lanes
+            supers = _checked(self._tensors, prefix + "supers", torch.float16, (2, *lane_shape[:1], cols // qf.BLOCK))
+        return qf.QuantMatrix(quant, qs, scale, offset, rows, high, supers)
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -224,6 +227,8 @@ class RepackCache:
                     tensors[f"{entry}#{i}.offset"] = s.offset
                 if s.fmt == "q5":
                     tensors[f"{entry}#{i}.high"] = s.high
+                if s.two_level:
+                    tensors[f"{entry}#{i}.supers"] = s.supers
         meta = {"key": self.key, "source": str(self.source), "entries": entries}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -255,7 +260,7 @@ def _expected_segments(names: Sequence[str], methods: Sequence[str],
 
 
 def _checked(tensors: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype,
-             shape: tuple[int, int]) -> torch.Tensor:
+             shape: tuple[int, ...]) -> torch.Tensor:
     tensor = tensors[name]
     if tensor.dtype != dtype or tuple(tensor.shape) != shape:
         raise ValueError(f"tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, expected {dtype} {list(shape)}")
