@@ -25,8 +25,7 @@ from gguf.quants import dequantize as _gguf_dequantize
 
 from tokenmill.errors import TokenmillError
 from tokenmill.kernels import cpu_vendor_family
-from tokenmill.layers.quant_formats import (ROW_GROUP, QuantFormat, QuantMatrix, concat, interleave, quantize,
-                                            two_level)
+from tokenmill.layers.quant_formats import ROW_GROUP, QuantFormat, QuantMatrix, concat, interleave, quantize, two_level
 
 _T = GGMLQuantizationType
 # GGUF type → (format, exact). Exact: the packed weights equal gguf's own dequantization bit for bit.
