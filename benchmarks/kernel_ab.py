@@ -75,10 +75,10 @@ class Build:
         from tokenmill.layers.linear import QuantLinear
         from tokenmill.models.native_stack import stack_over
 
-        # A build that predates two-level lanes (Q4_K's own form) gets them multiplied out into float32 lanes,
-        # the same values it used to load: an A/B across that change then also measures the bytes it saved.
-        two_level = "supers" in (modules["quant"].QuantPlan.__init__.__doc__ or "")
-        self.plans = {name: lin.plan_from(modules["quant"], two_level)
+        # A build that predates super lanes (Q4_K's two levels, q6) gets each layer as it used to load it (float32
+        # lanes, Q6_K as q8): an A/B across those changes then also measures the bytes they saved.
+        legacy = "supers" not in (modules["quant"].QuantPlan.__init__.__doc__ or "")
+        self.plans = {name: lin.plan_from(modules["quant"], legacy)
                       for name, lin in model.linears().items() if isinstance(lin, QuantLinear)}
         by_layer = {id(lin): self.plans[name] for name, lin in model.linears().items() if name in self.plans}
         self.stack = stack_over(model, modules["stack"], modules["glue"], modules["module"], modules["quant"],

@@ -25,7 +25,7 @@ GGUF_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]  # every type in t
 # (GGUF type, format) pairs a load can pick: each type's default mapping, and Q5_0 → q5 (--quantization
 # q5, or gguf_format() where q5_0_format() picks it; every path computes it).
 CASES = [pytest.param(t, gq.GGUF_MAPPING[t][0], id=t.name) for t in GGUF_TYPES] + [
-    pytest.param(T.Q5_0, "q5", id="Q5_0-q5")]
+    pytest.param(T.Q5_0, "q5", id="Q5_0-q5"), pytest.param(T.Q6_K, "q6", id="Q6_K-q6")]
 ROWS = [1, 2, 3, 4, 5, 6, 7, 10, 16, 64]  # 5, 6, 10: tiles of 5-6 rows (a 1-2-row rest joins)
 PASSES = [1, 2]
 FINE = 254.0
@@ -49,7 +49,7 @@ def gguf_format(ggml_type: GGMLQuantizationType) -> qf.QuantFormat:
 
 
 def is_exact(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat) -> bool:
-    return fmt == "q5" or gq.GGUF_MAPPING[ggml_type][1]
+    return fmt in ("q5", "q6") or gq.GGUF_MAPPING[ggml_type][1]
 
 
 AMX = QUANT_ISAS.index("amx")
@@ -219,7 +219,8 @@ def test_paths_agree_with_each_other(passes: int) -> None:
 
 @pytest.mark.skipif(not {1, 2} <= RUNNABLE, reason="needs the avx2 and avx512vnni paths on this CPU")
 @pytest.mark.parametrize(("ggml_type", "fmt"), [(T.Q4_0, "q4"), (T.Q4_1, "q4"), (T.Q8_0, "q8"), (T.Q4_K, "q4"),
-                                               (T.Q6_K, "q8"), (T.Q5_0, "q5")], ids=lambda v: getattr(v, "name", v))
+                                               (T.Q6_K, "q8"), (T.Q5_0, "q5"), (T.Q6_K, "q6")],
+                         ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("out_features", [8, 37, 64, 72])
 @pytest.mark.parametrize("duo_rows", [0, 9, 17], ids=["no-duo", "duo", "duo-streams"])
 def test_512_bit_tiles_equal_the_256_bit_path_bit_for_bit(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat,

@@ -101,12 +101,22 @@ struct Weights {           // one interleaved matrix (quant_formats.py)
   int64_t nb, rows;
   bool q4, half, q5;       // q4: nibbles (q4 and q5); q5: plus the fifth bits
   bool two;                // two-level lanes (q4 from Q4_K; nb a multiple of 8)
-  // The 16 mask words of block (g, b): word 2c = chunk c's low nibbles, 2c + 1 its high nibbles.
-  const uint8_t* high_block(int64_t g, int64_t b) const { return high + (g * nb + b) * 32; }
-  int64_t lane_bytes() const { return two ? 1 : half ? 2 : 4; }
+  bool q6;                 // q6 (Q6_K): q4's nibbles, two mask planes (bits 4, 5), int8 lanes a 16-column half
+  // The 16 mask words of block (g, b): word 2c = chunk c's low nibbles, 2c + 1 its high nibbles (q6: then the
+  // 16 words of the bit-5 plane).
+  const uint8_t* high_block(int64_t g, int64_t b) const { return high + (g * nb + b) * (q6 ? 64 : 32); }
+  // q6's lanes are 16 int8 a (group, block): 2 bytes for each unit of lanes(g, b).
+  int64_t lane_bytes() const { return two ? 1 : q6 || half ? 2 : 4; }
   // Lane i of scale / offset (the portable path; the SIMD tiles load eight at a time).
   float scale_at(int64_t i) const { return lane(scale, i); }
   float offset_at(int64_t i) const { return lane(offset, i); }
+  // q6: lane r of half h (0: columns 0-15, 1: 16-31) of block (g, b), int8 multiplier times the fp16 lane
+  // of its super-block (exact in float32: 8 x 11 bits).
+  float q6_lane(int64_t g, int64_t b, int h, int r) const {
+    const int64_t blk = g * nb + b;
+    return static_cast<float>(static_cast<const int8_t*>(scale.p)[(2 * blk + h) * RG + r]) *
+           static_cast<float>(scale.d[((blk >> 3) << 3) + r]);
+  }
   float lane(const Lanes& l, int64_t i) const {
     if (two) return static_cast<float>(static_cast<const uint8_t*>(l.p)[i]) * static_cast<float>(l.d[super(i) + (i & 7)]);
     return half ? static_cast<float>(static_cast<const c10::Half*>(l.p)[i]) : static_cast<const float*>(l.p)[i];
@@ -173,10 +183,12 @@ inline int32_t weight_at(const Weights& w, const uint8_t* blk, const uint8_t* hb
   if (!w.q4) return reinterpret_cast<const int8_t*>(blk)[(p * RG + r) * 2 + e];
   const uint8_t byte = blk[((p % 8) * RG + r) * 2 + e];
   const int32_t q = p < 8 ? (byte & 0x0F) : (byte >> 4);
-  if (!w.q5) return q;
+  if (!w.q5 && !w.q6) return q;
   const int word = 2 * (p % 8) + (p < 8 ? 0 : 1), lane = 2 * r + e;
   const uint16_t mask = static_cast<uint16_t>(hb[2 * word] | (hb[2 * word + 1] << 8));
-  return q | (((mask >> lane) & 1) << 4);
+  if (!w.q6) return q | (((mask >> lane) & 1) << 4);
+  const uint16_t mask5 = static_cast<uint16_t>(hb[32 + 2 * word] | (hb[32 + 2 * word + 1] << 8));
+  return (q | (((mask >> lane) & 1) << 4) | (((mask5 >> lane) & 1) << 5)) - 32;  // q6: q - 32
 }
 
 void groups_portable(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld) {
@@ -186,10 +198,17 @@ void groups_portable(const Weights& w, const Act& a, int64_t M, int64_t g0, int6
       float y[RG] = {};
       for (int64_t b = 0; b < w.nb; ++b) {
         const uint8_t* blk = w.block(g, b);
-        const uint8_t* hb = w.q5 ? w.high_block(g, b) : nullptr;
+        const uint8_t* hb = w.q5 || w.q6 ? w.high_block(g, b) : nullptr;
         const int16_t* ab = a.a + m * a.K + b * QK;
         const int64_t lanes = w.lanes(g, b);
         for (int r = 0; r < RG; ++r) {
+          if (w.q6) {  // two 16-column halves, each with its own scale; lo's step first (every path's order)
+            int32_t half[2] = {0, 0};
+            for (int j = 0; j < QK; ++j) half[j / 16] += weight_at(w, blk, hb, r, j) * ab[j];
+            for (int h = 0; h < 2; ++h)
+              y[r] += w.q6_lane(g, b, h, r) * a.d[m * a.nb + b] * static_cast<float>(half[h]);
+            continue;
+          }
           int32_t isum = 0;
           for (int j = 0; j < QK; ++j) isum += weight_at(w, blk, hb, r, j) * ab[j];
           y[r] += w.scale_at(lanes + r) * a.d[m * a.nb + b] * static_cast<float>(isum);
@@ -328,9 +347,66 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
     for (int64_t i = 0; i < valid; ++i) y[i] = tmp[i];                                                                 \
   }                                                                                                                    \
 }                                                                                                                      \
+/* q6 (Q6_K): int8 lanes per 16-column half times the super-block's fp16 lane, 8 rows (exact products). */           \
+inline __m256 q6_lanes8(const Weights& w, int64_t g, int64_t b, int h) {                                               \
+  const int64_t blk = g * w.nb + b;                                                                                    \
+  const __m128i m = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(w.scale.p) + (2 * blk + h) * RG)); \
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scale.d + ((blk >> 3) << 3))));  \
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(m)), d);                                                \
+}                                                                                                                      \
+/* q6 against rows m0 .. m0 + RM - 1: the q4 chunk's nibbles plus bits 4 and 5 from the two mask planes,         \
+   less 32 (int16 in [-32, 31]); a chunk's low nibbles are columns 0-15 of the block and its high ones 16-31,  \
+   Q6_K's two 16-weight sub-blocks, so they sum apart (|sum| <= 16 * 32 * 32385 < 2^31) and take one float   \
+   step each, low half first. */                                                                                       \
+template <int RM>                                                                                                      \
+void tile6(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld, bool first_pass) {           \
+  __m256 acc[RM];                                                                                                      \
+  const int16_t* arow[RM];                                                                                             \
+  for (int r = 0; r < RM; ++r) { acc[r] = _mm256_setzero_ps(); arow[r] = a.a + (m0 + r) * a.K; }                       \
+  const __m256i low = _mm256_set1_epi16(0x0F), bias = _mm256_set1_epi16(32);                                           \
+  for (int64_t b = 0; b < w.nb; ++b) {                                                                                 \
+    const uint8_t* blk = w.block(g, b);                                                                                \
+    const uint8_t* hb = w.high_block(g, b);                                                                            \
+    if (first_pass) prefetch_ahead<true, true>(w, g, b);                                                               \
+    constexpr int NCH = kSplitChains && RM <= 2 ? 2 : 1;  /* chains a half and row (VNNI: latency-bound below 3 rows) */ \
+    __m256i slo[RM][NCH], shi[RM][NCH];                                                                                \
+    for (int r = 0; r < RM; ++r) for (int k = 0; k < NCH; ++k) slo[r][k] = shi[r][k] = _mm256_setzero_si256();        \
+    auto chunk = [&](int c) {                                                                                          \
+      const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * c)));       \
+      uint32_t w4, w5;                                                                                                 \
+      std::memcpy(&w4, hb + 4 * c, sizeof w4);                                                                         \
+      std::memcpy(&w5, hb + 32 + 4 * c, sizeof w5);                                                                    \
+      const __m256i lo = _mm256_sub_epi16(add_bit(add_bit(_mm256_and_si256(raw, low), w4 & 0xFFFF, 16), w5 & 0xFFFF, 32), bias); \
+      const __m256i hi = _mm256_sub_epi16(add_bit(add_bit(_mm256_srli_epi16(raw, 4), w4 >> 16, 16), w5 >> 16, 32), bias); \
+      for (int r = 0; r < RM; ++r) {                                                                                   \
+        const int16_t* ab = arow[r] + b * QK + 2 * c;                                                                  \
+        slo[r][c % NCH] = madd_acc(slo[r][c % NCH], lo, bcast_pair(ab));                                               \
+        shi[r][c % NCH] = madd_acc(shi[r][c % NCH], hi, bcast_pair(ab + 16));                                          \
+      }                                                                                                                \
+    };                                                                                                                 \
+    _Pragma("GCC unroll 8") for (int c = 0; c < 8; ++c) chunk(c);                                                      \
+    const __m256 llo = q6_lanes8(w, g, b, 0), lhi = q6_lanes8(w, g, b, 1);                                             \
+    for (int r = 0; r < RM; ++r) {                                                                                     \
+      __m256i sl = slo[r][0], sh = shi[r][0];                                                                          \
+      for (int k = 1; k < NCH; ++k) { sl = _mm256_add_epi32(sl, slo[r][k]); sh = _mm256_add_epi32(sh, shi[r][k]); }    \
+      const __m256 ad = _mm256_set1_ps(a.d[(m0 + r) * a.nb + b]);                                                      \
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl), _mm256_mul_ps(llo, ad), acc[r]);                                \
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh), _mm256_mul_ps(lhi, ad), acc[r]);                                \
+    }                                                                                                                  \
+  }                                                                                                                    \
+  const int64_t valid = std::min<int64_t>(RG, w.rows - g * RG);                                                        \
+  for (int r = 0; r < RM; ++r) {                                                                                       \
+    float* y = out + (m0 + r) * ld + g * RG;                                                                           \
+    if (valid == RG) { _mm256_storeu_ps(y, acc[r]); continue; }                                                        \
+    alignas(32) float tmp[RG];                                                                                         \
+    _mm256_store_ps(tmp, acc[r]);                                                                                      \
+    for (int64_t i = 0; i < valid; ++i) y[i] = tmp[i];                                                                 \
+  }                                                                                                                    \
+}                                                                                                                      \
 template <int RM>                                                                                                      \
 void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld) {                             \
-  if (w.q5) tile<RM, true, true>(w, g, a, m0, out, ld, m0 == 0);                                                       \
+  if (w.q6) tile6<RM>(w, g, a, m0, out, ld, m0 == 0);                                                                  \
+  else if (w.q5) tile<RM, true, true>(w, g, a, m0, out, ld, m0 == 0);                                                  \
   else if (w.q4) tile<RM, true, false>(w, g, a, m0, out, ld, m0 == 0);                                                 \
   else tile<RM, false, false>(w, g, a, m0, out, ld, m0 == 0);                                                          \
 }                                                                                                                      \
@@ -368,6 +444,12 @@ inline __m256i add_high(__m256i v, uint32_t mask) {
                                          static_cast<int16_t>(0x8000));
   const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(mask)), bits), bits);
   return _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi16(16)));
+}
+inline __m256i add_bit(__m256i v, uint32_t mask, int16_t bit) {  // v | bit where `mask` says (q6: 16 and 32)
+  const __m256i bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                         static_cast<int16_t>(0x8000));
+  const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(mask)), bits), bits);
+  return _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi16(bit)));
 }
 TM_SIMD_TILES
 void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld) {
@@ -604,7 +686,7 @@ void run_groups_panel(const Weights& w, const Act& a, int64_t M, float* out, int
   const int64_t grain = std::max<int64_t>(1, (kSplitBytes) / std::max<int64_t>(1, group_bytes));
   const int64_t wide_rows = wide_min_rows();
 #ifdef TM_X86
-  if (isa == AMX && M >= amx_rows) {
+  if (isa == AMX && M >= amx_rows && !w.q6) {  // q6: the VNNI tiles at every M
     // Tasks of 16-row tiles: each regroups its weights once for all M rows, so a split costs nothing.
     return at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
       amx::tiles(w, a, M, t0, t1, out, ld);
@@ -641,8 +723,10 @@ void check_isa(int64_t isa, int64_t passes) {
 
 // The matrices (qs_i, scale_i, offset_i, high_i) of rows_i output rows each, checked and viewed as the
 // tiles read them. qs int8 → q8 (offset and high ignored: pass empty tensors), uint8 → q4, or q5 where
-// high_i is not empty (offset ignored). `highs` may be empty: no q5 matrix. `supers` may be empty, or
-// hold per matrix an empty tensor or (q4 with uint8 scale and offset lanes: two-level, Q4_K's own form)
+// high_i is not empty (offset ignored), or q6 where scale_i is int8 (Q6_K: high_i two mask planes,
+// [ceil(rows/8), K/32 * 64], scale_i int8 [ceil(rows/8), K/32 * 16] a 16-column half, supers_i fp16
+// [1, ceil(rows/8), K/32]). `highs` may be empty: no q5 or q6 matrix. `supers` may be empty, or hold per
+// matrix an empty tensor, q6's, or (q4 with uint8 scale and offset lanes: two-level, Q4_K's own form)
 // fp16 [2, G, nb]: the scale's and the offset's lane per 8 blocks. K: the input features.
 std::vector<Weights> checked_weights(const std::vector<at::Tensor>& qs, const std::vector<at::Tensor>& scales,
                                      const std::vector<at::Tensor>& offsets, const std::vector<int64_t>& rows,
@@ -652,39 +736,51 @@ std::vector<Weights> checked_weights(const std::vector<at::Tensor>& qs, const st
               (highs.empty() || highs.size() == qs.size()) && (supers.empty() || supers.size() == qs.size()),
               "one scale/offset/row count (and high plane, super lanes) per matrix");
   TORCH_CHECK(K % QK == 0, "in_features ", K, " is not a multiple of 32");
-  auto is_q5 = [&](size_t i) { return !highs.empty() && highs[i].numel() > 0; };
+  auto has_high = [&](size_t i) { return !highs.empty() && highs[i].numel() > 0; };
   const int64_t nb = K / QK;
   std::vector<Weights> out;
   for (size_t i = 0; i < qs.size(); ++i) {
-    const bool q4 = qs[i].scalar_type() == at::kByte, q5 = is_q5(i);
+    const bool q4 = qs[i].scalar_type() == at::kByte;
+    const at::ScalarType lane_type = scales[i].scalar_type();
+    const bool q6 = q4 && lane_type == at::kChar, q5 = has_high(i) && !q6, two = lane_type == at::kByte;
     const int64_t groups = (rows[i] + RG - 1) / RG;
     TORCH_CHECK(q4 || qs[i].scalar_type() == at::kChar, "qs must be int8 (q8) or uint8 (q4)");
     TORCH_CHECK(rows[i] > 0 && qs[i].dim() == 2 && qs[i].is_contiguous() && qs[i].size(0) == groups &&
                 qs[i].size(1) == nb * (q4 ? 128 : 256), "qs shape");
-    const at::ScalarType lane_type = scales[i].scalar_type();
-    const bool two = lane_type == at::kByte;
-    TORCH_CHECK((lane_type == at::kFloat || lane_type == at::kHalf || two) && scales[i].is_contiguous() &&
-                scales[i].numel() == groups * nb * RG,
-                "scale must be float32, fp16 or uint8 (two-level) [ceil(rows/8), K/32 * 8]");
-    TORCH_CHECK(!q4 || q5 || (offsets[i].scalar_type() == lane_type && offsets[i].is_contiguous() &&
-                        offsets[i].numel() == groups * nb * RG), "offset must be [ceil(rows/8), K/32 * 8] of scale's dtype");
-    TORCH_CHECK(!q5 || (q4 && highs[i].scalar_type() == at::kByte && highs[i].is_contiguous() &&
-                        highs[i].numel() == groups * nb * 32), "high must be uint8 [ceil(rows/8), K/32 * 32] (q5)");
     const c10::Half* scale_d = nullptr;
     const c10::Half* offset_d = nullptr;
-    if (two) {
-      TORCH_CHECK(q4 && !q5 && nb % 8 == 0, "two-level (uint8) lanes are for q4 with K a multiple of 256");
+    auto supers_of = [&](int64_t planes) {
       TORCH_CHECK(!supers.empty() && supers[i].scalar_type() == at::kHalf && supers[i].is_contiguous() &&
-                  supers[i].numel() == 2 * groups * nb, "two-level lanes need supers fp16 [2, ceil(rows/8), K/32]");
-      scale_d = static_cast<const c10::Half*>(supers[i].data_ptr());
-      offset_d = scale_d + groups * nb;
+                  supers[i].numel() == planes * groups * nb && nb % 8 == 0,
+                  "two-level and q6 lanes need supers fp16 [", planes, ", ceil(rows/8), K/32], K a multiple of 256");
+      return static_cast<const c10::Half*>(supers[i].data_ptr());
+    };
+    if (q6) {
+      TORCH_CHECK(scales[i].is_contiguous() && scales[i].numel() == groups * nb * 2 * RG,
+                  "q6 scale must be int8 [ceil(rows/8), K/32 * 16]");
+      TORCH_CHECK(has_high(i) && highs[i].scalar_type() == at::kByte && highs[i].is_contiguous() &&
+                  highs[i].numel() == groups * nb * 64, "q6 high must be uint8 [ceil(rows/8), K/32 * 64]");
+      scale_d = supers_of(1);
     } else {
-      TORCH_CHECK(supers.empty() || supers[i].numel() == 0, "super lanes go with uint8 (two-level) lanes only");
+      TORCH_CHECK((lane_type == at::kFloat || lane_type == at::kHalf || two) && scales[i].is_contiguous() &&
+                  scales[i].numel() == groups * nb * RG,
+                  "scale must be float32, fp16 or uint8 (two-level) [ceil(rows/8), K/32 * 8]");
+      TORCH_CHECK(!q4 || q5 || (offsets[i].scalar_type() == lane_type && offsets[i].is_contiguous() &&
+                          offsets[i].numel() == groups * nb * RG), "offset must be [ceil(rows/8), K/32 * 8] of scale's dtype");
+      TORCH_CHECK(!q5 || (q4 && highs[i].scalar_type() == at::kByte && highs[i].is_contiguous() &&
+                          highs[i].numel() == groups * nb * 32), "high must be uint8 [ceil(rows/8), K/32 * 32] (q5)");
+      if (two) {
+        TORCH_CHECK(q4 && !q5, "two-level (uint8) lanes are for q4");
+        scale_d = supers_of(2);
+        offset_d = scale_d + groups * nb;
+      } else {
+        TORCH_CHECK(supers.empty() || supers[i].numel() == 0, "super lanes go with uint8 (two-level) or q6 lanes only");
+      }
     }
     out.push_back(Weights{static_cast<const uint8_t*>(qs[i].data_ptr()), Lanes{scales[i].data_ptr(), scale_d},
-                          Lanes{q4 && !q5 ? offsets[i].data_ptr() : nullptr, offset_d},
-                          q5 ? static_cast<const uint8_t*>(highs[i].data_ptr()) : nullptr, nb, rows[i], q4,
-                          lane_type == at::kHalf, q5, two});
+                          Lanes{q4 && !q5 && !q6 ? offsets[i].data_ptr() : nullptr, offset_d},
+                          q5 || q6 ? static_cast<const uint8_t*>(highs[i].data_ptr()) : nullptr, nb, rows[i], q4,
+                          lane_type == at::kHalf, q5, two, q6});
   }
   return out;
 }
@@ -717,7 +813,8 @@ void quant_linear_into(const float* x, int64_t M, int64_t K, const std::vector<W
   auto a_at = reinterpret_cast<std::uintptr_t>(qa + Mp * passes * K);
   int16_t* a16 = reinterpret_cast<int16_t*>((a_at + 31) & ~static_cast<std::uintptr_t>(31));
 #ifdef TM_X86
-  if (isa == AMX && bf16_rows > 0 && M >= bf16_rows && amx_bf16_usable()) {
+  const bool any_q6 = std::any_of(ws.begin(), ws.end(), [](const Weights& w) { return w.q6; });
+  if (isa == AMX && bf16_rows > 0 && M >= bf16_rows && amx_bf16_usable() && !any_q6) {
     // bf16 activations (16 rows of padding: the tiles read whole 16-row tiles) and bf16 tiles.
     uint16_t* xb = reinterpret_cast<uint16_t*>(d);
     const size_t need = ((M + 16) * K + 1) / 2 + 16;

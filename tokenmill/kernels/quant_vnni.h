@@ -14,6 +14,9 @@ inline __m256i madd_acc(__m256i acc, __m256i w, __m256i a) { return _mm256_dpwss
 inline __m256i add_high(__m256i v, uint32_t mask) {  // one masked add (AVX-512BW + VL; v < 16, so an OR)
   return _mm256_mask_add_epi16(v, static_cast<__mmask16>(mask), v, _mm256_set1_epi16(16));
 }
+inline __m256i add_bit(__m256i v, uint32_t mask, int16_t bit) {  // q6: bits 4 and 5, one masked add each
+  return _mm256_mask_add_epi16(v, static_cast<__mmask16>(mask), v, _mm256_set1_epi16(bit));
+}
 TM_SIMD_TILES
 
 // 512-bit tiles: two groups g and g2 (16 output rows; span2 picks them half a span apart) side by side
@@ -390,6 +393,7 @@ void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, f
             int64_t wide_rows, int64_t duo_rows) {
   // A matrix far past L3 (a large vocabulary's lm_head: Qwen2.5-0.5B's is 145 MB) streams from memory
   // whatever the tiles do; duo_rows > 16 treats every matrix so (tests: the same bits either way).
+  if (w.q6) return groups256(w, a, M, g0, g1, out, ld);  // q6 has only the 256-bit tiles
   const int64_t matrix_bytes = (w.rows + RG - 1) / RG * w.nb * w.block_bytes();
   const bool forced = duo_rows > 2 * kDuoRows;
   const bool streamed = matrix_bytes > kStreamBytes || forced;

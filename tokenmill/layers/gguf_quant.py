@@ -25,7 +25,8 @@ from gguf.quants import dequantize as _gguf_dequantize
 
 from tokenmill.errors import TokenmillError
 from tokenmill.kernels import cpu_vendor_family
-from tokenmill.layers.quant_formats import ROW_GROUP, QuantFormat, QuantMatrix, concat, interleave, quantize, two_level
+from tokenmill.layers import quant_formats as qf
+from tokenmill.layers.quant_formats import ROW_GROUP, QuantFormat, QuantMatrix, concat, interleave, quantize
 
 _T = GGMLQuantizationType
 # GGUF type → (format, exact). Exact: the packed weights equal gguf's own dequantization bit for bit.
@@ -44,6 +45,9 @@ GGUF_MAPPING: dict[GGMLQuantizationType, tuple[QuantFormat, bool]] = {
 # unmeasured and keep q8. $TOKENMILL_Q5_0 = q5 | q8 overrides (A/B runs); `--quantization q5` packs
 # every tensor as q5.
 Q5_0_ENV = "TOKENMILL_Q5_0"
+# Where `auto` keeps Q6_K at 6 bits (q6: 0.82 bytes a weight, exact) rather than re-rounding it to q8 (1.125):
+# q6 runs the 256-bit tiles only. $TOKENMILL_Q6_K = q6 | q8 overrides (A/B runs).
+Q6_K_ENV = "TOKENMILL_Q6_K"
 
 
 @functools.cache
@@ -61,10 +65,23 @@ def q5_0_format(isa: str, vendor: str, family: int) -> QuantFormat:
     return "q5" if isa == "avx512vnni" and vendor == "AuthenticAMD" and family >= 26 else "q8"
 
 
+def q6_k_format(isa: str) -> QuantFormat:
+    """The format `auto` packs Q6_K into on quant path `isa`."""
+    forced = os.environ.get(Q6_K_ENV, "").strip().lower()
+    if forced in ("q6", "q8"):
+        return "q6" if forced == "q6" else "q8"
+    if forced:
+        raise TokenmillError(f"{Q6_K_ENV}={forced!r}: use q6 or q8")
+    return "q8"
+
+
 def gguf_format(ggml_type: GGMLQuantizationType, isa: str) -> tuple[QuantFormat, bool] | None:
     """(format, exact) a GGUF type packs to under quant path `isa` on this CPU; None: no native mapping."""
     if ggml_type == _T.Q5_0:
         return (q5_0_format(isa, *_host_vendor_family()), True)
+    if ggml_type == _T.Q6_K:
+        fmt = q6_k_format(isa)
+        return (fmt, fmt == "q6")
     return GGUF_MAPPING.get(ggml_type)
 
 
@@ -180,6 +197,23 @@ def _q4_1(blocks: np.ndarray, cols: int) -> QuantMatrix:
                    _half(b[:, 2:4]).reshape(rows, -1))
 
 
+def _q6_k(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    # Super-block of 256 (210 bytes): ql[128] low nibbles, qh[64] high bit pairs, scales[16] int8 (one a 16-weight
+    # sub-block, in order), d fp16. Each half of 128 weights n: y[l] from ql[64n + l] & 0xF and qh[32n + l] bits
+    # 0-1, y[l + 32] from ql[64n + 32 + l] & 0xF and bits 2-3, y[l + 64] from ql[64n + l] >> 4 and bits 4-5,
+    # y[l + 96] from ql[64n + 32 + l] >> 4 and bits 6-7 (ggml's dequantize_row_q6_K), l < 32.
+    rows, b = blocks.shape[0], _blocks(blocks, 210)
+    ql, qh = b[:, :128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
+    low = np.concatenate([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-1)
+    high = np.concatenate([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, qh >> 6], axis=-1)  # [sb, 2, 128] each
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8)
+    d = _half(b[:, 208:210])
+    nibbles = torch.from_numpy(np.ascontiguousarray(low.reshape(rows, cols)))
+    return qf.interleave_q6(qf.pack_nibbles(nibbles), torch.from_numpy(np.ascontiguousarray(sc.reshape(rows, -1))),
+                         torch.from_numpy(np.ascontiguousarray(d.reshape(rows, -1))),
+                         torch.from_numpy(np.ascontiguousarray(high.reshape(rows, cols))))
+
+
 def _q4_k(blocks: np.ndarray, cols: int) -> QuantMatrix:
     # Super-block of 256: d, dmin (fp16), 12 bytes of 6-bit (sc, m) for 8 sub-blocks, 128 bytes of
     # nibbles where bytes [32p, 32p + 32) hold sub-block 2p in low and 2p + 1 in high nibbles.
@@ -197,11 +231,11 @@ def _q4_k(blocks: np.ndarray, cols: int) -> QuantMatrix:
     # Two-level lanes, as the file stores them: sc and m a sub-block (uint8), d and -dmin a super-block (fp16);
     # the kernel forms d·sc and -dmin·m in float32 (exact), so a step reads 0.58 bytes a weight, not 0.75.
     mat = _matrix("q4", packed.reshape(rows, cols // 2), sc.reshape(rows, -1), mn.reshape(rows, -1))
-    return two_level(mat, torch.from_numpy(d.reshape(rows, -1)), torch.from_numpy(-dmin.reshape(rows, -1)))
+    return qf.two_level(mat, torch.from_numpy(d.reshape(rows, -1)), torch.from_numpy(-dmin.reshape(rows, -1)))
 
 
 _EXACT = {(_T.Q8_0, "q8"): _q8_0, (_T.Q5_0, "q8"): _q5_0, (_T.Q5_0, "q5"): _q5_0_q5, (_T.Q4_0, "q4"): _q4_0,
-          (_T.Q4_1, "q4"): _q4_1, (_T.Q4_K, "q4"): _q4_k}
+          (_T.Q4_1, "q4"): _q4_1, (_T.Q4_K, "q4"): _q4_k, (_T.Q6_K, "q6"): _q6_k}
 
 
 def _matrix(fmt: QuantFormat, qs: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> QuantMatrix:

@@ -136,7 +136,7 @@ class QuantMethod(LinearMethod):
         return quant_linear(qf.concat([self.pack(p) for p in parts]), bias, config, precise)
 
 
-LINEAR_METHODS: dict[str, LinearMethod] = {"dense": DenseMethod(), **{f: QuantMethod(f) for f in qf.QUANT_FORMATS}}
+LINEAR_METHODS: dict[str, LinearMethod] = {"dense": DenseMethod(), **{f: QuantMethod(f) for f in qf.PACKED_FORMATS}}
 _warned: set[str] = set()
 
 

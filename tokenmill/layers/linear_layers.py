@@ -173,7 +173,7 @@ class QuantLinear(Linear):
                 s, qs=s.qs[:groups], scale=s.scale[:groups], rows=take,
                 offset=s.offset[:groups] if s.offset.numel() else s.offset,
                 high=s.high[:groups] if s.high.numel() else s.high,
-                supers=s.supers[:, :groups] if s.two_level else s.supers))
+                supers=s.supers[:, :groups] if s.supers.numel() else s.supers))
             left -= take
         bias = None if self.bias is None else self.bias[:rows]
         return QuantLinear(segments, bias, self.dtype, self.module, QUANT_ISAS[self.isa], self.passes, self.bf16)
@@ -189,19 +189,24 @@ class QuantLinear(Linear):
         self.supers = [s.supers for s in segments]
         self.plan = self.plan_from(self.module)
 
-    def plan_from(self, module: Any, two_level: bool = True) -> Any:
+    def plan_from(self, module: Any, legacy: bool = False) -> Any:
         """This layer's kernel arguments bound by `module`'s QuantPlan (benchmarks/kernel_ab.py passes
-        another build of the quant kernels). `two_level=False`: two-level lanes multiplied out into float32
-        ones (the same values; for a build that predates them)."""
-        if not any(s.two_level for s in self.segments):
-            return module.QuantPlan(self.qs, self.scales, self.offsets, self.rows, self.passes, self.isa, self.bias,
-                                    self.highs, -1 if self.bf16 else 0)
-        if not two_level:
-            flat = [qf.expand_lanes(s) for s in self.segments]
-            return module.QuantPlan([s.qs for s in flat], [s.scale for s in flat], [s.offset for s in flat],
-                                    self.rows, self.passes, self.isa, self.bias, self.highs, -1 if self.bf16 else 0)
-        return module.QuantPlan(self.qs, self.scales, self.offsets, self.rows, self.passes, self.isa, self.bias,
-                                self.highs, -1 if self.bf16 else 0, supers=self.supers)
+        another build of the quant kernels). `legacy`: for a build that predates super lanes, each segment
+        as loads before them packed it (two-level q4 lanes multiplied out into float32 ones, the same values;
+        q6 rounded to q8, Q6_K's path before q6)."""
+        segments = [_legacy(s) for s in self.segments] if legacy else self.segments
+        args = ([s.qs for s in segments], [s.scale for s in segments], [s.offset for s in segments],
+                [s.rows for s in segments], self.passes, self.isa, self.bias, [s.high for s in segments],
+                -1 if self.bf16 else 0)
+        if any(s.supers.numel() for s in segments):
+            return module.QuantPlan(*args, supers=[s.supers for s in segments])
+        return module.QuantPlan(*args)
+
+
+def _legacy(segment: qf.QuantMatrix) -> qf.QuantMatrix:
+    if segment.fmt == "q6":
+        return qf.quantize(segment.dequantize(), "q8")
+    return qf.expand_lanes(segment)
 
 
 def _check_rows(rows: int, out_features: int) -> None:

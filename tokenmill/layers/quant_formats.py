@@ -52,14 +52,15 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-QuantFormat = Literal["q8", "q4", "q5"]
-QUANT_FORMATS: tuple[QuantFormat, ...] = ("q8", "q4", "q5")
+QuantFormat = Literal["q8", "q4", "q5", "q6"]
+QUANT_FORMATS: tuple[QuantFormat, ...] = ("q8", "q4", "q5")  # `--quantization` modes (any float matrix rounds to them)
+PACKED_FORMATS: tuple[QuantFormat, ...] = (*QUANT_FORMATS, "q6")  # q6: GGUF Q6_K's own blocks only
 BLOCK = 32
 ROW_GROUP = 8  # output rows interleaved per group (the kernel's 8 int32 lanes)
 # 16-byte chunks per (group, block), each 8 rows x 2 bytes: q8 16 (a column pair of int8 per row),
 # q4 and q5 8 (two column pairs per row, in the bytes' low and high nibbles).
-_PAIRS: dict[str, int] = {"q8": 16, "q4": 8, "q5": 8}
-HIGH_BYTES = 32  # q5's fifth-bit plane per (group, block): 8 chunks x 2 nibble halves x uint16
+_PAIRS: dict[str, int] = {"q8": 16, "q4": 8, "q5": 8, "q6": 8}
+HIGH_BYTES = 32  # q5's fifth-bit plane per (group, block): 8 chunks x 2 nibble halves x uint16 (q6: two planes)
 SUPER = 8  # blocks per two-level super-block (Q4_K's 256 weights)
 QUANT_LAYOUT_VERSION = 6  # bump when packed bytes change meaning: it keys the on-disk cache (loading/repack_cache.py)
 @dataclass(frozen=True, slots=True)
@@ -89,11 +90,12 @@ class QuantMatrix:
 
     @property
     def cols(self) -> int:
-        return int(self.scale.shape[1]) // ROW_GROUP * BLOCK
+        return int(self.qs.shape[1]) // (_PAIRS[self.fmt] * ROW_GROUP * 2) * BLOCK
 
     @property
     def two_level(self) -> bool:
-        return self.supers.numel() > 0
+        """q4 lanes in Q4_K's two levels (q6's lanes are always two-level: int8 a half-block, fp16 supers)."""
+        return self.fmt == "q4" and self.supers.numel() > 0
 
     @property
     def nbytes(self) -> int:
@@ -106,6 +108,9 @@ class QuantMatrix:
         q = rm.qs if self.fmt == "q8" else _unpack_q4(rm.qs)
         if rm.high is not None:
             q = q | (rm.high << 4)
+        if self.fmt == "q6":  # scale per 16-column half: w = scale * (q - 32)
+            w = (q.reshape(self.rows, nb, 16).float() - 32.0) * rm.scale.float().unsqueeze(-1)
+            return w.reshape(self.rows, self.cols)
         w = q.reshape(self.rows, nb, BLOCK).float() * rm.scale.float().unsqueeze(-1)
         if rm.offset is not None:
             w = w + rm.offset.float().unsqueeze(-1)
@@ -116,9 +121,10 @@ class QuantMatrix:
 
 @dataclass(frozen=True, slots=True)
 class RowMajor:
-    """A matrix's packed values in row order: qs (q8: int8 [rows, cols]; q4/q5: uint8 [rows, cols / 2],
-    byte j of a block = q_j | q_(j+16) << 4, low 4 bits), scale/offset [rows, nb], high (q5: uint8
-    [rows, cols] of 0/1, the fifth bits; else None)."""
+    """A matrix's packed values in row order: qs (q8: int8 [rows, cols]; q4/q5/q6: uint8 [rows, cols / 2],
+    byte j of a block = q_j | q_(j+16) << 4, low 4 bits), scale/offset [rows, nb] (q6: float32 scale
+    [rows, 2 nb], one a 16-column half), high (q5: uint8 [rows, cols] of 0/1, the fifth bits; q6: q >> 4,
+    0-3; else None)."""
 
     qs: torch.Tensor
     scale: torch.Tensor
@@ -129,12 +135,12 @@ class RowMajor:
 def packed_shapes(fmt: QuantFormat, rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """(qs shape, scale/offset shape) of a [rows, cols] matrix in the kernel layout."""
     groups, nb = -(-rows // ROW_GROUP), cols // BLOCK
-    return (groups, nb * _PAIRS[fmt] * ROW_GROUP * 2), (groups, nb * ROW_GROUP)
+    return (groups, nb * _PAIRS[fmt] * ROW_GROUP * 2), (groups, nb * ROW_GROUP * (2 if fmt == "q6" else 1))
 
 
-def high_shape(rows: int, cols: int) -> tuple[int, int]:
-    """q5's fifth-bit plane in the kernel layout."""
-    return (-(-rows // ROW_GROUP), cols // BLOCK * HIGH_BYTES)
+def high_shape(rows: int, cols: int, fmt: QuantFormat = "q5") -> tuple[int, int]:
+    """q5's fifth-bit plane (q6's two planes) in the kernel layout."""
+    return (-(-rows // ROW_GROUP), cols // BLOCK * HIGH_BYTES * (2 if fmt == "q6" else 1))
 
 
 def interleave(fmt: QuantFormat, qs: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
@@ -162,6 +168,31 @@ def interleave(fmt: QuantFormat, qs: torch.Tensor, scale: torch.Tensor, offset: 
         raise ValueError("q5, and only q5, has fifth bits")
     return QuantMatrix(fmt, packed, lanes(scale), torch.empty(0) if offset is None else lanes(offset), rows,
                        _EMPTY_U8 if high is None else _pack_high(high, groups, nb))
+
+
+def interleave_q6(qs: torch.Tensor, scale: torch.Tensor, d: torch.Tensor, high: torch.Tensor) -> QuantMatrix:
+    """Row-major q6 parts → the kernel layout (w = scale_h · d · (q − 32), q in [0, 63], GGUF Q6_K's own blocks):
+    qs uint8 [rows, cols / 2] q4-paired low nibbles; scale int8 [rows, 2 nb] (block b's 16-column halves at
+    2b, 2b + 1); d fp16 [rows, nb / 8] (one a 256-weight super-block); high uint8 [rows, cols] = q >> 4.
+
+    Packed: qs as q4; scale int8 [G, nb * 16], per (g, b) the 8 rows' low-half lanes then their high-half
+    lanes; high [G, nb * 64], per (g, b) q5's mask plane of bit 4 then that of bit 5; supers fp16 [1, G, nb]
+    as two-level q4's."""
+    rows, nb = scale.shape[0], scale.shape[1] // 2
+    if nb % SUPER:
+        raise ValueError("q6 needs K a multiple of 256")
+    pad = -rows % ROW_GROUP
+    if pad:
+        qs, scale, d, high = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (qs, scale, d, high))
+    groups = (rows + pad) // ROW_GROUP
+    packed = _pairs_as_int16(qs).reshape(groups, ROW_GROUP, nb, _PAIRS["q6"]).permute(0, 2, 3, 1)
+    packed = packed.reshape(groups, -1).contiguous().view(torch.uint8)
+    lanes = scale.reshape(groups, ROW_GROUP, nb, 2).permute(0, 2, 3, 1).reshape(groups, nb * 2 * ROW_GROUP)
+    planes = torch.stack([_pack_high(high & 1, groups, nb).view(groups, nb, HIGH_BYTES),
+                          _pack_high(high >> 1, groups, nb).view(groups, nb, HIGH_BYTES)], dim=2)
+    supers = d.to(torch.float16).reshape(groups, ROW_GROUP, nb // SUPER).transpose(1, 2).reshape(1, groups, nb)
+    return QuantMatrix("q6", packed, lanes.contiguous(), torch.empty(0), rows,
+                       planes.reshape(groups, nb * 2 * HIGH_BYTES).contiguous(), supers.contiguous())
 
 
 def _pairs_as_int16(qs: torch.Tensor) -> torch.Tensor:
@@ -199,6 +230,13 @@ def row_major(mat: QuantMatrix) -> RowMajor:
     def rows_of(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(groups, nb, ROW_GROUP).transpose(1, 2).reshape(groups * ROW_GROUP, nb)[:mat.rows]
 
+    if mat.fmt == "q6":
+        sc = mat.scale.reshape(groups, nb, 2, ROW_GROUP).permute(0, 3, 1, 2).reshape(groups * ROW_GROUP, nb * 2)
+        d = mat.supers[0].reshape(groups, nb // SUPER, ROW_GROUP).transpose(1, 2).reshape(groups * ROW_GROUP, -1)
+        lanes = sc.float() * d.float().repeat_interleave(2 * SUPER, dim=1)  # exact: int8 x fp16
+        planes = mat.high.reshape(groups, nb, 2, HIGH_BYTES)
+        bit4, bit5 = (_unpack_high(planes[:, :, i].reshape(groups, -1), nb) for i in (0, 1))
+        return RowMajor(qs[:mat.rows], lanes[:mat.rows], None, (bit4 | (bit5 << 1))[:mat.rows])
     offset = rows_of(mat.offset) if mat.fmt == "q4" else None
     high = _unpack_high(mat.high, nb)[:mat.rows] if mat.fmt == "q5" else None
     return RowMajor(qs[:mat.rows], rows_of(mat.scale), offset, high)
@@ -250,12 +288,15 @@ def concat(mats: list[QuantMatrix]) -> list[QuantMatrix]:
 
 def _cat(group: list[QuantMatrix]) -> QuantMatrix:
     fmt, rows = group[0].fmt, sum(m.rows for m in group)
+    if fmt == "q6" and any(m.rows % ROW_GROUP for m in group[:-1]):
+        # A q6 part ending mid-group: no row-major repack for q6; its exact values round to q8 (Q6_K's old path).
+        return _cat([quantize(m.dequantize(), "q8") for m in group])
     if len({m.two_level for m in group}) > 1:  # two-level lanes join others as float32
         group = [expand_lanes(m) for m in group]
     if len({m.scale.dtype for m in group}) > 1:
         group = [replace(m, scale=m.scale.float(), offset=m.offset.float()) for m in group]
     if all(m.rows % ROW_GROUP == 0 for m in group[:-1]):  # whole groups: the packed bytes simply follow
-        supers = torch.cat([m.supers for m in group], dim=1) if group[0].two_level else _EMPTY_F16
+        supers = torch.cat([m.supers for m in group], dim=1) if group[0].supers.numel() else _EMPTY_F16
         return QuantMatrix(fmt, torch.cat([m.qs for m in group]), torch.cat([m.scale for m in group]),
                            torch.cat([m.offset for m in group]), rows, torch.cat([m.high for m in group]), supers)
     parts = [row_major(m) for m in group]  # a part ends mid-group: regroup the rows
@@ -288,6 +329,8 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantMatrix:
     rows, cols = weight.shape
     if cols % BLOCK:
         raise ValueError(f"in_features {cols} is not a multiple of {BLOCK}")
+    if fmt == "q6":
+        raise ValueError("q6 holds GGUF Q6_K blocks only (exact); float weights round to q8, q5 or q4")
     w = weight.detach().float().reshape(rows, cols // BLOCK, BLOCK)
     if fmt == "q8":
         amax = w.abs().amax(-1)
@@ -299,7 +342,7 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantMatrix:
         scale = _fp16_lanes(w.abs().amax(-1) / 15.0, up=True)
         inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
         q5 = (torch.round(w * inv.unsqueeze(-1)).clamp(-15, 15) + 16).to(torch.uint8).reshape(rows, cols)
-        return interleave("q5", _pack_q4(q5 & 0x0F), scale, None, q5 >> 4)
+        return interleave("q5", pack_nibbles(q5 & 0x0F), scale, None, q5 >> 4)
     lo, hi = w.amin(-1), w.amax(-1)
     lo = _fp16_lanes(lo, up=False)
     scale = _fp16_lanes((hi - lo.float()) / 15.0, up=True)
@@ -307,7 +350,7 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantMatrix:
         lo, scale = lo.float(), scale.float()
     inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
     q = torch.round((w - lo.float().unsqueeze(-1)) * inv.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
-    return interleave("q4", _pack_q4(q.reshape(rows, cols)), scale, lo)
+    return interleave("q4", pack_nibbles(q.reshape(rows, cols)), scale, lo)
 
 
 _FP16_MAX = 65504.0
@@ -324,7 +367,8 @@ def _fp16_lanes(values: torch.Tensor, up: bool) -> torch.Tensor:
     return torch.where(off, torch.nextafter(half, toward), half)
 
 
-def _pack_q4(q: torch.Tensor) -> torch.Tensor:
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] values < 16 → q4's bytes, w(j) | w(j + 16) << 4 per 32-block."""
     rows, cols = q.shape
     blocks = q.reshape(rows, cols // BLOCK, BLOCK)
     return (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(rows, cols // 2).contiguous()

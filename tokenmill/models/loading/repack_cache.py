@@ -185,24 +185,29 @@ class RepackCache:
 
     def _segment(self, entry: str, index: int, fmt: str, rows: int, cols: int) -> qf.QuantMatrix:
         prefix = f"{entry}#{index}."
-        if fmt not in qf.QUANT_FORMATS:
+        if fmt not in qf.PACKED_FORMATS:
             raise ValueError(f"entry {entry!r} names format {fmt!r}")
-        quant: qf.QuantFormat = fmt  # checked against QUANT_FORMATS above
+        quant: qf.QuantFormat = fmt  # checked against PACKED_FORMATS above
         qs_shape, lane_shape = qf.packed_shapes(quant, rows, cols)
         qs = _checked(self._tensors, prefix + "qs", torch.int8 if quant == "q8" else torch.uint8, qs_shape)
-        lane_type = self._tensors[prefix + "scale"].dtype  # float32, fp16 where GGUF's scales are exact, uint8
-        if lane_type not in (torch.float32, torch.float16, torch.uint8) or (lane_type == torch.uint8 and quant != "q4"):
-            raise ValueError(f"tensor {prefix + 'scale'!r} is {lane_type}, expected float32 or float16 (or uint8, q4)")
+        # float32, fp16 where GGUF's scales are exact, uint8 (q4's two levels) or int8 (q6)
+        lane_type = self._tensors[prefix + "scale"].dtype
+        allowed = (torch.int8,) if quant == "q6" else (torch.float32, torch.float16, torch.uint8) if quant == "q4" \
+            else (torch.float32, torch.float16)
+        if lane_type not in allowed:
+            raise ValueError(f"tensor {prefix + 'scale'!r} is {lane_type}, expected one of {allowed} for {quant}")
         scale = _checked(self._tensors, prefix + "scale", lane_type, lane_shape)
         offset = torch.empty(0)
         if quant == "q4":
             offset = _checked(self._tensors, prefix + "offset", lane_type, lane_shape)
         high = torch.empty(0, dtype=torch.uint8)
-        if quant == "q5":
-            high = _checked(self._tensors, prefix + "high", torch.uint8, qf.high_shape(rows, cols))
+        if quant in ("q5", "q6"):
+            high = _checked(self._tensors, prefix + "high", torch.uint8, qf.high_shape(rows, cols, quant))
         supers = torch.empty(0, dtype=torch.float16)
-        if lane_type == torch.uint8:  # two-level lanes
-            supers = _checked(self._tensors, prefix + "supers", torch.float16, (2, *lane_shape[:1], cols // qf.BLOCK))
+        if lane_type in (torch.uint8, torch.int8):  # two-level lanes: their fp16 super lanes
+            planes = 1 if quant == "q6" else 2
+            supers = _checked(self._tensors, prefix + "supers", torch.float16,
+                              (planes, lane_shape[0], cols // qf.BLOCK))
         return qf.QuantMatrix(quant, qs, scale, offset, rows, high, supers)
 
     # -- writing ---------------------------------------------------------------------------------
@@ -225,9 +230,9 @@ class RepackCache:
                 tensors[f"{entry}#{i}.scale"] = s.scale
                 if s.fmt == "q4":
                     tensors[f"{entry}#{i}.offset"] = s.offset
-                if s.fmt == "q5":
+                if s.fmt in ("q5", "q6"):
                     tensors[f"{entry}#{i}.high"] = s.high
-                if s.two_level:
+                if s.supers.numel():
                     tensors[f"{entry}#{i}.supers"] = s.supers
         meta = {"key": self.key, "source": str(self.source), "entries": entries}
         try:
