@@ -45,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tag", default="", help="suffix of the result file name (runs of one shape on one day "
                                               "otherwise overwrite each other)")
+    p.add_argument("--base-q6-as-q8", action="store_true",
+                   help="the base build's q6 layers (TOKENMILL_Q6_K=q6 loads) re-rounded to q8: the two formats A/B")
     p.add_argument("--query-rows", type=int, default=0,
                    help="time one request's verification step of this many query rows instead of decoding")
     args = p.parse_args()
@@ -71,14 +73,17 @@ def base_sources(revision: str, into: Path) -> str:
 class Build:
     """One build's plans (one per quantized linear) and native decoder stack over a loaded model."""
 
-    def __init__(self, model: Any, modules: dict[str, Any]) -> None:
+    def __init__(self, model: Any, modules: dict[str, Any], q6_as_q8: bool = False) -> None:
+        from tokenmill.layers import linear_layers
         from tokenmill.layers.linear import QuantLinear
         from tokenmill.models.native_stack import stack_over
 
         # A build that predates super lanes (Q4_K's two levels, q6) gets each layer as it used to load it (float32
-        # lanes, Q6_K as q8): an A/B across those changes then also measures the bytes they saved.
+        # lanes, Q6_K as q8): an A/B across those changes then also measures the bytes they saved. `q6_as_q8`:
+        # this build's q6 layers re-rounded to q8 (an A/B of the two formats under one build).
         legacy = "supers" not in (modules["quant"].QuantPlan.__init__.__doc__ or "")
-        self.plans = {name: lin.plan_from(modules["quant"], legacy)
+        convert = linear_layers.legacy_segment if legacy else linear_layers.q6_as_q8 if q6_as_q8 else None
+        self.plans = {name: lin.plan_from(modules["quant"], convert)
                       for name, lin in model.linears().items() if isinstance(lin, QuantLinear)}
         by_layer = {id(lin): self.plans[name] for name, lin in model.linears().items() if name in self.plans}
         self.stack = stack_over(model, modules["stack"], modules["glue"], modules["module"], modules["quant"],
@@ -155,7 +160,7 @@ def main() -> None:
     model = llm.core.runner.model
     if model.native_stack is None:
         raise SystemExit(f"kernel_ab: {args.model} does not run the native decoder stack here")
-    builds = {"base": Build(model, base_modules), "new": Build(model, new_modules)}
+    builds = {"base": Build(model, base_modules, args.base_q6_as_q8), "new": Build(model, new_modules)}
     prompts = common.build_prompts(llm.tokenizer.encode, args.batch, args.prompt_len, common.prompt_bos(llm.tokenizer))
     verify = VerifyRounds(llm, prompts[0], args.query_rows) if args.query_rows else None
 

@@ -251,3 +251,31 @@ def test_file_format_round_trip_and_bounds(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-1])
     with pytest.raises(ValueError, match="does not fit"):
         repack_cache.read_safetensors(path)
+
+
+def test_two_level_and_q6_segments_round_trip(tmp_path: Path) -> None:
+    """Q4_K's two-level lanes and q6 (int8 lanes, two mask planes) come back with their super lanes, and an
+    entry whose super lanes are missing invalidates the file rather than loading wrong lanes."""
+    from tests.fixtures.gguf_blocks import gguf_blocks
+
+    q4k = gguf_quant.from_gguf(gguf_blocks(T.Q4_K, 24, 512, 1), T.Q4_K, 512, "q4")
+    q6 = gguf_quant.from_gguf(gguf_blocks(T.Q6_K, 20, 512, 2), T.Q6_K, 512, "q6")
+    assert q4k.two_level and q6.fmt == "q6"
+    shapes = {"a.weight": (24, 512), "b.weight": (20, 512)}
+    path, key = tmp_path / "cache.safetensors", {"test": 1}
+    cache = repack_cache.RepackCache(path, key, tmp_path, shapes)
+    cache.store(["a.weight"], ["q4"], [q4k])
+    cache.store(["b.weight"], ["q6"], [q6])
+    cache.flush()
+    back = repack_cache.RepackCache(path, key, tmp_path, shapes)
+    for names, method, want in ((["a.weight"], "q4", q4k), (["b.weight"], "q6", q6)):
+        loaded = back.load(names, [method])
+        assert loaded is not None
+        (got,) = loaded
+        assert got.fmt == want.fmt and got.rows == want.rows
+        for field in ("qs", "scale", "offset", "high", "supers"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), field
+    tensors, meta = repack_cache.read_safetensors(path)
+    del tensors[next(n for n in tensors if n.endswith("#0.supers") and n.startswith("b.weight"))]
+    repack_cache.write_safetensors(path, tensors, meta)
+    assert repack_cache.RepackCache(path, key, tmp_path, shapes).load(["b.weight"], ["q6"]) is None

@@ -1,4 +1,5 @@
-"""Which format `auto` packs GGUF Q5_0 into: q5 only where measured faster (gguf_quant.q5_0_format)."""
+"""Which formats `auto` packs GGUF Q5_0 and Q6_K into: q5 and q6 only where measured faster
+(gguf_quant.q5_0_format, q6_k_format)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,27 @@ def test_vendor_and_family_come_from_the_first_processor() -> None:
     assert cpu_vendor_family(cpuinfo) == ("AuthenticAMD", 26)
     assert cpu_vendor_family("Features\t: fp asimd\n") == ("", 0)  # Arm: no x86 family
     assert cpu_vendor_family("") == ("", 0)
+
+
+@pytest.mark.parametrize(("isa", "cpu", "fmt"), [
+    ("avx512vnni", ZEN5, "q6"),  # measured 1.05-1.15x of q8 at batch 1, 1.07x at 16, 0.98x on a prefill
+    ("avx2", ZEN5, "q8"),  # the 256-bit tiles through AVX2: 0.75x at batch 1
+    ("avx512vnni", ZEN4, "q8"),  # no duo tiles there: unmeasured
+    ("avx512vnni", XEON, "q8"),
+    ("amx", XEON, "q8"),  # the AMX tiles take no q6
+    ("portable", ZEN5, "q8"),
+])
+def test_q6_only_where_it_was_measured_faster(isa: str, cpu: tuple[str, int], fmt: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(gq.Q6_K_ENV, raising=False)
+    assert gq.q6_k_format(isa, *cpu) == fmt
+
+
+def test_q6_k_maps_exactly_only_as_q6(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(gq.Q6_K_ENV, "q6")
+    assert gq.gguf_format(GGMLQuantizationType.Q6_K, "portable") == ("q6", True)
+    monkeypatch.setenv(gq.Q6_K_ENV, "Q8")
+    assert gq.gguf_format(GGMLQuantizationType.Q6_K, "avx512vnni") == ("q8", False)  # a re-rounding
+    monkeypatch.setenv(gq.Q6_K_ENV, "q5")
+    with pytest.raises(TokenmillError, match="TOKENMILL_Q6_K"):
+        gq.q6_k_format("avx2", *ZEN5)

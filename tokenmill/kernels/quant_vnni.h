@@ -341,6 +341,190 @@ void groups_duo(const Weights& w, const Act& a, int64_t m0, int64_t rows, int64_
   }
 }
 
+constexpr int64_t kDuoStreamRows = 6;  // least rows a streamed matrix takes the duo tiles for
+
+// q6 duo tiles: tile_duo's plan for Q6_K's 6-bit weights. A chunk pair's nibbles widen at once; bits 4 and
+// 5 go in from the two mask planes before the permute as q5's fifth bits do, with q - 32 = nibble + 16 b4
+// - 32 (1 - b5): one masked add and one masked subtract a half. The 16-column halves (the low and high
+// nibbles) sum apart and take tile6's two float steps, low half first: the same bits as tile6.
+template <int RM>
+void tile_duo6(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld) {
+  constexpr int NCH = RM <= 2 ? 2 : 1;  // chains a half and row: 4 at one row (vpdpwssd's latency x rate / 2)
+  __m256 acc[RM];
+  const int16_t* arow[RM];
+  for (int r = 0; r < RM; ++r) { acc[r] = _mm256_setzero_ps(); arow[r] = a.a + (m0 + r) * a.K; }
+  const __m512i low = _mm512_set1_epi16(0x0F), s16 = _mm512_set1_epi16(16), s32 = _mm512_set1_epi16(32);
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* blk = w.block(g, b);
+    const uint8_t* hb = w.high_block(g, b);
+    prefetch_ahead<true, true>(w, g, b);
+    __m512i sl[RM][NCH], sh[RM][NCH];
+    for (int r = 0; r < RM; ++r) for (int k = 0; k < NCH; ++k) sl[r][k] = sh[r][k] = _mm512_setzero_si512();
+    #pragma GCC unroll 4
+    for (int c = 0; c < 8; c += 2) {
+      const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * c)));
+      uint64_t w4, w5;  // [low c, high c, low c + 1, high c + 1] of the bit-4 and bit-5 planes
+      std::memcpy(&w4, hb + 4 * c, sizeof w4);
+      std::memcpy(&w5, hb + 32 + 4 * c, sizeof w5);
+      const auto lo4 = static_cast<__mmask32>((w4 & 0xFFFFu) | ((w4 >> 16) & 0xFFFF0000u));
+      const auto hi4 = static_cast<__mmask32>(((w4 >> 16) & 0xFFFFu) | ((w4 >> 32) & 0xFFFF0000u));
+      const auto lo5 = static_cast<__mmask32>(~((w5 & 0xFFFFu) | ((w5 >> 16) & 0xFFFF0000u)));
+      const auto hi5 = static_cast<__mmask32>(~(((w5 >> 16) & 0xFFFFu) | ((w5 >> 32) & 0xFFFF0000u)));
+      const __m512i lo0 = _mm512_and_si512(raw, low), hi0 = _mm512_srli_epi16(raw, 4);
+      const __m512i lo1 = _mm512_mask_add_epi16(lo0, lo4, lo0, s16), hi1 = _mm512_mask_add_epi16(hi0, hi4, hi0, s16);
+      const __m512i lo = duo_order(_mm512_mask_sub_epi16(lo1, lo5, lo1, s32));
+      const __m512i hi = duo_order(_mm512_mask_sub_epi16(hi1, hi5, hi1, s32));
+      for (int r = 0; r < RM; ++r) {
+        const int16_t* ab = arow[r] + b * QK + 2 * c;
+        const int k = (c / 2) % NCH;
+        sl[r][k] = _mm512_dpwssd_epi32(sl[r][k], lo, bcast_duo(ab));
+        sh[r][k] = _mm512_dpwssd_epi32(sh[r][k], hi, bcast_duo(ab + 16));
+      }
+    }
+    const __m256 llo = q6_lanes8(w, g, b, 0), lhi = q6_lanes8(w, g, b, 1);
+    for (int r = 0; r < RM; ++r) {
+      __m512i l = sl[r][0], h = sh[r][0];
+      for (int k = 1; k < NCH; ++k) { l = _mm512_add_epi32(l, sl[r][k]); h = _mm512_add_epi32(h, sh[r][k]); }
+      const __m256i l8 = _mm512_cvtepi64_epi32(_mm512_add_epi32(l, _mm512_srli_epi64(l, 32)));
+      const __m256i h8 = _mm512_cvtepi64_epi32(_mm512_add_epi32(h, _mm512_srli_epi64(h, 32)));
+      const __m256 ad = _mm256_set1_ps(a.d[(m0 + r) * a.nb + b]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l8), _mm256_mul_ps(llo, ad), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h8), _mm256_mul_ps(lhi, ad), acc[r]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(RG, w.rows - g * RG);
+  const __mmask8 mask = valid >= RG ? static_cast<__mmask8>(0xFF) : static_cast<__mmask8>((1u << valid) - 1);
+  for (int r = 0; r < RM; ++r) _mm256_mask_storeu_ps(out + (m0 + r) * ld + g * RG, mask, acc[r]);
+}
+
+template <int RM>
+void span_duo6(const Weights& w, int64_t g0, int64_t g1, const Act& a, int64_t m0, float* out, int64_t ld) {
+  for (int64_t g = g0; g < g1; ++g) tile_duo6<RM>(w, g, a, m0, out, ld);
+}
+
+void groups_duo6(const Weights& w, const Act& a, int64_t m0, int64_t rows, int64_t g0, int64_t g1, float* out,
+                 int64_t ld) {
+  switch (rows) {
+    case 1: return span_duo6<1>(w, g0, g1, a, m0, out, ld);
+    case 2: return span_duo6<2>(w, g0, g1, a, m0, out, ld);
+    case 3: return span_duo6<3>(w, g0, g1, a, m0, out, ld);
+    case 4: return span_duo6<4>(w, g0, g1, a, m0, out, ld);
+    case 5: return span_duo6<5>(w, g0, g1, a, m0, out, ld);
+    case 6: return span_duo6<6>(w, g0, g1, a, m0, out, ld);
+    case 7: return span_duo6<7>(w, g0, g1, a, m0, out, ld);
+    default: return span_duo6<8>(w, g0, g1, a, m0, out, ld);
+  }
+}
+
+// q6 512-bit tiles: tile2's plan (two groups side by side, up to 8 activation rows, each broadcast
+// embedded below 8 rows) with tile6's arithmetic: bits 4 and 5 from both groups' mask planes, q - 32 as
+// in tile_duo6, the 16-column halves summed apart and stepped low half first (the same bits as tile6).
+inline __m512 q6_lanes16(const Weights& w, int64_t g, int64_t g2, int64_t b, int h) {
+  const int64_t i0 = g * w.nb + b, i1 = g2 * w.nb + b;
+  const auto* m = static_cast<const int8_t*>(w.scale.p);
+  const __m128i q = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m + (2 * i0 + h) * RG)),
+                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m + (2 * i1 + h) * RG)));
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(w.scale.d + ((i1 >> 3) << 3)),
+                                                       reinterpret_cast<const __m128i*>(w.scale.d + ((i0 >> 3) << 3))));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
+}
+
+template <int RM>
+void tile2_6(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, float* out, int64_t ld, bool first_pass) {
+  constexpr int NCH = RM >= 4 ? 1 : 2;  // chains a half and row (two halves: 8 chains in flight from 4 rows)
+  constexpr bool kEmbed = RM < 8;
+  __m512 acc[RM];
+  const int16_t* arow[RM];
+  for (int r = 0; r < RM; ++r) { acc[r] = _mm512_setzero_ps(); arow[r] = a.a + (m0 + r) * a.K; }
+  const __m512i low = _mm512_set1_epi16(0x0F), s16 = _mm512_set1_epi16(16), s32 = _mm512_set1_epi16(32);
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* b0 = w.block(g, b);
+    const uint8_t* b1 = w.block(g2, b);
+    const uint8_t* h0 = w.high_block(g, b);
+    const uint8_t* h1 = w.high_block(g2, b);
+    if (first_pass) {
+      prefetch_ahead<true, true>(w, g, b);
+      prefetch_ahead<true, true>(w, g2, b);
+    }
+    __m512i sl[RM][NCH], sh[RM][NCH];
+    for (int r = 0; r < RM; ++r) for (int k = 0; k < NCH; ++k) sl[r][k] = sh[r][k] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m512i raw = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(load_two(b0 + 16 * c, b1 + 16 * c)));
+      uint32_t a4, b4, a5, b5;  // [low, high] words of chunk c in group g's and g2's bit-4 and bit-5 planes
+      std::memcpy(&a4, h0 + 4 * c, sizeof a4);
+      std::memcpy(&b4, h1 + 4 * c, sizeof b4);
+      std::memcpy(&a5, h0 + 32 + 4 * c, sizeof a5);
+      std::memcpy(&b5, h1 + 32 + 4 * c, sizeof b5);
+      const __m512i lo0 = _mm512_and_si512(raw, low), hi0 = _mm512_srli_epi16(raw, 4);
+      const __m512i lo1 = _mm512_mask_add_epi16(lo0, static_cast<__mmask32>((a4 & 0xFFFF) | (b4 << 16)), lo0, s16);
+      const __m512i hi1 = _mm512_mask_add_epi16(hi0, static_cast<__mmask32>((a4 >> 16) | (b4 & 0xFFFF0000u)), hi0, s16);
+      const __m512i lo = _mm512_mask_sub_epi16(lo1, static_cast<__mmask32>(~((a5 & 0xFFFF) | (b5 << 16))), lo1, s32);
+      const __m512i hi = _mm512_mask_sub_epi16(hi1, static_cast<__mmask32>(~((a5 >> 16) | (b5 & 0xFFFF0000u))), hi1, s32);
+      for (int r = 0; r < RM; ++r) {
+        const int16_t* ab = arow[r] + b * QK + 2 * c;
+        const int k = c % NCH;
+        sl[r][k] = dp_pair<kEmbed>(sl[r][k], lo, ab);
+        sh[r][k] = dp_pair<kEmbed>(sh[r][k], hi, ab + 16);
+      }
+    }
+    const __m512 llo = q6_lanes16(w, g, g2, b, 0), lhi = q6_lanes16(w, g, g2, b, 1);
+    for (int r = 0; r < RM; ++r) {
+      __m512i l = sl[r][0], h = sh[r][0];
+      for (int k = 1; k < NCH; ++k) { l = _mm512_add_epi32(l, sl[r][k]); h = _mm512_add_epi32(h, sh[r][k]); }
+      const __m512 ad = _mm512_set1_ps(a.d[(m0 + r) * a.nb + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l), _mm512_mul_ps(llo, ad), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h), _mm512_mul_ps(lhi, ad), acc[r]);
+    }
+  }
+  auto rows_mask = [&](int64_t grp) {
+    const int64_t valid = std::min<int64_t>(RG, w.rows - grp * RG);
+    return static_cast<__mmask8>(valid >= RG ? 0xFF : (1u << valid) - 1);
+  };
+  const __mmask8 mask = rows_mask(g), mask2 = rows_mask(g2);
+  for (int r = 0; r < RM; ++r) {
+    float* y = out + (m0 + r) * ld;
+    _mm256_mask_storeu_ps(y + g * RG, mask, _mm512_castps512_ps256(acc[r]));
+    _mm256_mask_storeu_ps(y + g2 * RG, mask2, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+  }
+}
+
+// Groups c0 .. c1 - 1 half a span apart (as span2), RM rows from m0; an odd group left over takes tile6.
+template <int RM>
+void span2_6(const Weights& w, int64_t c0, int64_t c1, const Act& a, int64_t m0, float* out, int64_t ld) {
+  const int64_t h = (c1 - c0) / 2;
+  for (int64_t i = 0; i < h; ++i) tile2_6<RM>(w, c0 + i, c0 + h + i, a, m0, out, ld, m0 == 0);
+  if (c0 + 2 * h < c1) tile6<RM>(w, c1 - 1, a, m0, out, ld, m0 == 0);
+}
+
+template <int R>
+void rest2_6(int64_t rest, const Weights& w, int64_t c0, int64_t c1, const Act& a, int64_t m0, float* out, int64_t ld) {
+  if constexpr (R > 0) {
+    if (rest == R) return span2_6<R>(w, c0, c1, a, m0, out, ld);
+    rest2_6<R - 1>(rest, w, c0, c1, a, m0, out, ld);
+  }
+}
+
+// q6 on the avx512vnni path: where the duo tiles run (Zen 5), duo tiles for up to 8 rows (and a streamed
+// matrix's 9-24, in 8-row passes), the whole range a pass; from wide_rows rows the 512-bit tiles over ~128 KiB
+// chunks of groups, 8 rows a tile and the rest in one tile of as many; below it the 256-bit tiles.
+void groups_q6(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld,
+               int64_t wide_rows, int64_t duo_rows, bool streamed) {
+  if (duo_rows > 0 && (M <= kDuoRows || (M <= 3 * kDuoRows && streamed))) {
+    for (int64_t m0 = 0; m0 < M; m0 += kDuoRows) groups_duo6(w, a, m0, std::min(kDuoRows, M - m0), g0, g1, out, ld);
+    return;
+  }
+  if (M < wide_rows) return groups256(w, a, M, g0, g1, out, ld);
+  int64_t chunk = std::max<int64_t>(2, (128 << 10) / std::max<int64_t>(1, w.nb * w.block_bytes()));
+  chunk += chunk & 1;
+  for (int64_t c0 = g0; c0 < g1; c0 += chunk) {
+    const int64_t c1 = std::min(g1, c0 + chunk);
+    int64_t m0 = 0;
+    for (; m0 + 8 <= M; m0 += 8) span2_6<8>(w, c0, c1, a, m0, out, ld);
+    rest2_6<7>(M - m0, w, c0, c1, a, m0, out, ld);
+  }
+}
+
 template <int RM>
 void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, float* out, int64_t ld) {
   if (w.q5) tile2<RM, true, true>(w, g, g2, a, m0, out, ld, m0 == 0);
@@ -349,7 +533,6 @@ void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, fl
 }
 
 constexpr int kRM512 = 8;  // activation rows per 512-bit tile
-constexpr int64_t kDuoStreamRows = 6;  // least rows a streamed matrix takes the duo tiles for
 
 // Groups c0 .. c1 - 1 paired half the span apart, (c0 + i, c0 + h + i): each half is read as one
 // sequential stream across the tiles. Pairing neighbours (g, g + 1) started a fresh stream every two
@@ -393,10 +576,10 @@ void groups(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, f
             int64_t wide_rows, int64_t duo_rows) {
   // A matrix far past L3 (a large vocabulary's lm_head: Qwen2.5-0.5B's is 145 MB) streams from memory
   // whatever the tiles do; duo_rows > 16 treats every matrix so (tests: the same bits either way).
-  if (w.q6) return groups256(w, a, M, g0, g1, out, ld);  // q6 has only the 256-bit tiles
   const int64_t matrix_bytes = (w.rows + RG - 1) / RG * w.nb * w.block_bytes();
   const bool forced = duo_rows > 2 * kDuoRows;
   const bool streamed = matrix_bytes > kStreamBytes || forced;
+  if (w.q6) return groups_q6(w, a, M, g0, g1, out, ld, wide_rows, duo_rows, streamed);
   if (duo_rows > 0 && M <= kDuoRows) {
     // 2-8 activation rows where the duo tiles run (Zen 5): the 512-bit tiles, whose embedded broadcasts
     // made them faster than the duo tiles' 64-bit broadcasts (batch-1 steps of 2-8 query rows 1.06-1.13x;

@@ -6,7 +6,8 @@ GGUF types map without a second rounding where the arithmetic allows:
     Q4_0 → q4 (scale d, offset -8d)      Q4_1 → q4 (scale d, offset m)
     Q4_K → q4 (each 32-weight sub-block: scale d*sc, offset -dmin*m; fp16 x 6-bit is exact in fp32),
            kept in two levels as the file has them (uint8 sc, m a block; fp16 d, -dmin per 8 blocks)
-    Q5_1, Q5_K, Q6_K → dequantized, then re-quantized to q8 (one rounding, measured in the tests)
+    Q6_K → q6 (each 16-weight sub-block: scale d*sc, q - 32; int8 sc and fp16 d kept) where q6_k_format()
+           says so, else like Q5_1, Q5_K: dequantized, then re-quantized to q8 (one rounding, measured in the tests)
 Any other type has no native mapping (callers dequantize it to a dense matrix).
 Exact mappings move GGUF's own bytes (no float round trip); the rest go through gguf's reference
 dequantizer and `quant_formats.quantize`, in slices of rows.
@@ -46,7 +47,10 @@ GGUF_MAPPING: dict[GGMLQuantizationType, tuple[QuantFormat, bool]] = {
 # every tensor as q5.
 Q5_0_ENV = "TOKENMILL_Q5_0"
 # Where `auto` keeps Q6_K at 6 bits (q6: 0.82 bytes a weight, exact) rather than re-rounding it to q8 (1.125):
-# q6 runs the 256-bit tiles only. $TOKENMILL_Q6_K = q6 | q8 overrides (A/B runs).
+# Zen 5's avx512vnni path, whose duo and 512-bit q6 tiles decode the two extra bits under the stream
+# (Qwen2.5-Coder-1.5B against q8 in one build: batch 1 1.05-1.15x, batch 16 1.07x, a 512-token prefill
+# 0.98x; docs/quantization.md). Elsewhere q6 has only the 256-bit tiles: through the AVX2 path on the same
+# CPU batch 1 ran 0.75x. $TOKENMILL_Q6_K = q6 | q8 overrides (A/B runs).
 Q6_K_ENV = "TOKENMILL_Q6_K"
 
 
@@ -62,17 +66,22 @@ def q5_0_format(isa: str, vendor: str, family: int) -> QuantFormat:
         return "q5" if forced == "q5" else "q8"
     if forced:
         raise TokenmillError(f"{Q5_0_ENV}={forced!r}: use q5 or q8")
-    return "q5" if isa == "avx512vnni" and vendor == "AuthenticAMD" and family >= 26 else "q8"
+    return "q5" if _full_width_vnni(isa, vendor, family) else "q8"
 
 
-def q6_k_format(isa: str) -> QuantFormat:
-    """The format `auto` packs Q6_K into on quant path `isa`."""
+def q6_k_format(isa: str, vendor: str, family: int) -> QuantFormat:
+    """The format `auto` packs Q6_K into on quant path `isa` of a CPU (vendor_id, cpu family)."""
     forced = os.environ.get(Q6_K_ENV, "").strip().lower()
     if forced in ("q6", "q8"):
         return "q6" if forced == "q6" else "q8"
     if forced:
         raise TokenmillError(f"{Q6_K_ENV}={forced!r}: use q6 or q8")
-    return "q8"
+    return "q6" if _full_width_vnni(isa, vendor, family) else "q8"
+
+
+def _full_width_vnni(isa: str, vendor: str, family: int) -> bool:
+    """AMD Zen 5 (family 26) on the avx512vnni path: 512-bit units at full width and the duo tiles."""
+    return isa == "avx512vnni" and vendor == "AuthenticAMD" and family >= 26
 
 
 def gguf_format(ggml_type: GGMLQuantizationType, isa: str) -> tuple[QuantFormat, bool] | None:
@@ -80,7 +89,7 @@ def gguf_format(ggml_type: GGMLQuantizationType, isa: str) -> tuple[QuantFormat,
     if ggml_type == _T.Q5_0:
         return (q5_0_format(isa, *_host_vendor_family()), True)
     if ggml_type == _T.Q6_K:
-        fmt = q6_k_format(isa)
+        fmt = q6_k_format(isa, *_host_vendor_family())
         return (fmt, fmt == "q6")
     return GGUF_MAPPING.get(ggml_type)
 

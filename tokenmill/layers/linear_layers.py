@@ -189,12 +189,11 @@ class QuantLinear(Linear):
         self.supers = [s.supers for s in segments]
         self.plan = self.plan_from(self.module)
 
-    def plan_from(self, module: Any, legacy: bool = False) -> Any:
+    def plan_from(self, module: Any, convert: Callable[[qf.QuantMatrix], qf.QuantMatrix] | None = None) -> Any:
         """This layer's kernel arguments bound by `module`'s QuantPlan (benchmarks/kernel_ab.py passes
-        another build of the quant kernels). `legacy`: for a build that predates super lanes, each segment
-        as loads before them packed it (two-level q4 lanes multiplied out into float32 ones, the same values;
-        q6 rounded to q8, Q6_K's path before q6)."""
-        segments = [_legacy(s) for s in self.segments] if legacy else self.segments
+        another build of the quant kernels, and `convert`, which repacks each segment for it: e.g.
+        `legacy_segment` for a build that predates super lanes)."""
+        segments = [convert(s) for s in self.segments] if convert is not None else self.segments
         args = ([s.qs for s in segments], [s.scale for s in segments], [s.offset for s in segments],
                 [s.rows for s in segments], self.passes, self.isa, self.bias, [s.high for s in segments],
                 -1 if self.bf16 else 0)
@@ -203,10 +202,15 @@ class QuantLinear(Linear):
         return module.QuantPlan(*args)
 
 
-def _legacy(segment: qf.QuantMatrix) -> qf.QuantMatrix:
-    if segment.fmt == "q6":
-        return qf.quantize(segment.dequantize(), "q8")
-    return qf.expand_lanes(segment)
+def q6_as_q8(segment: qf.QuantMatrix) -> qf.QuantMatrix:
+    """A q6 segment re-rounded to q8 (Q6_K's path before q6); others as they are."""
+    return qf.quantize(segment.dequantize(), "q8") if segment.fmt == "q6" else segment
+
+
+def legacy_segment(segment: qf.QuantMatrix) -> qf.QuantMatrix:
+    """A segment as loads before super lanes packed it: q6 as q8, two-level q4 lanes multiplied out into
+    float32 ones (the same values)."""
+    return qf.expand_lanes(q6_as_q8(segment))
 
 
 def _check_rows(rows: int, out_features: int) -> None:
