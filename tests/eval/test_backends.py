@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.server.conftest import MODEL, LiveServer
-from tokenmill.eval.client import EvalError, GenerateOptions, open_backend, parse_spec
+from tokenmill.eval.client import EvalError, GenerateOptions, open_backend, parse_spec, with_common_dtype
 from tokenmill.eval.engine_backend import EngineBackend, engine_kwargs
 from tokenmill.eval.http_backend import HttpBackend
 
@@ -60,3 +60,20 @@ def test_specs_and_engine_options() -> None:
     assert engine_kwargs({"quantization": "none", "kv_cache_dtype": "auto", "dtype": "float32"})["dtype"] == "float32"
     with pytest.raises(EvalError, match="no option 'warp_drive'"):
         engine_kwargs({"warp_drive": 9})
+
+
+def test_a_comparison_pins_float32_where_the_cpu_would_run_a_dense_side_in_bf16() -> None:
+    """On a bf16 CPU a dense reference runs bf16 (and a bf16 KV cache) while quantized GGUF weights run
+    float32 activations: unless a spec names a dtype, both sides get float32, so a quant gate measures the
+    quantization. Elsewhere, or with a dtype named, or over HTTP, the specs stay as given."""
+    ref, cand = parse_spec("model=m,quantization=none"), parse_spec("model=m,quantization=auto")
+    pinned_ref, pinned_cand, note = with_common_dtype(ref, cand, cpu_auto_bf16=True)
+    assert pinned_ref.options["dtype"] == pinned_cand.options["dtype"] == "float32"
+    assert pinned_ref.options["quantization"] == "none" and note is not None and "float32" in note
+    assert with_common_dtype(ref, cand, cpu_auto_bf16=False) == (ref, cand, None)
+    named = parse_spec("model=m,quantization=auto,dtype=bfloat16")
+    assert with_common_dtype(ref, named, cpu_auto_bf16=True) == (ref, named, None)
+    http = parse_spec("http://h:1,model=m")
+    assert with_common_dtype(http, cand, cpu_auto_bf16=True) == (http, cand, None)
+    gpu = parse_spec("model=m,device=cuda")
+    assert with_common_dtype(gpu, cand, cpu_auto_bf16=True) == (gpu, cand, None)

@@ -189,7 +189,7 @@ def _gates(args: argparse.Namespace) -> tuple[list[Any], tuple[str, ...] | None]
 
 
 def compare_eval(args: argparse.Namespace) -> int:
-    from tokenmill.eval.client import parse_spec
+    from tokenmill.eval.client import parse_spec, with_common_dtype
     from tokenmill.eval.compare import compare_runs
     from tokenmill.eval.report import (
         comparison_dict,
@@ -203,7 +203,9 @@ def compare_eval(args: argparse.Namespace) -> int:
 
     gates, gate_tasks = _gates(args)
     suite = _suite(args, gate_tasks)
-    reference, candidate = parse_spec(args.reference), parse_spec(args.candidate)
+    reference, candidate, note = with_common_dtype(parse_spec(args.reference), parse_spec(args.candidate))
+    if note is not None:
+        print(note, file=sys.stderr)
     progress = not args.no_progress
     ref_runs, ref_target = _run_all(reference, suite, progress)
     cand_runs, cand_target = _run_all(candidate, suite, progress)
