@@ -280,6 +280,18 @@ inline void unpack_chunk(const Weights& w, const uint8_t* blk, int64_t g, int64_
     hi = add_high(hi, words >> 16);                                                                                    \
   }                                                                                                                    \
 }                                                                                                                      \
+/* Rows m0 .. m0 + RM - 1 of group g's 8 output columns (the last group may be partial). */                         \
+template <int RM>                                                                                                      \
+inline void store_rows(const Weights& w, int64_t g, const __m256* acc, int64_t m0, float* out, int64_t ld) {            \
+  const int64_t valid = std::min<int64_t>(RG, w.rows - g * RG);                                                        \
+  for (int r = 0; r < RM; ++r) {                                                                                       \
+    float* y = out + (m0 + r) * ld + g * RG;                                                                           \
+    if (valid == RG) { _mm256_storeu_ps(y, acc[r]); continue; }                                                        \
+    alignas(32) float tmp[RG];                                                                                         \
+    _mm256_store_ps(tmp, acc[r]);                                                                                      \
+    for (int64_t i = 0; i < valid; ++i) y[i] = tmp[i];                                                                 \
+  }                                                                                                                    \
+}                                                                                                                      \
 /* Group g (8 output rows) against activation rows m0 .. m0 + RM - 1: one int32 vector per row and                     \
    block (lane r = row r's block sum), then y += sum * (8 weight scales x the row's scale). */                         \
 template <int RM, bool Q4, bool Q5>                                                                                    \
@@ -338,14 +350,7 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
       for (int r = 0; r < RM; ++r) acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(a.s[(m0 + r) * a.nb + b]), acc[r]);    \
     }                                                                                                                  \
   }                                                                                                                    \
-  const int64_t valid = std::min<int64_t>(RG, w.rows - g * RG);                                                        \
-  for (int r = 0; r < RM; ++r) {                                                                                       \
-    float* y = out + (m0 + r) * ld + g * RG;                                                                           \
-    if (valid == RG) { _mm256_storeu_ps(y, acc[r]); continue; }                                                        \
-    alignas(32) float tmp[RG];                                                                                         \
-    _mm256_store_ps(tmp, acc[r]);                                                                                      \
-    for (int64_t i = 0; i < valid; ++i) y[i] = tmp[i];                                                                 \
-  }                                                                                                                    \
+  store_rows<RM>(w, g, acc, m0, out, ld);                                                                              \
 }                                                                                                                      \
 /* q6 (Q6_K): int8 lanes per 16-column half times the super-block's fp16 lane, 8 rows (exact products). */           \
 inline __m256 q6_lanes8(const Weights& w, int64_t g, int64_t b, int h) {                                               \
@@ -394,14 +399,7 @@ void tile6(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, in
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh), _mm256_mul_ps(lhi, ad), acc[r]);                                \
     }                                                                                                                  \
   }                                                                                                                    \
-  const int64_t valid = std::min<int64_t>(RG, w.rows - g * RG);                                                        \
-  for (int r = 0; r < RM; ++r) {                                                                                       \
-    float* y = out + (m0 + r) * ld + g * RG;                                                                           \
-    if (valid == RG) { _mm256_storeu_ps(y, acc[r]); continue; }                                                        \
-    alignas(32) float tmp[RG];                                                                                         \
-    _mm256_store_ps(tmp, acc[r]);                                                                                      \
-    for (int64_t i = 0; i < valid; ++i) y[i] = tmp[i];                                                                 \
-  }                                                                                                                    \
+  store_rows<RM>(w, g, acc, m0, out, ld);                                                                              \
 }                                                                                                                      \
 template <int RM>                                                                                                      \
 void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld) {                             \

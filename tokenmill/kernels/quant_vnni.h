@@ -60,6 +60,22 @@ inline __m512i dp_pair(__m512i acc, __m512i w, const int16_t* p) {
   }
 }
 
+// Rows m0 .. m0 + RM - 1 of a two-group tile: lanes 0-7 are group g's rows, 8-15 group g2's (only the matrix's
+// last group may be partial).
+template <int RM>
+inline void store_two(const Weights& w, int64_t g, int64_t g2, const __m512* acc, int64_t m0, float* out, int64_t ld) {
+  auto rows_mask = [&](int64_t grp) {
+    const int64_t valid = std::min<int64_t>(RG, w.rows - grp * RG);
+    return static_cast<__mmask8>(valid >= RG ? 0xFF : (1u << valid) - 1);
+  };
+  const __mmask8 mask = rows_mask(g), mask2 = rows_mask(g2);
+  for (int r = 0; r < RM; ++r) {
+    float* y = out + (m0 + r) * ld;
+    _mm256_mask_storeu_ps(y + g * RG, mask, _mm512_castps512_ps256(acc[r]));
+    _mm256_mask_storeu_ps(y + g2 * RG, mask2, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+  }
+}
+
 template <int RM, bool Q4, bool Q5>
 void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, float* out, int64_t ld, bool first_pass) {
   // Independent chains a row (summed exactly at the block's end): vpdpwssd's latency is 4 cycles at two
@@ -121,17 +137,7 @@ void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, fl
       for (int r = 0; r < RM; ++r) acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(a.s[(m0 + r) * a.nb + b]), acc[r]);
     }
   }
-  // Lanes 0-7 are group g's rows, 8-15 group g2's (only the matrix's last group may be partial).
-  auto rows_mask = [&](int64_t grp) {
-    const int64_t valid = std::min<int64_t>(RG, w.rows - grp * RG);
-    return static_cast<__mmask8>(valid >= RG ? 0xFF : (1u << valid) - 1);
-  };
-  const __mmask8 mask = rows_mask(g), mask2 = rows_mask(g2);
-  for (int r = 0; r < RM; ++r) {
-    float* y = out + (m0 + r) * ld;
-    _mm256_mask_storeu_ps(y + g * RG, mask, _mm512_castps512_ps256(acc[r]));
-    _mm256_mask_storeu_ps(y + g2 * RG, mask2, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
-  }
+  store_two<RM>(w, g, g2, acc, m0, out, ld);
 }
 
 // Four-group tile for q8 weights (prefill and wide batches: 8 activation rows, 32 output rows): groups
@@ -317,9 +323,13 @@ void tile_duo(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out,
 }
 
 template <int RM>
+void tile_duo6(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld);  // q6, below
+
+template <int RM>
 void span_duo(const Weights& w, int64_t g0, int64_t g1, const Act& a, int64_t m0, float* out, int64_t ld) {
   for (int64_t g = g0; g < g1; ++g) {
-    if (w.q5) tile_duo<RM, true, true>(w, g, a, m0, out, ld);
+    if (w.q6) tile_duo6<RM>(w, g, a, m0, out, ld);
+    else if (w.q5) tile_duo<RM, true, true>(w, g, a, m0, out, ld);
     else if (w.q4) tile_duo<RM, true, false>(w, g, a, m0, out, ld);
     else tile_duo<RM, false, false>(w, g, a, m0, out, ld);
   }
@@ -397,25 +407,6 @@ void tile_duo6(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out
   for (int r = 0; r < RM; ++r) _mm256_mask_storeu_ps(out + (m0 + r) * ld + g * RG, mask, acc[r]);
 }
 
-template <int RM>
-void span_duo6(const Weights& w, int64_t g0, int64_t g1, const Act& a, int64_t m0, float* out, int64_t ld) {
-  for (int64_t g = g0; g < g1; ++g) tile_duo6<RM>(w, g, a, m0, out, ld);
-}
-
-void groups_duo6(const Weights& w, const Act& a, int64_t m0, int64_t rows, int64_t g0, int64_t g1, float* out,
-                 int64_t ld) {
-  switch (rows) {
-    case 1: return span_duo6<1>(w, g0, g1, a, m0, out, ld);
-    case 2: return span_duo6<2>(w, g0, g1, a, m0, out, ld);
-    case 3: return span_duo6<3>(w, g0, g1, a, m0, out, ld);
-    case 4: return span_duo6<4>(w, g0, g1, a, m0, out, ld);
-    case 5: return span_duo6<5>(w, g0, g1, a, m0, out, ld);
-    case 6: return span_duo6<6>(w, g0, g1, a, m0, out, ld);
-    case 7: return span_duo6<7>(w, g0, g1, a, m0, out, ld);
-    default: return span_duo6<8>(w, g0, g1, a, m0, out, ld);
-  }
-}
-
 // q6 512-bit tiles: tile2's plan (two groups side by side, up to 8 activation rows, each broadcast
 // embedded below 8 rows) with tile6's arithmetic: bits 4 and 5 from both groups' mask planes, q - 32 as
 // in tile_duo6, the 16-column halves summed apart and stepped low half first (the same bits as tile6).
@@ -477,57 +468,13 @@ void tile2_6(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, 
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h), _mm512_mul_ps(lhi, ad), acc[r]);
     }
   }
-  auto rows_mask = [&](int64_t grp) {
-    const int64_t valid = std::min<int64_t>(RG, w.rows - grp * RG);
-    return static_cast<__mmask8>(valid >= RG ? 0xFF : (1u << valid) - 1);
-  };
-  const __mmask8 mask = rows_mask(g), mask2 = rows_mask(g2);
-  for (int r = 0; r < RM; ++r) {
-    float* y = out + (m0 + r) * ld;
-    _mm256_mask_storeu_ps(y + g * RG, mask, _mm512_castps512_ps256(acc[r]));
-    _mm256_mask_storeu_ps(y + g2 * RG, mask2, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
-  }
-}
-
-// Groups c0 .. c1 - 1 half a span apart (as span2), RM rows from m0; an odd group left over takes tile6.
-template <int RM>
-void span2_6(const Weights& w, int64_t c0, int64_t c1, const Act& a, int64_t m0, float* out, int64_t ld) {
-  const int64_t h = (c1 - c0) / 2;
-  for (int64_t i = 0; i < h; ++i) tile2_6<RM>(w, c0 + i, c0 + h + i, a, m0, out, ld, m0 == 0);
-  if (c0 + 2 * h < c1) tile6<RM>(w, c1 - 1, a, m0, out, ld, m0 == 0);
-}
-
-template <int R>
-void rest2_6(int64_t rest, const Weights& w, int64_t c0, int64_t c1, const Act& a, int64_t m0, float* out, int64_t ld) {
-  if constexpr (R > 0) {
-    if (rest == R) return span2_6<R>(w, c0, c1, a, m0, out, ld);
-    rest2_6<R - 1>(rest, w, c0, c1, a, m0, out, ld);
-  }
-}
-
-// q6 on the avx512vnni path: where the duo tiles run (Zen 5), duo tiles for up to 8 rows (and a streamed
-// matrix's 9-24, in 8-row passes), the whole range a pass; from wide_rows rows the 512-bit tiles over ~128 KiB
-// chunks of groups, 8 rows a tile and the rest in one tile of as many; below it the 256-bit tiles.
-void groups_q6(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld,
-               int64_t wide_rows, int64_t duo_rows, bool streamed) {
-  if (duo_rows > 0 && (M <= kDuoRows || (M <= 3 * kDuoRows && streamed))) {
-    for (int64_t m0 = 0; m0 < M; m0 += kDuoRows) groups_duo6(w, a, m0, std::min(kDuoRows, M - m0), g0, g1, out, ld);
-    return;
-  }
-  if (M < wide_rows) return groups256(w, a, M, g0, g1, out, ld);
-  int64_t chunk = std::max<int64_t>(2, (128 << 10) / std::max<int64_t>(1, w.nb * w.block_bytes()));
-  chunk += chunk & 1;
-  for (int64_t c0 = g0; c0 < g1; c0 += chunk) {
-    const int64_t c1 = std::min(g1, c0 + chunk);
-    int64_t m0 = 0;
-    for (; m0 + 8 <= M; m0 += 8) span2_6<8>(w, c0, c1, a, m0, out, ld);
-    rest2_6<7>(M - m0, w, c0, c1, a, m0, out, ld);
-  }
+  store_two<RM>(w, g, g2, acc, m0, out, ld);
 }
 
 template <int RM>
 void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, float* out, int64_t ld) {
-  if (w.q5) tile2<RM, true, true>(w, g, g2, a, m0, out, ld, m0 == 0);
+  if (w.q6) tile2_6<RM>(w, g, g2, a, m0, out, ld, m0 == 0);
+  else if (w.q5) tile2<RM, true, true>(w, g, g2, a, m0, out, ld, m0 == 0);
   else if (w.q4) tile2<RM, true, false>(w, g, g2, a, m0, out, ld, m0 == 0);
   else tile2<RM, false, false>(w, g, g2, a, m0, out, ld, m0 == 0);
 }
@@ -569,6 +516,26 @@ void rest2(int64_t rest, const Weights& w, int64_t c0, int64_t c1, const Act& a,
   if constexpr (R > 0) {
     if (rest == R) return span2<R>(w, c0, c1, a, m0, out, ld);
     rest2<R - 1>(rest, w, c0, c1, a, m0, out, ld);
+  }
+}
+
+// q6 on the avx512vnni path: where the duo tiles run (Zen 5), duo tiles for up to 8 rows (and a streamed
+// matrix's 9-24, in 8-row passes), the whole range a pass; from wide_rows rows the 512-bit tiles over ~128 KiB
+// chunks of groups, 8 rows a tile and the rest in one tile of as many; below it the 256-bit tiles.
+void groups_q6(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld,
+               int64_t wide_rows, int64_t duo_rows, bool streamed) {
+  if (duo_rows > 0 && (M <= kDuoRows || (M <= 3 * kDuoRows && streamed))) {
+    for (int64_t m0 = 0; m0 < M; m0 += kDuoRows) groups_duo(w, a, m0, std::min(kDuoRows, M - m0), g0, g1, out, ld);
+    return;
+  }
+  if (M < wide_rows) return groups256(w, a, M, g0, g1, out, ld);
+  int64_t chunk = std::max<int64_t>(2, (128 << 10) / std::max<int64_t>(1, w.nb * w.block_bytes()));
+  chunk += chunk & 1;
+  for (int64_t c0 = g0; c0 < g1; c0 += chunk) {
+    const int64_t c1 = std::min(g1, c0 + chunk);
+    int64_t m0 = 0;
+    for (; m0 + kRM512 <= M; m0 += kRM512) span2<kRM512>(w, c0, c1, a, m0, out, ld);
+    rest2<kRM512 - 1>(M - m0, w, c0, c1, a, m0, out, ld);
   }
 }
 

@@ -61,22 +61,23 @@ def _host_vendor_family() -> tuple[str, int]:
 
 def q5_0_format(isa: str, vendor: str, family: int) -> QuantFormat:
     """The format `auto` packs Q5_0 into on quant path `isa` of a CPU (vendor_id, cpu family)."""
-    forced = os.environ.get(Q5_0_ENV, "").strip().lower()
-    if forced in ("q5", "q8"):
-        return "q5" if forced == "q5" else "q8"
-    if forced:
-        raise TokenmillError(f"{Q5_0_ENV}={forced!r}: use q5 or q8")
-    return "q5" if _full_width_vnni(isa, vendor, family) else "q8"
+    return _override(Q5_0_ENV, ("q5", "q8")) or ("q5" if _full_width_vnni(isa, vendor, family) else "q8")
 
 
 def q6_k_format(isa: str, vendor: str, family: int) -> QuantFormat:
     """The format `auto` packs Q6_K into on quant path `isa` of a CPU (vendor_id, cpu family)."""
-    forced = os.environ.get(Q6_K_ENV, "").strip().lower()
-    if forced in ("q6", "q8"):
-        return "q6" if forced == "q6" else "q8"
-    if forced:
-        raise TokenmillError(f"{Q6_K_ENV}={forced!r}: use q6 or q8")
-    return "q6" if _full_width_vnni(isa, vendor, family) else "q8"
+    return _override(Q6_K_ENV, ("q6", "q8")) or ("q6" if _full_width_vnni(isa, vendor, family) else "q8")
+
+
+def _override(env: str, allowed: tuple[QuantFormat, ...]) -> QuantFormat | None:
+    """The format `env` forces (A/B runs), None when unset; a value outside `allowed` is an error."""
+    forced = os.environ.get(env, "").strip().lower()
+    if not forced:
+        return None
+    for fmt in allowed:
+        if forced == fmt:
+            return fmt
+    raise TokenmillError(f"{env}={forced!r}: use {' or '.join(allowed)}")
 
 
 def _full_width_vnni(isa: str, vendor: str, family: int) -> bool:
