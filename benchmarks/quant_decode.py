@@ -53,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gemm-repeats", type=int, default=15)
     p.add_argument("--copy-gib", type=float, default=0.5)
     p.add_argument("--memory", default=None, help="also measure resident memory serving this model")
+    p.add_argument("--tag", default="", help="suffix of the result file name (runs of one shape on one day "
+                                              "otherwise overwrite each other)")
     p.add_argument("--memory-quantization", nargs="+", default=["q4", "auto"])
     p.add_argument("--memory-child", nargs=2, default=None, help=argparse.SUPPRESS)
     return p.parse_args()
@@ -236,7 +238,11 @@ def main() -> None:
     if args.memory:
         result["memory"] = measure_memory(args)
     report(result)
-    common.save_json("quant_decode", f"{'+'.join(models) or args.memory or 'none'}_t{args.threads}", result)
+    # Decode and memory runs of one model on one day get their own files (they overwrote each other).
+    parts = ["+".join(models)] if models else []
+    parts += [f"memory-{args.memory}"] if args.memory else []
+    parts += [args.tag] if args.tag else []
+    common.save_json("quant_decode", f"{'_'.join(parts) or 'none'}_t{args.threads}", result)
 
 
 def report(result: dict[str, Any]) -> None:
