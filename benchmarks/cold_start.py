@@ -219,7 +219,8 @@ def report(name: str, f: dict[str, Any], args: argparse.Namespace) -> None:
 def save(name: str, benchmark: str, figures: dict[str, Any], args: argparse.Namespace) -> None:
     record = {"benchmark": benchmark, "model": name, "date": dt.date.today().isoformat(),
               "config": vars(args), "machine": {**machine(), "load_avg_1m": os.getloadavg()[0]}, "figures": figures}
-    path = common.result_path(benchmark, name, "json")  # the host in the name: hosts never overwrite each other
+    # The host in the name: hosts never overwrite each other; --tag keeps two runs of a day apart.
+    path = common.result_path(benchmark, f"{name}_{args.tag}" if args.tag else name, "json")
     path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     print(f"  saved {path.relative_to(ROOT)}")
 
@@ -261,6 +262,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="rounds of (second, repack, none) after the first")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per server")
     parser.add_argument("--keep-home", action="store_true", help="keep the temporary TOKENMILL_HOME (logs, caches)")
+    parser.add_argument("--tag", default="", help="suffix of the result file name (a second run of a day "
+                                                   "otherwise overwrites the first)")
     parser.add_argument("--fleet", action="store_true", help="measure N replicas sequential vs concurrent instead")
     parser.add_argument("--replicas", type=int, default=3)
     args = parser.parse_args()
