@@ -147,10 +147,6 @@ def from_gguf(blocks: np.ndarray, ggml_type: GGMLQuantizationType, cols: int, fm
 _SLICE_ELEMENTS = 1 << 22  # weights per slice (16 MB as float32)
 
 
-def _f16(raw: np.ndarray) -> np.ndarray:
-    return _half(raw).astype(np.float32)
-
-
 def _half(raw: np.ndarray) -> np.ndarray:
     """GGUF's fp16 fields as stored (packed as fp16 scales: exact, half the bytes of float32)."""
     return np.ascontiguousarray(raw).view(np.float16)
