@@ -27,6 +27,17 @@ def test_unknown_model_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert line.endswith("nor an existing path: run `tokenmill models` to list models")
 
 
+def test_a_prompt_after_an_option_is_still_the_prompt(capsys: pytest.CaptureFixture[str]) -> None:
+    """`tokenmill generate MODEL --chat PROMPT` (the README's example): the model and the prompt both reach the
+    command (here the model lookup's error, not argparse's usage error); an unknown option stays an error."""
+    line = _run(["generate", "no-such-model", "--chat", "hello there", "--max-tokens", "4"], capsys)
+    assert line.startswith("error: model 'no-such-model' is neither a catalog name")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "no-such-model", "--chat", "hello", "--warp-drive"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --warp-drive" in capsys.readouterr().err
+
+
 def test_not_installed_catalog_model(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("tokenmill.models.resolve.verified_path", lambda entry: None)
     line = _run(["generate", "qwen2.5-coder-1.5b", "hello"], capsys)

@@ -42,7 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse takes a command's positionals in one run, so in `generate MODEL --chat PROMPT` the prompt
+        # after the option was left over (the README's own example failed so): words that are not options
+        # join the command's positional list.
+        options = [e for e in extra if e.startswith("-")]
+        if options or not isinstance(getattr(args, "args", None), list):
+            parser.error(f"unrecognized arguments: {' '.join(options or extra)}")
+        args.args.extend(extra)
     handler: Handler = args.handler
     try:
         return handler(args)
