@@ -9,7 +9,11 @@
 //   q5: w = scale[n, b] * (q - 16)          (q in [0, 31]: q4's nibbles, plus a uint16 mask per chunk
 //                                            and nibble half whose bit i is the fifth bit of lane i of
 //                                            the widened chunk; the offset -16 * scale is implied)
-// Scales and offsets are float32, or fp16 where the GGUF block stored them so (exact; half the bytes).
+//   q6: w = scale[n, b, h] * (q - 32)       (q in [0, 63]: q4's nibbles, plus two such mask planes for
+//                                            bits 4 and 5; a scale per 16-column half h, int8 times an
+//                                            fp16 lane per 8 blocks: GGUF Q6_K's own blocks)
+// Scales and offsets are float32, or fp16 where the GGUF block stored them so (exact; half the bytes), or
+// two-level (Q4_K: a uint8 multiplier a block times an fp16 lane per 8 blocks, formed exactly in float32).
 // Activations: each row of x is quantized once per call to int8 blocks of 32. With P = 2 passes (the
 // default) a block is two int8 vectors, the first rounding and its residual at a 254x finer step:
 //   d1 = max|x| / 127,  q1 = round(x / d1),  q2 = round((x - d1 q1) * 254 / d1) in [-127, 127]
@@ -953,7 +957,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TM_CAPI_ENTRY(api, PlanForwardOut, plan_forward_out);
     return api;
   }, "the entry points as C function pointers (c_api.h), for stack_kernels.cpp");
-  m.def("quant_linear", &quant_linear, "y = x W^T for interleaved q8/q4/q5 block-quantized W, int16 activations (CPU)",
+  m.def("quant_linear", &quant_linear, "y = x W^T for interleaved q8/q4/q5/q6 block-quantized W, int16 activations (CPU)",
         pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("rows"),
         pybind11::arg("passes"), pybind11::arg("isa"), pybind11::arg("highs") = std::vector<at::Tensor>{},
         pybind11::arg("amx_rows") = -1, pybind11::arg("bf16_rows") = -1, pybind11::arg("duo_rows") = -1,
