@@ -114,20 +114,23 @@ struct Weights {           // one interleaved matrix (quant_formats.py)
   // Lane i of scale / offset (the portable path; the SIMD tiles load eight at a time).
   float scale_at(int64_t i) const { return lane(scale, i); }
   float offset_at(int64_t i) const { return lane(offset, i); }
-  // q6: lane r of half h (0: columns 0-15, 1: 16-31) of block (g, b), int8 multiplier times the fp16 lane
-  // of its super-block (exact in float32: 8 x 11 bits).
+  // q6: the 8 rows' int8 multipliers of half h (0: columns 0-15, 1: 16-31) of block (g, b), and the 8 fp16
+  // lanes of its super-block; a lane is their product (exact in float32: 8 x 11 bits).
+  const int8_t* q6_mults(int64_t g, int64_t b, int h) const {
+    return static_cast<const int8_t*>(scale.p) + (2 * (g * nb + b) + h) * RG;
+  }
+  const c10::Half* supers_of(const Lanes& l, int64_t g, int64_t b) const { return l.d + super_block(g * nb + b); }
   float q6_lane(int64_t g, int64_t b, int h, int r) const {
-    const int64_t blk = g * nb + b;
-    return static_cast<float>(static_cast<const int8_t*>(scale.p)[(2 * blk + h) * RG + r]) *
-           static_cast<float>(scale.d[((blk >> 3) << 3) + r]);
+    return static_cast<float>(q6_mults(g, b, h)[r]) * static_cast<float>(supers_of(scale, g, b)[r]);
   }
   float lane(const Lanes& l, int64_t i) const {
     if (two) return static_cast<float>(static_cast<const uint8_t*>(l.p)[i]) * static_cast<float>(l.d[super(i) + (i & 7)]);
     return half ? static_cast<float>(static_cast<const c10::Half*>(l.p)[i]) : static_cast<const float*>(l.p)[i];
   }
-  // The first of the 8 fp16 lanes of block lane index i's super-block: i = (g nb + b) 8 with nb = 8k, so
-  // (i >> 6) << 3 = g nb + 8 floor(b / 8).
-  static int64_t super(int64_t i) { return (i >> 6) << 3; }
+  // The first of the 8 fp16 lanes of flat block g nb + b's super-block: with nb = 8k, (blk >> 3) << 3 =
+  // g nb + 8 floor(b / 8); and that of lane index i = (g nb + b) 8.
+  static int64_t super_block(int64_t blk) { return (blk >> 3) << 3; }
+  static int64_t super(int64_t i) { return super_block(i >> 3); }
   const char* lane_ptr(const Lanes& l, int64_t i) const { return static_cast<const char*>(l.p) + i * lane_bytes(); }
   int64_t block_bytes() const { return q4 ? 128 : 256; }
   const uint8_t* block(int64_t g, int64_t b) const { return qs + (g * nb + b) * block_bytes(); }
@@ -280,8 +283,8 @@ inline void unpack_chunk(const Weights& w, const uint8_t* blk, int64_t g, int64_
   if (Q5) {                                                                                                            \
     uint32_t words;                                                                                                    \
     std::memcpy(&words, w.high_block(g, b) + 4 * c, sizeof words);                                                     \
-    lo = add_high(lo, words & 0xFFFF);                                                                                 \
-    hi = add_high(hi, words >> 16);                                                                                    \
+    lo = add_bit(lo, words & 0xFFFF, 16);                                                                              \
+    hi = add_bit(hi, words >> 16, 16);                                                                                 \
   }                                                                                                                    \
 }                                                                                                                      \
 /* Rows m0 .. m0 + RM - 1 of group g's 8 output columns (the last group may be partial). */                         \
@@ -358,9 +361,8 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
 }                                                                                                                      \
 /* q6 (Q6_K): int8 lanes per 16-column half times the super-block's fp16 lane, 8 rows (exact products). */           \
 inline __m256 q6_lanes8(const Weights& w, int64_t g, int64_t b, int h) {                                               \
-  const int64_t blk = g * w.nb + b;                                                                                    \
-  const __m128i m = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(w.scale.p) + (2 * blk + h) * RG)); \
-  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scale.d + ((blk >> 3) << 3))));  \
+  const __m128i m = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.q6_mults(g, b, h)));                            \
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.supers_of(w.scale, g, b))));     \
   return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(m)), d);                                                \
 }                                                                                                                      \
 /* q6 against rows m0 .. m0 + RM - 1: the q4 chunk's nibbles plus bits 4 and 5 from the two mask planes,         \
@@ -439,15 +441,10 @@ void groups256(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1
 namespace avx2 {
 constexpr bool kSplitChains = false;
 inline __m256i madd_acc(__m256i acc, __m256i w, __m256i a) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a)); }
-// v | 16 in the int16 lanes whose bit is set in `mask` (AVX2 has no mask registers: broadcast, and
-// with each lane's bit, compare, and 16, or: five ops per 16 lanes, where VNNI's path takes one).
-inline __m256i add_high(__m256i v, uint32_t mask) {
-  const __m256i bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                                         static_cast<int16_t>(0x8000));
-  const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(mask)), bits), bits);
-  return _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi16(16)));
-}
-inline __m256i add_bit(__m256i v, uint32_t mask, int16_t bit) {  // v | bit where `mask` says (q6: 16 and 32)
+// v | bit in the int16 lanes whose bit is set in `mask` (q5's fifth bit: 16; q6's bits 4 and 5: 16, 32;
+// v has neither yet). AVX2 has no mask registers: broadcast, and with each lane's bit, compare, and the
+// bit, or: five ops per 16 lanes, where VNNI's path takes one.
+inline __m256i add_bit(__m256i v, uint32_t mask, int16_t bit) {
   const __m256i bits = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
                                          static_cast<int16_t>(0x8000));
   const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(mask)), bits), bits);
@@ -815,8 +812,8 @@ void quant_linear_into(const float* x, int64_t M, int64_t K, const std::vector<W
   auto a_at = reinterpret_cast<std::uintptr_t>(qa + Mp * passes * K);
   int16_t* a16 = reinterpret_cast<int16_t*>((a_at + 31) & ~static_cast<std::uintptr_t>(31));
 #ifdef TM_X86
-  const bool any_q6 = std::any_of(ws.begin(), ws.end(), [](const Weights& w) { return w.q6; });
-  if (isa == AMX && bf16_rows > 0 && M >= bf16_rows && amx_bf16_usable() && !any_q6) {
+  if (isa == AMX && bf16_rows > 0 && M >= bf16_rows && amx_bf16_usable() &&
+      std::none_of(ws.begin(), ws.end(), [](const Weights& w) { return w.q6; })) {  // q6: no bf16 tiles
     // bf16 activations (16 rows of padding: the tiles read whole 16-row tiles) and bf16 tiles.
     uint16_t* xb = reinterpret_cast<uint16_t*>(d);
     const size_t need = ((M + 16) * K + 1) / 2 + 16;

@@ -11,11 +11,28 @@
 namespace vnni {
 constexpr bool kSplitChains = true;
 inline __m256i madd_acc(__m256i acc, __m256i w, __m256i a) { return _mm256_dpwssd_epi32(acc, w, a); }
-inline __m256i add_high(__m256i v, uint32_t mask) {  // one masked add (AVX-512BW + VL; v < 16, so an OR)
-  return _mm256_mask_add_epi16(v, static_cast<__mmask16>(mask), v, _mm256_set1_epi16(16));
-}
-inline __m256i add_bit(__m256i v, uint32_t mask, int16_t bit) {  // q6: bits 4 and 5, one masked add each
+// v + bit in the lanes `mask` names (q5's fifth bit: 16; q6's bits 4 and 5): one masked add (AVX-512BW + VL;
+// v has no such bit yet, so an OR).
+inline __m256i add_bit(__m256i v, uint32_t mask, int16_t bit) {
   return _mm256_mask_add_epi16(v, static_cast<__mmask16>(mask), v, _mm256_set1_epi16(bit));
+}
+// The valid output rows of group g (only a matrix's last group may be partial).
+inline __mmask8 group_mask(const Weights& w, int64_t g) {
+  const int64_t valid = std::min<int64_t>(RG, w.rows - g * RG);
+  return static_cast<__mmask8>(valid >= RG ? 0xFF : (1u << valid) - 1);
+}
+// A mask plane's words as the 32 int16 lanes of a zmm hold them, for its low-nibble (lo) and high-nibble (hi)
+// vectors: two groups' chunk c side by side (words a, b = [low, high] of each; the 512-bit tiles), or one
+// group's chunks c, c + 1 ([low c, high c, low c + 1, high c + 1]; the duo tiles, before their permute).
+struct HalfMasks {
+  __mmask32 lo, hi;
+};
+inline HalfMasks two_group_masks(uint32_t a, uint32_t b) {
+  return {static_cast<__mmask32>((a & 0xFFFFu) | (b << 16)), static_cast<__mmask32>((a >> 16) | (b & 0xFFFF0000u))};
+}
+inline HalfMasks chunk_pair_masks(uint64_t words) {
+  return {static_cast<__mmask32>((words & 0xFFFFu) | ((words >> 16) & 0xFFFF0000u)),
+          static_cast<__mmask32>(((words >> 16) & 0xFFFFu) | ((words >> 32) & 0xFFFF0000u))};
 }
 TM_SIMD_TILES
 
@@ -64,11 +81,7 @@ inline __m512i dp_pair(__m512i acc, __m512i w, const int16_t* p) {
 // last group may be partial).
 template <int RM>
 inline void store_two(const Weights& w, int64_t g, int64_t g2, const __m512* acc, int64_t m0, float* out, int64_t ld) {
-  auto rows_mask = [&](int64_t grp) {
-    const int64_t valid = std::min<int64_t>(RG, w.rows - grp * RG);
-    return static_cast<__mmask8>(valid >= RG ? 0xFF : (1u << valid) - 1);
-  };
-  const __mmask8 mask = rows_mask(g), mask2 = rows_mask(g2);
+  const __mmask8 mask = group_mask(w, g), mask2 = group_mask(w, g2);
   for (int r = 0; r < RM; ++r) {
     float* y = out + (m0 + r) * ld;
     _mm256_mask_storeu_ps(y + g * RG, mask, _mm512_castps512_ps256(acc[r]));
@@ -108,8 +121,9 @@ void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, fl
           std::memcpy(&w0, w.high_block(g, b) + 4 * c, sizeof w0);
           std::memcpy(&w1, w.high_block(g2, b) + 4 * c, sizeof w1);
           const __m512i sixteen = _mm512_set1_epi16(16);
-          lo = _mm512_mask_add_epi16(lo, static_cast<__mmask32>((w0 & 0xFFFF) | (w1 << 16)), lo, sixteen);
-          hi = _mm512_mask_add_epi16(hi, static_cast<__mmask32>((w0 >> 16) | (w1 & 0xFFFF0000u)), hi, sixteen);
+          const HalfMasks m = two_group_masks(w0, w1);
+          lo = _mm512_mask_add_epi16(lo, m.lo, lo, sixteen);
+          hi = _mm512_mask_add_epi16(hi, m.hi, hi, sixteen);
         }
         for (int r = 0; r < RM; ++r) {
           const int16_t* ab = arow[r] + b * QK + 2 * c;
@@ -184,19 +198,10 @@ void tile4(const Weights& w, const int64_t (&gs)[4], const Act& a, int64_t m0, f
       }
     }
   }
-  auto rows_mask = [&](int64_t grp) {
-    const int64_t valid = std::min<int64_t>(RG, w.rows - grp * RG);
-    return static_cast<__mmask8>(valid >= RG ? 0xFF : (1u << valid) - 1);
-  };
   for (int h = 0; h < 2; ++h) {
-    const __mmask8 mask = rows_mask(gs[2 * h]), mask2 = rows_mask(gs[2 * h + 1]);
-    for (int r = 0; r < RM; ++r) {
-      float* y = out + (m0 + r) * ld;
-      const __m512 sums = acc[r][h];
-      _mm256_mask_storeu_ps(y + gs[2 * h] * RG, mask, _mm512_castps512_ps256(sums));
-      _mm256_mask_storeu_ps(y + gs[2 * h + 1] * RG, mask2,
-                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1)));
-    }
+    __m512 sums[RM];
+    for (int r = 0; r < RM; ++r) sums[r] = acc[r][h];
+    store_two<RM>(w, gs[2 * h], gs[2 * h + 1], sums, m0, out, ld);
   }
 }
 
@@ -254,11 +259,10 @@ void tile_duo(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out,
           const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * c)));
           uint64_t words;
           std::memcpy(&words, w.high_block(g, b) + 4 * c, sizeof words);
-          const auto lo_mask = static_cast<__mmask32>((words & 0xFFFFu) | ((words >> 16) & 0xFFFF0000u));
-          const auto hi_mask = static_cast<__mmask32>(((words >> 16) & 0xFFFFu) | ((words >> 32) & 0xFFFF0000u));
+          const HalfMasks m = chunk_pair_masks(words);
           const __m512i sixteen = _mm512_set1_epi16(16), lo0 = _mm512_and_si512(raw, low), hi0 = _mm512_srli_epi16(raw, 4);
-          lo = duo_order(_mm512_mask_add_epi16(lo0, lo_mask, lo0, sixteen));
-          hi = duo_order(_mm512_mask_add_epi16(hi0, hi_mask, hi0, sixteen));
+          lo = duo_order(_mm512_mask_add_epi16(lo0, m.lo, lo0, sixteen));
+          hi = duo_order(_mm512_mask_add_epi16(hi0, m.hi, hi0, sixteen));
         } else {
           const __m512i raw = duo_order(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * c))));
           lo = _mm512_and_si512(raw, low);
@@ -312,8 +316,7 @@ void tile_duo(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out,
       if (Q4) acc_last = _mm256_fmadd_ps(off, _mm256_set1_ps(bs[r * a.nb]), acc_last);
     }
   }
-  const int64_t valid = std::min<int64_t>(RG, w.rows - g * RG);
-  const __mmask8 mask = valid >= RG ? static_cast<__mmask8>(0xFF) : static_cast<__mmask8>((1u << valid) - 1);
+  const __mmask8 mask = group_mask(w, g);
   for (int i = 0; i < NP; ++i) {
     _mm256_mask_storeu_ps(out + (m0 + 2 * i) * ld + g * RG, mask, _mm512_castps512_ps256(acc2[i]));
     _mm256_mask_storeu_ps(out + (m0 + 2 * i + 1) * ld + g * RG, mask,
@@ -376,14 +379,11 @@ void tile_duo6(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out
       uint64_t w4, w5;  // [low c, high c, low c + 1, high c + 1] of the bit-4 and bit-5 planes
       std::memcpy(&w4, hb + 4 * c, sizeof w4);
       std::memcpy(&w5, hb + 32 + 4 * c, sizeof w5);
-      const auto lo4 = static_cast<__mmask32>((w4 & 0xFFFFu) | ((w4 >> 16) & 0xFFFF0000u));
-      const auto hi4 = static_cast<__mmask32>(((w4 >> 16) & 0xFFFFu) | ((w4 >> 32) & 0xFFFF0000u));
-      const auto lo5 = static_cast<__mmask32>(~((w5 & 0xFFFFu) | ((w5 >> 16) & 0xFFFF0000u)));
-      const auto hi5 = static_cast<__mmask32>(~(((w5 >> 16) & 0xFFFFu) | ((w5 >> 32) & 0xFFFF0000u)));
+      const HalfMasks m4 = chunk_pair_masks(w4), m5 = chunk_pair_masks(w5);
       const __m512i lo0 = _mm512_and_si512(raw, low), hi0 = _mm512_srli_epi16(raw, 4);
-      const __m512i lo1 = _mm512_mask_add_epi16(lo0, lo4, lo0, s16), hi1 = _mm512_mask_add_epi16(hi0, hi4, hi0, s16);
-      const __m512i lo = duo_order(_mm512_mask_sub_epi16(lo1, lo5, lo1, s32));
-      const __m512i hi = duo_order(_mm512_mask_sub_epi16(hi1, hi5, hi1, s32));
+      const __m512i lo1 = _mm512_mask_add_epi16(lo0, m4.lo, lo0, s16), hi1 = _mm512_mask_add_epi16(hi0, m4.hi, hi0, s16);
+      const __m512i lo = duo_order(_mm512_mask_sub_epi16(lo1, static_cast<__mmask32>(~m5.lo), lo1, s32));
+      const __m512i hi = duo_order(_mm512_mask_sub_epi16(hi1, static_cast<__mmask32>(~m5.hi), hi1, s32));
       for (int r = 0; r < RM; ++r) {
         const int16_t* ab = arow[r] + b * QK + 2 * c;
         const int k = (c / 2) % NCH;
@@ -402,8 +402,7 @@ void tile_duo6(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h8), _mm256_mul_ps(lhi, ad), acc[r]);
     }
   }
-  const int64_t valid = std::min<int64_t>(RG, w.rows - g * RG);
-  const __mmask8 mask = valid >= RG ? static_cast<__mmask8>(0xFF) : static_cast<__mmask8>((1u << valid) - 1);
+  const __mmask8 mask = group_mask(w, g);
   for (int r = 0; r < RM; ++r) _mm256_mask_storeu_ps(out + (m0 + r) * ld + g * RG, mask, acc[r]);
 }
 
@@ -411,12 +410,10 @@ void tile_duo6(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out
 // embedded below 8 rows) with tile6's arithmetic: bits 4 and 5 from both groups' mask planes, q - 32 as
 // in tile_duo6, the 16-column halves summed apart and stepped low half first (the same bits as tile6).
 inline __m512 q6_lanes16(const Weights& w, int64_t g, int64_t g2, int64_t b, int h) {
-  const int64_t i0 = g * w.nb + b, i1 = g2 * w.nb + b;
-  const auto* m = static_cast<const int8_t*>(w.scale.p);
-  const __m128i q = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m + (2 * i0 + h) * RG)),
-                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m + (2 * i1 + h) * RG)));
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(w.scale.d + ((i1 >> 3) << 3)),
-                                                       reinterpret_cast<const __m128i*>(w.scale.d + ((i0 >> 3) << 3))));
+  const __m128i q = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.q6_mults(g, b, h))),
+                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.q6_mults(g2, b, h))));
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(w.supers_of(w.scale, g2, b)),
+                                                       reinterpret_cast<const __m128i*>(w.supers_of(w.scale, g, b))));
   return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
 }
 
@@ -447,11 +444,11 @@ void tile2_6(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, 
       std::memcpy(&b4, h1 + 4 * c, sizeof b4);
       std::memcpy(&a5, h0 + 32 + 4 * c, sizeof a5);
       std::memcpy(&b5, h1 + 32 + 4 * c, sizeof b5);
+      const HalfMasks m4 = two_group_masks(a4, b4), m5 = two_group_masks(a5, b5);
       const __m512i lo0 = _mm512_and_si512(raw, low), hi0 = _mm512_srli_epi16(raw, 4);
-      const __m512i lo1 = _mm512_mask_add_epi16(lo0, static_cast<__mmask32>((a4 & 0xFFFF) | (b4 << 16)), lo0, s16);
-      const __m512i hi1 = _mm512_mask_add_epi16(hi0, static_cast<__mmask32>((a4 >> 16) | (b4 & 0xFFFF0000u)), hi0, s16);
-      const __m512i lo = _mm512_mask_sub_epi16(lo1, static_cast<__mmask32>(~((a5 & 0xFFFF) | (b5 << 16))), lo1, s32);
-      const __m512i hi = _mm512_mask_sub_epi16(hi1, static_cast<__mmask32>(~((a5 >> 16) | (b5 & 0xFFFF0000u))), hi1, s32);
+      const __m512i lo1 = _mm512_mask_add_epi16(lo0, m4.lo, lo0, s16), hi1 = _mm512_mask_add_epi16(hi0, m4.hi, hi0, s16);
+      const __m512i lo = _mm512_mask_sub_epi16(lo1, static_cast<__mmask32>(~m5.lo), lo1, s32);
+      const __m512i hi = _mm512_mask_sub_epi16(hi1, static_cast<__mmask32>(~m5.hi), hi1, s32);
       for (int r = 0; r < RM; ++r) {
         const int16_t* ab = arow[r] + b * QK + 2 * c;
         const int k = c % NCH;
