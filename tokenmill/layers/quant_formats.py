@@ -81,12 +81,12 @@ class QuantMatrix:
     """One packed [rows, cols] matrix in the kernel's interleaved layout (module docstring)."""
 
     fmt: QuantFormat
-    qs: torch.Tensor  # q8: int8 [G, nb * 256]; q4, q5: uint8 [G, nb * 128]   (G = ceil(rows / 8))
-    scale: torch.Tensor  # float32 or float16 [G, nb * 8]; uint8 multipliers for two-level lanes
-    offset: torch.Tensor  # [G, nb * 8] for q4, scale's dtype; empty for q8 and q5
+    qs: torch.Tensor  # q8: int8 [G, nb * 256]; q4, q5, q6: uint8 [G, nb * 128]   (G = ceil(rows / 8))
+    scale: torch.Tensor  # float32 or float16 [G, nb * 8]; uint8 multipliers for two-level lanes; q6: int8 [G, nb * 16]
+    offset: torch.Tensor  # [G, nb * 8] for q4, scale's dtype; empty for q8, q5 and q6
     rows: int  # true output rows (the last group's padding excluded)
-    high: torch.Tensor = _EMPTY_U8  # q5: uint8 [G, nb * 32] fifth bits; empty for q8 and q4
-    supers: torch.Tensor = _EMPTY_F16  # two-level lanes (q4 from Q4_K): fp16 [2, G, nb]; else empty
+    high: torch.Tensor = _EMPTY_U8  # q5: uint8 [G, nb * 32] fifth bits; q6: [G, nb * 64] (bits 4, 5); else empty
+    supers: torch.Tensor = _EMPTY_F16  # two-level lanes (q4 from Q4_K): fp16 [2, G, nb]; q6: [1, G, nb]; else empty
 
     @property
     def cols(self) -> int:
@@ -148,25 +148,14 @@ def interleave(fmt: QuantFormat, qs: torch.Tensor, scale: torch.Tensor, offset: 
     """Row-major packed rows (RowMajor's fields) → the kernel layout. A pure permutation of bytes (and,
     for q5's fifth bits, of bits)."""
     rows, nb = scale.shape
-    pad = -rows % ROW_GROUP
-    if pad:
-        qs = torch.cat([qs, qs.new_zeros(pad, qs.shape[1])])
-        scale = torch.cat([scale, scale.new_zeros(pad, nb)])
-        offset = None if offset is None else torch.cat([offset, offset.new_zeros(pad, nb)])
-        high = None if high is None else torch.cat([high, high.new_zeros(pad, high.shape[1])])
-    groups = (rows + pad) // ROW_GROUP
-    # [G, 8 rows, nb, pairs, 2] → [G, nb, pairs, 8 rows, 2]: (16 pairs of int8 | 8 pairs of nibble bytes).
-    # A pair's two bytes move together, so they move as one int16: a third of a byte-wise permute's time.
-    pairs = _PAIRS[fmt]
-    packed = _pairs_as_int16(qs).reshape(groups, ROW_GROUP, nb, pairs).permute(0, 2, 3, 1)
-    packed = packed.reshape(groups, -1).contiguous().view(qs.dtype)
-
-    def lanes(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(groups, ROW_GROUP, nb).transpose(1, 2).reshape(groups, -1).contiguous()
-
+    qs, scale = _pad(qs, rows), _pad(scale, rows)
+    offset = None if offset is None else _pad(offset, rows)
+    high = None if high is None else _pad(high, rows)
+    groups = qs.shape[0] // ROW_GROUP
     if (fmt == "q5") != (high is not None):
         raise ValueError("q5, and only q5, has fifth bits")
-    return QuantMatrix(fmt, packed, lanes(scale), torch.empty(0) if offset is None else lanes(offset), rows,
+    return QuantMatrix(fmt, _interleaved_qs(qs, fmt, groups, nb), _by_group(scale, groups),
+                       torch.empty(0) if offset is None else _by_group(offset, groups), rows,
                        _EMPTY_U8 if high is None else _pack_high(high, groups, nb))
 
 
@@ -181,18 +170,36 @@ def interleave_q6(qs: torch.Tensor, scale: torch.Tensor, d: torch.Tensor, high: 
     rows, nb = scale.shape[0], scale.shape[1] // 2
     if nb % SUPER:
         raise ValueError("q6 needs K a multiple of 256")
-    pad = -rows % ROW_GROUP
-    if pad:
-        qs, scale, d, high = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (qs, scale, d, high))
-    groups = (rows + pad) // ROW_GROUP
-    packed = _pairs_as_int16(qs).reshape(groups, ROW_GROUP, nb, _PAIRS["q6"]).permute(0, 2, 3, 1)
-    packed = packed.reshape(groups, -1).contiguous().view(torch.uint8)
-    lanes = scale.reshape(groups, ROW_GROUP, nb, 2).permute(0, 2, 3, 1).reshape(groups, nb * 2 * ROW_GROUP)
+    qs, scale, d, high = _pad(qs, rows), _pad(scale, rows), _pad(d, rows), _pad(high, rows)
+    groups = qs.shape[0] // ROW_GROUP
     planes = torch.stack([_pack_high(high & 1, groups, nb).view(groups, nb, HIGH_BYTES),
                           _pack_high(high >> 1, groups, nb).view(groups, nb, HIGH_BYTES)], dim=2)
-    supers = d.to(torch.float16).reshape(groups, ROW_GROUP, nb // SUPER).transpose(1, 2).reshape(1, groups, nb)
-    return QuantMatrix("q6", packed, lanes.contiguous(), torch.empty(0), rows,
-                       planes.reshape(groups, nb * 2 * HIGH_BYTES).contiguous(), supers.contiguous())
+    return QuantMatrix("q6", _interleaved_qs(qs, "q6", groups, nb), _by_group(scale, groups), torch.empty(0), rows,
+                       planes.reshape(groups, nb * 2 * HIGH_BYTES).contiguous(),
+                       _by_group(d.to(torch.float16), groups).unsqueeze(0))
+
+
+def _pad(part: torch.Tensor, rows: int) -> torch.Tensor:
+    """A row-major part of `rows` rows with zero rows appended up to a whole 8-row group."""
+    pad = -rows % ROW_GROUP
+    return torch.cat([part, part.new_zeros(pad, part.shape[1])]) if pad else part
+
+
+def _interleaved_qs(qs: torch.Tensor, fmt: QuantFormat, groups: int, nb: int) -> torch.Tensor:
+    # [G, 8 rows, nb, pairs, 2] → [G, nb, pairs, 8 rows, 2]: (16 pairs of int8 | 8 pairs of nibble bytes).
+    # A pair's two bytes move together, so they move as one int16: a third of a byte-wise permute's time.
+    packed = _pairs_as_int16(qs).reshape(groups, ROW_GROUP, nb, _PAIRS[fmt]).permute(0, 2, 3, 1)
+    return packed.reshape(groups, -1).contiguous().view(qs.dtype)
+
+
+def _by_group(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Row-major lanes [G * 8, n] (padded) → the kernel's [G, n * 8]: lane j of rows 8g .. 8g + 7 side by side."""
+    return t.reshape(groups, ROW_GROUP, -1).transpose(1, 2).reshape(groups, -1).contiguous()
+
+
+def _by_row(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """_by_group's inverse: [G, n * 8] → [G * 8, n] (padding rows included)."""
+    return t.reshape(groups, -1, ROW_GROUP).transpose(1, 2).reshape(groups * ROW_GROUP, -1)
 
 
 def _pairs_as_int16(qs: torch.Tensor) -> torch.Tensor:
@@ -228,11 +235,10 @@ def row_major(mat: QuantMatrix) -> RowMajor:
     qs = qs.reshape(groups * ROW_GROUP, -1).contiguous().view(mat.qs.dtype)
 
     def rows_of(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(groups, nb, ROW_GROUP).transpose(1, 2).reshape(groups * ROW_GROUP, nb)[:mat.rows]
+        return _by_row(t, groups)[:mat.rows]
 
     if mat.fmt == "q6":
-        sc = mat.scale.reshape(groups, nb, 2, ROW_GROUP).permute(0, 3, 1, 2).reshape(groups * ROW_GROUP, nb * 2)
-        d = mat.supers[0].reshape(groups, nb // SUPER, ROW_GROUP).transpose(1, 2).reshape(groups * ROW_GROUP, -1)
+        sc, d = _by_row(mat.scale, groups), _by_row(mat.supers[0], groups)
         lanes = sc.float() * d.float().repeat_interleave(2 * SUPER, dim=1)  # exact: int8 x fp16
         planes = mat.high.reshape(groups, nb, 2, HIGH_BYTES)
         bit4, bit5 = (_unpack_high(planes[:, :, i].reshape(groups, -1), nb) for i in (0, 1))
@@ -250,14 +256,8 @@ def two_level(mat: QuantMatrix, scale_d: torch.Tensor, offset_d: torch.Tensor) -
     if mat.fmt != "q4" or mat.scale.dtype != torch.uint8 or nb % SUPER:
         raise ValueError("two-level lanes are uint8 multipliers of a q4 matrix whose K is a multiple of 256")
 
-    def lanes(d: torch.Tensor) -> torch.Tensor:  # [rows, nb / 8] → [G, nb / 8, 8 rows] → [G, nb]
-        d = d.to(torch.float16)
-        pad = groups * ROW_GROUP - d.shape[0]
-        if pad:
-            d = torch.cat([d, d.new_zeros(pad, d.shape[1])])
-        return d.reshape(groups, ROW_GROUP, nb // SUPER).transpose(1, 2).reshape(groups, nb)
-
-    return replace(mat, supers=torch.stack([lanes(scale_d), lanes(offset_d)]).contiguous())
+    scale_d, offset_d = _pad(scale_d.to(torch.float16), mat.rows), _pad(offset_d.to(torch.float16), mat.rows)
+    return replace(mat, supers=torch.stack([_by_group(scale_d, groups), _by_group(offset_d, groups)]))
 
 
 def expand_lanes(mat: QuantMatrix) -> QuantMatrix:
