@@ -8,15 +8,13 @@ roundings held fixed, the kernel must agree to float summation error; every case
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tests.fixtures.gguf_blocks import gguf_blocks
-from tokenmill.kernels import QUANT_ISAS, quant_kernels
+from tests.fixtures.quant_paths import AMX, ISAS, RUNNABLE, kernels, run
 from tokenmill.layers import gguf_quant as gq
 from tokenmill.layers import quant_formats as qf
 
@@ -30,39 +28,11 @@ ROWS = [1, 2, 3, 4, 5, 6, 7, 10, 16, 64]  # 5, 6, 10: tiles of 5-6 rows (a 1-2-r
 PASSES = [1, 2]
 FINE = 254.0
 
-kernels = quant_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="native quantized kernels cannot be built here")
-RUNNABLE = set(kernels.cpu_isas()) if kernels is not None else set()
-
-
-def isa_param(name: str) -> object:
-    index = QUANT_ISAS.index(name)
-    return pytest.param(index, id=name, marks=pytest.mark.skipif(
-        index not in RUNNABLE, reason=f"this CPU has no {name} (the path is compiled but cannot run here)"))
-
-
-ISAS = [isa_param(name) for name in QUANT_ISAS]
-
-
-def gguf_format(ggml_type: GGMLQuantizationType) -> qf.QuantFormat:
-    return gq.GGUF_MAPPING[ggml_type][0]
 
 
 def is_exact(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat) -> bool:
     return fmt in ("q5", "q6") or gq.GGUF_MAPPING[ggml_type][1]
-
-
-AMX = QUANT_ISAS.index("amx")
-
-
-def run(mat: qf.QuantMatrix, x: torch.Tensor, isa: int, passes: int = 2, bf16_rows: int = 0,
-        duo_rows: int = -1) -> torch.Tensor:
-    """The kernel on path `isa`; on amx, its int8 tiles at every M (bf16_rows 0), or from bf16_rows
-    rows up its bf16 tiles (their own rounding, tested apart). duo_rows: below it (at most 9) the
-    avx512vnni path runs its duo tiles (-1: the CPU's default, 0: never)."""
-    assert kernels is not None
-    return kernels.quant_linear(x, [mat.qs], [mat.scale], [mat.offset], [mat.rows], passes, isa, [mat.high],
-                                amx_rows=1, bf16_rows=bf16_rows, duo_rows=duo_rows, supers=[mat.supers])
 
 
 def combined(qa: torch.Tensor) -> torch.Tensor:
@@ -266,104 +236,6 @@ def test_bad_inputs_are_errors_not_crashes() -> None:
         kernels.quant_linear(torch.randn(2, 64), [mat.qs], [mat.scale], [mat.offset], [mat.rows], 2, 7)
     with pytest.raises(RuntimeError, match="passes must be 1 or 2"):
         kernels.quant_linear(torch.randn(2, 64), [mat.qs], [mat.scale], [mat.offset], [mat.rows], 3, 0)
-
-
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
-def test_gguf_fp16_scales_stay_fp16_and_give_the_float32_result_exactly(isa: int,
-                                                                       ggml_type: GGMLQuantizationType) -> None:
-    """Types whose blocks store fp16 scales pack them as fp16: half the scale bytes, the same values."""
-    raw = gguf_blocks(ggml_type, 37, 768, seed=4)
-    mat = gq.from_gguf(raw, ggml_type, 768, gguf_format(ggml_type))
-    assert mat.scale.dtype == torch.float16 and (mat.fmt == "q8" or mat.offset.dtype == torch.float16)
-    wide = dataclasses.replace(mat, scale=mat.scale.float(), offset=mat.offset.float())
-    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(4))
-    assert torch.equal(run(mat, x, isa), run(wide, x, isa))
-    assert mat.nbytes < wide.nbytes
-
-
-def test_q4_k_keeps_two_level_lanes_q8_rerounding_float32_and_a_q4_rerounding_fp16() -> None:
-    """Q4_K's d·sc products are not fp16 values: its lanes stay in the file's two levels (uint8 sc and m a
-    block, fp16 d and -dmin per 8 blocks); Q6_K → q8 (auto's near-lossless re-rounding) keeps float32;
-    Q8_0 → q4 (a q4 draft, `--quantization q4`) rounds onto fp16 lanes."""
-    for ggml_type, fmt, lanes in ((T.Q4_K, gguf_format(T.Q4_K), torch.uint8), (T.Q6_K, "q8", torch.float32),
-                                  (T.Q8_0, "q4", torch.float16)):
-        mat = gq.from_gguf(gguf_blocks(ggml_type, 8, 256, 2), ggml_type, 256, fmt)  # type: ignore[arg-type]
-        assert mat.scale.dtype == lanes, ggml_type
-        assert mat.two_level == (ggml_type == T.Q4_K)
-
-
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("out_features", [8, 37, 72])
-def test_two_level_lanes_give_the_float32_lanes_result_bit_for_bit(isa: int, out_features: int) -> None:
-    """Q4_K kept in two levels: each lane is sc · d formed in the kernel, the float32 lane's exact value,
-    so the outputs equal the multiplied-out matrix's bit for bit on every tile (1-17 and 64 rows: the
-    1-row, duo, 256- and 512-bit tiles, a partial last group, an odd group), at 0.58 bytes a weight
-    against 0.75. Four super-blocks a row (K = 1024), so a wrong super-block index shows."""
-    raw = gguf_blocks(T.Q4_K, out_features, 1024, seed=out_features + 7)
-    mat = gq.from_gguf(raw, T.Q4_K, 1024, "q4")
-    flat = qf.expand_lanes(mat)
-    assert mat.two_level and not flat.two_level and flat.scale.dtype == torch.float32
-    assert torch.equal(mat.dequantize(), flat.dequantize())
-    groups = -(-out_features // 8)
-    assert mat.nbytes == groups * 8 * 1024 * (0.5 + 2 / 32 + 4 / 256)  # nibbles, sc + m, d + dmin
-    assert flat.nbytes == groups * 8 * 1024 * (0.5 + 8 / 32)
-    duos = (0, 9, 17) if isa == 2 else (-1,)
-    for rows in [*range(1, 18), 64]:
-        x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows))
-        for passes in PASSES:
-            for duo_rows in duos:
-                assert torch.equal(run(mat, x, isa, passes, duo_rows=duo_rows),
-                                   run(flat, x, isa, passes, duo_rows=duo_rows)), (rows, passes, duo_rows)
-
-
-def test_two_level_lanes_slice_and_join_by_whole_groups() -> None:
-    """Row groups of two-level matrices concatenate (their super lanes with them); joined with another
-    kind of lanes they are multiplied out into float32; the repack of a partial group keeps the values."""
-    a = gq.from_gguf(gguf_blocks(T.Q4_K, 16, 512, 1), T.Q4_K, 512, "q4")
-    b = gq.from_gguf(gguf_blocks(T.Q4_K, 5, 512, 2), T.Q4_K, 512, "q4")
-    (joined,) = qf.concat([a, b])
-    assert joined.two_level and joined.supers.shape == (2, 3, 16)
-    assert torch.equal(joined.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
-    (regrouped,) = qf.concat([b, a])  # b ends mid-group: rows regrouped through float32 lanes
-    assert torch.equal(regrouped.dequantize(), torch.cat([b.dequantize(), a.dequantize()]))
-    q4_1 = gq.from_gguf(gguf_blocks(T.Q4_1, 8, 512, 3), T.Q4_1, 512, "q4")
-    (mixed,) = qf.concat([q4_1, a])
-    assert not mixed.two_level and mixed.scale.dtype == torch.float32
-    assert torch.equal(mixed.dequantize(), torch.cat([q4_1.dequantize(), a.dequantize()]))
-
-
-def test_two_level_lanes_without_their_super_lanes_are_an_error() -> None:
-    assert kernels is not None
-    mat = gq.from_gguf(gguf_blocks(T.Q4_K, 8, 256, 2), T.Q4_K, 256, "q4")
-    with pytest.raises(RuntimeError, match="need supers"):
-        kernels.quant_linear(torch.randn(2, 256), [mat.qs], [mat.scale], [mat.offset], [mat.rows], 2, 0)
-    with pytest.raises(RuntimeError, match="need supers"):
-        kernels.quant_linear(torch.randn(2, 256), [mat.qs], [mat.scale], [mat.offset], [mat.rows], 2, 0,
-                             supers=[mat.supers[:, :, :4].contiguous()])
-
-
-@pytest.mark.parametrize("fmt", qf.QUANT_FORMATS)
-def test_a_scale_past_fp16s_range_keeps_float32(fmt: qf.QuantFormat) -> None:
-    """Weights near 1e7 need scales over fp16's 65504: the matrix keeps float32 lanes, half a step."""
-    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(3)) * 1e7
-    mat = qf.quantize(w, fmt)
-    assert mat.scale.dtype == torch.float32
-    blocks = w.view(16, 2, 32)
-    lo, hi = blocks.aminmax(dim=-1)
-    step = (hi - lo) / 15 if fmt == "q4" else blocks.abs().amax(-1) / (127 if fmt == "q8" else 15)
-    assert ((mat.dequantize().view(16, 2, 32) - blocks).abs().amax(-1) <= step * (0.5 + 1e-5)).all()
-
-
-def test_parts_of_one_format_with_fp16_and_float32_scales_join_as_float32() -> None:
-    """One segment per run of a format (the repack cache counts them so); the values survive."""
-    q4_0 = gq.from_gguf(gguf_blocks(T.Q4_0, 8, 256, 1), T.Q4_0, 256, "q4")
-    q4_k = gq.from_gguf(gguf_blocks(T.Q4_K, 5, 256, 2), T.Q4_K, 256, "q4")
-    (joined,) = qf.concat([q4_0, q4_k])
-    assert joined.scale.dtype == torch.float32 and joined.offset.dtype == torch.float32
-    assert torch.equal(joined.dequantize(), torch.cat([q4_0.dequantize(), q4_k.dequantize()]))
-    (same,) = qf.concat([q4_0, q4_0])
-    assert same.scale.dtype == torch.float16
 
 
 AMX_CASES = [(T.Q4_0, "q4"), (T.Q4_1, "q4"), (T.Q8_0, "q8"), (T.Q4_K, "q4"), (T.Q6_K, "q8"), (T.Q5_0, "q5")]
