@@ -130,22 +130,24 @@ def parse_spec(text: str) -> TargetSpec:
 
 def with_common_dtype(reference: TargetSpec, candidate: TargetSpec,
                       cpu_auto_bf16: bool | None = None) -> tuple[TargetSpec, TargetSpec, str | None]:
-    """Both in-process specs with `dtype=float32` where neither names a dtype (nor a non-CPU device) and this
+    """Both in-process specs with `dtype=float32` where neither names a dtype, both run on the CPU, and this
     CPU's auto dtype is bfloat16; a note saying so, else None. There a dense reference (`quantization=none`)
     would run in bf16 with a bf16 KV cache while quantized GGUF weights run float32 activations
     (engine/loader.py, resolve_compute_dtype): a quant gate then measures bf16's error, not the
     quantization's (Qwen2.5-Coder-0.5B: top-1 agreement 0.888 and perplexity +3.1% in bf16 against 1.000
     and +0.001% in float32, Zen 5). Name a dtype on either side to compare dtypes on purpose."""
     specs = (reference, candidate)
-    if any(s.url is not None or "dtype" in s.options or str(s.options.get("device", "cpu")) not in ("cpu", "auto")
-           for s in specs):
+    devices = {str(s.options.get("device", "auto")) for s in specs}
+    if any(s.url is not None or "dtype" in s.options for s in specs) or not devices <= {"cpu", "auto"}:
         return reference, candidate, None
     if cpu_auto_bf16 is None:
         import torch
 
         from tokenmill.platform import auto_dtype
 
-        cpu_auto_bf16 = auto_dtype(torch.device("cpu")) == torch.bfloat16
+        # `auto` is the GPU where there is one (ModelConfig.torch_device): bf16 on both sides there.
+        on_gpu = "auto" in devices and torch.cuda.is_available()
+        cpu_auto_bf16 = not on_gpu and auto_dtype(torch.device("cpu")) == torch.bfloat16
     if not cpu_auto_bf16:
         return reference, candidate, None
     pinned = [TargetSpec(s.url, s.model, {**s.options, "dtype": "float32"}) for s in specs]
