@@ -190,10 +190,8 @@ class RepackCache:
         quant: qf.QuantFormat = fmt  # checked against PACKED_FORMATS above
         qs_shape, lane_shape = qf.packed_shapes(quant, rows, cols)
         qs = _checked(self._tensors, prefix + "qs", torch.int8 if quant == "q8" else torch.uint8, qs_shape)
-        # float32, fp16 where GGUF's scales are exact, uint8 (q4's two levels) or int8 (q6)
         lane_type = self._tensors[prefix + "scale"].dtype
-        allowed = (torch.int8,) if quant == "q6" else (torch.float32, torch.float16, torch.uint8) if quant == "q4" \
-            else (torch.float32, torch.float16)
+        allowed = _LANE_TYPES[quant]
         if lane_type not in allowed:
             raise ValueError(f"tensor {prefix + 'scale'!r} is {lane_type}, expected one of {allowed} for {quant}")
         scale = _checked(self._tensors, prefix + "scale", lane_type, lane_shape)
@@ -262,6 +260,13 @@ def _expected_segments(names: Sequence[str], methods: Sequence[str],
         else:
             segments.append((method, rows, cols))
     return segments
+
+
+# A format's scale lanes: float32, fp16 where GGUF's scales are exact, uint8 (q4 in Q4_K's two levels), int8 (q6).
+_LANE_TYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "q8": (torch.float32, torch.float16), "q5": (torch.float32, torch.float16),
+    "q4": (torch.float32, torch.float16, torch.uint8), "q6": (torch.int8,),
+}
 
 
 def _checked(tensors: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype,
