@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -91,20 +92,25 @@ def test_end_of_generation_ids(name: str) -> None:
 def test_second_load_costs_no_more_than_reading_tokenizer_json(name: str) -> None:
     path = _gguf_path(name)
     _tokenizer(name)  # builds the cache if this is the first load on this machine
-    # CPU time, not wall time: other work on a shared machine must not decide the outcome.
-    start = time.process_time()
-    Tokenizer.from_gguf(path)
-    load_s = time.process_time() - start
+    # CPU time, not wall time: other work on a shared machine must not decide the outcome. Best of two
+    # of each: one load's CPU time still moves by ~20% with the VM's memory-speed spells.
+    load_s = min(_cpu_seconds(lambda: Tokenizer.from_gguf(path)) for _ in range(2))
     # The cache entry itself ($TOKENMILL_HOME/tokenizers since 19aa6e4; this read the old spot beside the
     # GGUF, which only a machine with entries left from before still had).
     gguf_path = Path(path).resolve()
     cached_json, _ = cache_paths(gguf_path, file_stamp(gguf_path))
     assert cached_json.is_file()
+    floor_s = min(_cpu_seconds(lambda: tokenizers.Tokenizer.from_file(str(cached_json))) for _ in range(2))
+    # The floor is the Rust library parsing the vocabulary (Gemma: 262k tokens, 515k merges, ~0.7 s);
+    # GGUF parsing and rebuilding (6-30 s) must be gone. 2x leaves room for the GGUF header read and
+    # the noise (1.5x failed CI once at 1.30 s against 0.72 s) and still fails a rebuild by far.
+    assert load_s < 2.0 * floor_s + 0.2
+
+
+def _cpu_seconds(load: Callable[[], object]) -> float:
     start = time.process_time()
-    tokenizers.Tokenizer.from_file(str(cached_json))
-    # The floor is the Rust library parsing the vocabulary (Gemma: 262k tokens, 515k merges);
-    # GGUF parsing and rebuilding (6-30 s) must be gone.
-    assert load_s < 1.5 * (time.process_time() - start) + 0.2
+    load()
+    return time.process_time() - start
 
 
 # ------------------------------------------------------------------------- live transformers
