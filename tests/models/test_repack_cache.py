@@ -254,21 +254,27 @@ def test_file_format_round_trip_and_bounds(tmp_path: Path) -> None:
 
 
 def test_two_level_and_q6_segments_round_trip(tmp_path: Path) -> None:
-    """Q4_K's two-level lanes and q6 (int8 lanes, two mask planes) come back with their super lanes, and an
-    entry whose super lanes are missing invalidates the file rather than loading wrong lanes."""
+    """Q4_K's two-level lanes, q6 (int8 lanes, two mask planes) and q5 with offsets (Q5_K two-level, Q5_1
+    fp16) come back with their super lanes and offsets, and an entry whose super lanes are missing
+    invalidates the file rather than loading wrong lanes."""
     from tests.fixtures.gguf_blocks import gguf_blocks
 
     q4k = gguf_quant.from_gguf(gguf_blocks(T.Q4_K, 24, 512, 1), T.Q4_K, 512, "q4")
     q6 = gguf_quant.from_gguf(gguf_blocks(T.Q6_K, 20, 512, 2), T.Q6_K, 512, "q6")
-    assert q4k.two_level and q6.fmt == "q6"
-    shapes = {"a.weight": (24, 512), "b.weight": (20, 512)}
+    q5k = gguf_quant.from_gguf(gguf_blocks(T.Q5_K, 16, 512, 3), T.Q5_K, 512, "q5")
+    q51 = gguf_quant.from_gguf(gguf_blocks(T.Q5_1, 8, 512, 4), T.Q5_1, 512, "q5")
+    assert q4k.two_level and q6.fmt == "q6" and q5k.two_level and q51.offset.numel()
+    shapes = {"a.weight": (24, 512), "b.weight": (20, 512), "c.weight": (16, 512), "d.weight": (8, 512)}
     path, key = tmp_path / "cache.safetensors", {"test": 1}
     cache = repack_cache.RepackCache(path, key, tmp_path, shapes)
     cache.store(["a.weight"], ["q4"], [q4k])
     cache.store(["b.weight"], ["q6"], [q6])
+    cache.store(["c.weight"], ["q5"], [q5k])
+    cache.store(["d.weight"], ["q5"], [q51])
     cache.flush()
     back = repack_cache.RepackCache(path, key, tmp_path, shapes)
-    for names, method, want in ((["a.weight"], "q4", q4k), (["b.weight"], "q6", q6)):
+    for names, method, want in ((["a.weight"], "q4", q4k), (["b.weight"], "q6", q6), (["c.weight"], "q5", q5k),
+                                (["d.weight"], "q5", q51)):
         loaded = back.load(names, [method])
         assert loaded is not None
         (got,) = loaded

@@ -13,7 +13,8 @@ from tokenmill.layers import quant_formats as qf
 T = GGMLQuantizationType
 
 
-CASES = [(T.Q4_K, "q4"), (T.Q6_K, "q8"), (T.Q5_0, "q8"), (T.Q5_0, "q5"), (T.Q8_0, "q8"), (T.Q4_1, "q4"), (T.Q4_0, "q8")]
+CASES = [(T.Q4_K, "q4"), (T.Q6_K, "q8"), (T.Q5_0, "q8"), (T.Q5_0, "q5"), (T.Q8_0, "q8"), (T.Q4_1, "q4"), (T.Q4_0, "q8"),
+         (T.Q5_K, "q5"), (T.Q5_1, "q5")]
 
 
 @pytest.mark.parametrize(("ggml_type", "fmt"), CASES, ids=[f"{t.name}-{f}" for t, f in CASES])
@@ -34,5 +35,5 @@ def test_sliced_packing_is_byte_identical(ggml_type: GGMLQuantizationType, fmt: 
     sliced = gq.from_gguf(blocks, ggml_type, 256, fmt)
     assert converted == [5]
     assert (sliced.fmt, sliced.rows) == (whole.fmt, whole.rows) == (fmt, 37)
-    for field in ("qs", "scale", "offset", "high"):
+    for field in ("qs", "scale", "offset", "high", "supers"):
         assert torch.equal(getattr(sliced, field), getattr(whole, field)), field

@@ -19,11 +19,13 @@ from tokenmill.layers import gguf_quant as gq
 from tokenmill.layers import quant_formats as qf
 
 T = GGMLQuantizationType
-GGUF_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]  # every type in the four packaged files
+# Every type in the four packaged files, and Q5_1 and Q5_K (Q5_K_M files: q5 with offset lanes).
+GGUF_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_1, T.Q5_K]
 # (GGUF type, format) pairs a load can pick: each type's default mapping, and Q5_0 → q5 (--quantization
 # q5, or gguf_format() where q5_0_format() picks it; every path computes it).
 CASES = [pytest.param(t, gq.GGUF_MAPPING[t][0], id=t.name) for t in GGUF_TYPES] + [
     pytest.param(T.Q5_0, "q5", id="Q5_0-q5"), pytest.param(T.Q6_K, "q6", id="Q6_K-q6")]
+REROUNDED = [pytest.param(T.Q5_K, "q8", id="Q5_K-q8")]  # $TOKENMILL_Q5_K=q8 (A/B runs): one re-rounding
 ROWS = [1, 2, 3, 4, 5, 6, 7, 10, 16, 64]  # 5, 6, 10: tiles of 5-6 rows (a 1-2-row rest joins)
 PASSES = [1, 2]
 FINE = 254.0
@@ -32,7 +34,7 @@ pytestmark = pytest.mark.skipif(kernels is None, reason="native quantized kernel
 
 
 def is_exact(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat) -> bool:
-    return fmt in ("q5", "q6") or gq.GGUF_MAPPING[ggml_type][1]
+    return fmt in ("q5", "q6") or (gq.GGUF_MAPPING[ggml_type] == (fmt, True))
 
 
 def combined(qa: torch.Tensor) -> torch.Tensor:
@@ -47,7 +49,7 @@ def rounded_activations(x: torch.Tensor, isa: int, passes: int) -> torch.Tensor:
     return (combined(qa).double() * d.double().unsqueeze(-1)).view_as(x)
 
 
-@pytest.mark.parametrize(("ggml_type", "fmt"), CASES)
+@pytest.mark.parametrize(("ggml_type", "fmt"), CASES + REROUNDED)
 def test_exact_types_pack_to_gguf_dequantization(ggml_type: GGMLQuantizationType, fmt: qf.QuantFormat) -> None:
     rows, cols = 5, 512
     raw = gguf_blocks(ggml_type, rows, cols, seed=1)
@@ -56,7 +58,7 @@ def test_exact_types_pack_to_gguf_dequantization(ggml_type: GGMLQuantizationType
     if is_exact(ggml_type, fmt):
         assert torch.equal(mat.dequantize(), reference)  # no second rounding
     else:
-        # Q6_K → q8: one re-rounding, at most half an 8-bit step of each block's range.
+        # Q6_K (Q5_K) → q8: one re-rounding, at most half an 8-bit step of each block's range.
         step = reference.view(rows, -1, 32).abs().amax(-1, keepdim=True) / 127
         err = (mat.dequantize().view(rows, -1, 32) - reference.view(rows, -1, 32)).abs()
         assert (err <= step * (0.5 + 1e-5)).all()
@@ -134,15 +136,19 @@ def test_segments_of_mixed_formats_fill_one_output(isa: int) -> None:
     b = gq.from_gguf(gguf_blocks(T.Q8_0, 5, 256, 4), T.Q8_0, 256, "q8")
     c = gq.from_gguf(gguf_blocks(T.Q4_0, 3, 256, 5), T.Q4_0, 256, "q4")
     d = gq.from_gguf(gguf_blocks(T.Q5_0, 11, 256, 6), T.Q5_0, 256, "q5")
-    segments = qf.concat([a, b, c, d])
+    e = gq.from_gguf(gguf_blocks(T.Q5_K, 4, 256, 7), T.Q5_K, 256, "q5")
+    f = gq.from_gguf(gguf_blocks(T.Q5_1, 8, 256, 8), T.Q5_1, 256, "q5")
+    segments = qf.concat([a, b, c, d, e, f])
+    # Q5_0's implied offsets (-16 · scale) written out beside Q5_K's and Q5_1's: one q5 segment
     assert [s.fmt for s in segments] == ["q4", "q8", "q4", "q5"]
+    assert segments[-1].offset.numel() and segments[-1].scale.dtype == torch.float32
     x = torch.randn(6, 256)
     for bf16_rows in (0, 1):  # (amx: its int8 tiles, then its bf16 tiles)
         y = kernels.quant_linear(x, [s.qs for s in segments], [s.scale for s in segments],
                                  [s.offset for s in segments], [s.rows for s in segments], 2, isa,
                                  [s.high for s in segments], amx_rows=1, bf16_rows=bf16_rows,
                                  supers=[s.supers for s in segments])
-        expected = torch.cat([run(m, x, isa, bf16_rows=bf16_rows) for m in (a, b, c, d)], dim=1)
+        expected = torch.cat([run(m, x, isa, bf16_rows=bf16_rows) for m in (a, b, c, d, e, f)], dim=1)
         torch.testing.assert_close(y, expected, rtol=0, atol=0)
 
 
@@ -189,7 +195,8 @@ def test_paths_agree_with_each_other(passes: int) -> None:
 
 @pytest.mark.skipif(not {1, 2} <= RUNNABLE, reason="needs the avx2 and avx512vnni paths on this CPU")
 @pytest.mark.parametrize(("ggml_type", "fmt"), [(T.Q4_0, "q4"), (T.Q4_1, "q4"), (T.Q8_0, "q8"), (T.Q4_K, "q4"),
-                                               (T.Q6_K, "q8"), (T.Q5_0, "q5"), (T.Q6_K, "q6")],
+                                               (T.Q6_K, "q8"), (T.Q5_0, "q5"), (T.Q6_K, "q6"), (T.Q5_1, "q5"),
+                                               (T.Q5_K, "q5")],
                          ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("out_features", [8, 37, 64, 72])
 @pytest.mark.parametrize("duo_rows", [0, 9, 17], ids=["no-duo", "duo", "duo-streams"])
@@ -238,7 +245,8 @@ def test_bad_inputs_are_errors_not_crashes() -> None:
         kernels.quant_linear(torch.randn(2, 64), [mat.qs], [mat.scale], [mat.offset], [mat.rows], 3, 0)
 
 
-AMX_CASES = [(T.Q4_0, "q4"), (T.Q4_1, "q4"), (T.Q8_0, "q8"), (T.Q4_K, "q4"), (T.Q6_K, "q8"), (T.Q5_0, "q5")]
+AMX_CASES = [(T.Q4_0, "q4"), (T.Q4_1, "q4"), (T.Q8_0, "q8"), (T.Q4_K, "q4"), (T.Q6_K, "q8"), (T.Q5_0, "q5"),
+             (T.Q5_1, "q5"), (T.Q5_K, "q5")]
 needs_amx = pytest.mark.skipif(AMX not in RUNNABLE, reason="this CPU (or OS) grants no AMX")
 
 

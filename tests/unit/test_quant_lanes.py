@@ -51,19 +51,21 @@ def test_q4_k_keeps_two_level_lanes_q8_rerounding_float32_and_a_q4_rerounding_fp
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("out_features", [8, 37, 72])
-def test_two_level_lanes_give_the_float32_lanes_result_bit_for_bit(isa: int, out_features: int) -> None:
-    """Q4_K kept in two levels: each lane is sc · d formed in the kernel, the float32 lane's exact value,
-    so the outputs equal the multiplied-out matrix's bit for bit on every tile (1-17 and 64 rows: the
-    1-row, duo, 256- and 512-bit tiles, a partial last group, an odd group), at 0.58 bytes a weight
-    against 0.75. Four super-blocks a row (K = 1024), so a wrong super-block index shows."""
-    raw = gguf_blocks(T.Q4_K, out_features, 1024, seed=out_features + 7)
-    mat = gq.from_gguf(raw, T.Q4_K, 1024, "q4")
+@pytest.mark.parametrize(("ggml_type", "fmt"), [(T.Q4_K, "q4"), (T.Q5_K, "q5")], ids=["Q4_K", "Q5_K"])
+def test_two_level_lanes_give_the_float32_lanes_result_bit_for_bit(isa: int, out_features: int,
+                                                                   ggml_type: T, fmt: qf.QuantFormat) -> None:
+    """Q4_K (Q5_K) kept in two levels: each lane is sc · d formed in the kernel, the float32 lane's exact
+    value, so the outputs equal the multiplied-out matrix's bit for bit on every tile (1-17 and 64 rows:
+    the 1-row, duo, 256- and 512-bit tiles, a partial last group, an odd group), at 0.58 (0.70) bytes a
+    weight against 0.75 (0.875). Four super-blocks a row (K = 1024), so a wrong super-block index shows."""
+    raw = gguf_blocks(ggml_type, out_features, 1024, seed=out_features + 7)
+    mat = gq.from_gguf(raw, ggml_type, 1024, fmt)
     flat = qf.expand_lanes(mat)
     assert mat.two_level and not flat.two_level and flat.scale.dtype == torch.float32
     assert torch.equal(mat.dequantize(), flat.dequantize())
-    groups = -(-out_features // 8)
-    assert mat.nbytes == groups * 8 * 1024 * (0.5 + 2 / 32 + 4 / 256)  # nibbles, sc + m, d + dmin
-    assert flat.nbytes == groups * 8 * 1024 * (0.5 + 8 / 32)
+    groups, fifth = -(-out_features // 8), (1 / 8 if fmt == "q5" else 0)
+    assert mat.nbytes == groups * 8 * 1024 * (0.5 + fifth + 2 / 32 + 4 / 256)  # nibbles, bits, sc + m, d + dmin
+    assert flat.nbytes == groups * 8 * 1024 * (0.5 + fifth + 8 / 32)
     duos = (0, 9, 17) if isa == 2 else (-1,)
     for rows in [*range(1, 18), 64]:
         x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows))

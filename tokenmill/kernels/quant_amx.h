@@ -146,8 +146,8 @@ void tile(const Weights& w, int64_t g, bool two, const uint8_t* bbuf, const Act&
       else products<Q4, P, 1>(bbuf + (b + 1) * kBBytes, qrow + (b + 1) * P * QK, stride, cbuf + 512);
     }
     const __m512 sw = lanes(w, w.scale, g, b, two);
-    const __m512 off = !Q4 ? _mm512_setzero_ps() : Q5 ? _mm512_mul_ps(sw, _mm512_set1_ps(-16.f))
-                                                      : lanes(w, w.offset, g, b, two);
+    const __m512 off = !Q4 ? _mm512_setzero_ps() : w.offset.p ? lanes(w, w.offset, g, b, two)
+                                                              : _mm512_mul_ps(sw, _mm512_set1_ps(-16.f));  // Q5_0's
     const float* d = a.d + m0 * a.nb + b;
     const float* s = a.s + m0 * a.nb + b;
 #pragma GCC unroll 16
@@ -232,6 +232,11 @@ inline __m512 pair_lanes(const Weights& w, const Lanes& p, int64_t g, int64_t b)
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), l8);
 }
 
+// pair_lanes of the offset lanes; q5 without them (Q5_0) implies -16 * scale.
+inline __m512 pair_offsets(const Weights& w, __m512 scale, int64_t g, int64_t b) {
+  return w.offset.p ? pair_lanes(w, w.offset, g, b) : _mm512_mul_ps(scale, _mm512_set1_ps(-16.f));
+}
+
 // Pair p of group g, block b as 16 floats (n0 k0, n0 k1, ..., n7 k1), dequantized.
 template <bool Q4, bool Q5>
 inline __m512 pair_float(const Weights& w, int64_t g, int64_t b, int p, __m512 scale, __m512 offset) {
@@ -244,11 +249,11 @@ inline __m512 pair_float(const Weights& w, int64_t g, int64_t b, int p, __m512 s
 template <bool Q4, bool Q5>
 void dequant_tile(const Weights& w, int64_t g, bool two, int64_t b, uint8_t* tile) {
   const __m512 s0 = pair_lanes(w, w.scale, g, b);
-  const __m512 o0 = !Q4 ? s0 : Q5 ? _mm512_mul_ps(s0, _mm512_set1_ps(-16.f)) : pair_lanes(w, w.offset, g, b);
+  const __m512 o0 = !Q4 ? s0 : pair_offsets(w, s0, g, b);
   __m512 s1 = _mm512_setzero_ps(), o1 = _mm512_setzero_ps();
   if (two) {
     s1 = pair_lanes(w, w.scale, g + 1, b);
-    o1 = !Q4 ? s1 : Q5 ? _mm512_mul_ps(s1, _mm512_set1_ps(-16.f)) : pair_lanes(w, w.offset, g + 1, b);
+    o1 = !Q4 ? s1 : pair_offsets(w, s1, g + 1, b);
   }
   for (int p = 0; p < 16; ++p) {
     const __m512 lo = pair_float<Q4, Q5>(w, g, b, p, s0, o0);

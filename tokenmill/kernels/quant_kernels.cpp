@@ -6,9 +6,10 @@
 //   q8: w = scale[n, b] * q                 (q int8 in [-127, 127], 16 bytes per pair: 8 rows x 2)
 //   q4: w = scale[n, b] * q + offset[n, b]  (q in [0, 15]; a 16-byte chunk c holds pair c in its low
 //                                            nibbles and pair c + 8 in its high nibbles)
-//   q5: w = scale[n, b] * (q - 16)          (q in [0, 31]: q4's nibbles, plus a uint16 mask per chunk
+//   q5: w = scale[n, b] * q + offset[n, b]  (q in [0, 31]: q4's nibbles, plus a uint16 mask per chunk
 //                                            and nibble half whose bit i is the fifth bit of lane i of
-//                                            the widened chunk; the offset -16 * scale is implied)
+//                                            the widened chunk; without offset lanes (Q5_0) the offset
+//                                            is -16 * scale, implied; with them Q5_1's m or Q5_K's -dmin m)
 //   q6: w = scale[n, b, h] * (q - 32)       (q in [0, 63]: q4's nibbles, plus two such mask planes for
 //                                            bits 4 and 5; a scale per 16-column half h, int8 times an
 //                                            fp16 lane per 8 blocks: GGUF Q6_K's own blocks)
@@ -100,7 +101,7 @@ struct Lanes {
 struct Weights {           // one interleaved matrix (quant_formats.py)
   const uint8_t* qs;       // [G, nb * (q4 ? 128 : 256)]
   Lanes scale;             // [G, nb * 8] float32, or fp16 (`half`: where GGUF's own fp16 scales are exact), or uint8 (`two`)
-  Lanes offset;            // [G, nb * 8] like scale (q4) or nullptr (q8, q5)
+  Lanes offset;            // [G, nb * 8] like scale (q4; q5 from Q5_1 / Q5_K) or nullptr (q8; q5 from Q5_0: -16 scale)
   const uint8_t* high;     // [G, nb * 32] q5's fifth-bit masks, or nullptr
   int64_t nb, rows;
   bool q4, half, q5;       // q4: nibbles (q4 and q5); q5: plus the fifth bits
@@ -114,6 +115,8 @@ struct Weights {           // one interleaved matrix (quant_formats.py)
   // Lane i of scale / offset (the portable path; the SIMD tiles load eight at a time).
   float scale_at(int64_t i) const { return lane(scale, i); }
   float offset_at(int64_t i) const { return lane(offset, i); }
+  // q4/q5's offset lane i; q5 without offset lanes implies -16 * scale (exact: a power of two).
+  float offset_or_implied(int64_t i) const { return offset.p ? offset_at(i) : scale_at(i) * -16.f; }
   // q6: the 8 rows' int8 multipliers of half h (0: columns 0-15, 1: 16-31) of block (g, b), and the 8 fp16
   // lanes of its super-block; a lane is their product (exact in float32: 8 x 11 bits).
   const int8_t* q6_mults(int64_t g, int64_t b, int h) const {
@@ -219,8 +222,7 @@ void groups_portable(const Weights& w, const Act& a, int64_t M, int64_t g0, int6
           int32_t isum = 0;
           for (int j = 0; j < QK; ++j) isum += weight_at(w, blk, hb, r, j) * ab[j];
           y[r] += w.scale_at(lanes + r) * a.d[m * a.nb + b] * static_cast<float>(isum);
-          if (w.q5) y[r] += w.scale_at(lanes + r) * -16.f * a.s[m * a.nb + b];
-          else if (w.q4) y[r] += w.offset_at(lanes + r) * a.s[m * a.nb + b];
+          if (w.q4) y[r] += w.offset_or_implied(lanes + r) * a.s[m * a.nb + b];
         }
       }
       for (int64_t r = 0; r < valid; ++r) out[m * ld + g * RG + r] = y[r];
@@ -266,6 +268,10 @@ inline __m256 lanes8(const Weights& w, const Lanes& l, int64_t i) {             
   }                                                                                                                    \
   if (w.half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.lane_ptr(l, i))));            \
   return _mm256_loadu_ps(reinterpret_cast<const float*>(w.lane_ptr(l, i)));                                            \
+}                                                                                                                      \
+/* The offset lanes of a q4/q5 block whose scale lanes are sw: q5 without offset lanes (Q5_0) implies -16 * sw. */   \
+inline __m256 offsets8(const Weights& w, __m256 sw, int64_t i) {                                                       \
+  return w.offset.p ? lanes8(w, w.offset, i) : _mm256_mul_ps(sw, _mm256_set1_ps(-16.f));                               \
 }                                                                                                                      \
 inline __m256i bcast_pair(const int16_t* p) {                                                                          \
   int32_t v;                                                                                                           \
@@ -352,8 +358,8 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
       const __m256 scale = _mm256_mul_ps(sw, _mm256_set1_ps(a.d[(m0 + r) * a.nb + b]));                                \
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum_r[r]), scale, acc[r]);                                          \
     }                                                                                                                  \
-    if (Q4) {  /* q5's offset is -16 * scale (exact: a power of two) */                                              \
-      const __m256 off = Q5 ? _mm256_mul_ps(sw, _mm256_set1_ps(-16.f)) : lanes8(w, w.offset, w.lanes(g, b));          \
+    if (Q4) {                                                                                                          \
+      const __m256 off = offsets8(w, sw, w.lanes(g, b));                                                               \
       for (int r = 0; r < RM; ++r) acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(a.s[(m0 + r) * a.nb + b]), acc[r]);    \
     }                                                                                                                  \
   }                                                                                                                    \
@@ -722,11 +728,12 @@ void check_isa(int64_t isa, int64_t passes) {
 
 // The matrices (qs_i, scale_i, offset_i, high_i) of rows_i output rows each, checked and viewed as the
 // tiles read them. qs int8 → q8 (offset and high ignored: pass empty tensors), uint8 → q4, or q5 where
-// high_i is not empty (offset ignored), or q6 where scale_i is int8 (Q6_K: high_i two mask planes,
-// [ceil(rows/8), K/32 * 64], scale_i int8 [ceil(rows/8), K/32 * 16] a 16-column half, supers_i fp16
-// [1, ceil(rows/8), K/32]). `highs` may be empty: no q5 or q6 matrix. `supers` may be empty, or hold per
-// matrix an empty tensor, q6's, or (q4 with uint8 scale and offset lanes: two-level, Q4_K's own form)
-// fp16 [2, G, nb]: the scale's and the offset's lane per 8 blocks. K: the input features.
+// high_i is not empty (offset_i empty: Q5_0, offset -16 * scale; or lanes like q4's: Q5_1, Q5_K), or q6
+// where scale_i is int8 (Q6_K: high_i two mask planes, [ceil(rows/8), K/32 * 64], scale_i int8
+// [ceil(rows/8), K/32 * 16] a 16-column half, supers_i fp16 [1, ceil(rows/8), K/32]). `highs` may be
+// empty: no q5 or q6 matrix. `supers` may be empty, or hold per matrix an empty tensor, q6's, or (q4/q5
+// with uint8 scale and offset lanes: two-level, Q4_K's and Q5_K's own form) fp16 [2, G, nb]: the scale's
+// and the offset's lane per 8 blocks. K: the input features.
 std::vector<Weights> checked_weights(const std::vector<at::Tensor>& qs, const std::vector<at::Tensor>& scales,
                                      const std::vector<at::Tensor>& offsets, const std::vector<int64_t>& rows,
                                      const std::vector<at::Tensor>& highs, int64_t K,
@@ -764,12 +771,14 @@ std::vector<Weights> checked_weights(const std::vector<at::Tensor>& qs, const st
       TORCH_CHECK((lane_type == at::kFloat || lane_type == at::kHalf || two) && scales[i].is_contiguous() &&
                   scales[i].numel() == groups * nb * RG,
                   "scale must be float32, fp16 or uint8 (two-level) [ceil(rows/8), K/32 * 8]");
-      TORCH_CHECK(!q4 || q5 || (offsets[i].scalar_type() == lane_type && offsets[i].is_contiguous() &&
-                          offsets[i].numel() == groups * nb * RG), "offset must be [ceil(rows/8), K/32 * 8] of scale's dtype");
+      // q5's offset lanes are optional (Q5_0: implied -16 * scale); q4's and two-level lanes' are not.
+      TORCH_CHECK(!q4 || (q5 && !two && offsets[i].numel() == 0) ||
+                  (offsets[i].scalar_type() == lane_type && offsets[i].is_contiguous() &&
+                   offsets[i].numel() == groups * nb * RG), "offset must be [ceil(rows/8), K/32 * 8] of scale's dtype");
       TORCH_CHECK(!q5 || (q4 && highs[i].scalar_type() == at::kByte && highs[i].is_contiguous() &&
                           highs[i].numel() == groups * nb * 32), "high must be uint8 [ceil(rows/8), K/32 * 32] (q5)");
       if (two) {
-        TORCH_CHECK(q4 && !q5, "two-level (uint8) lanes are for q4");
+        TORCH_CHECK(q4, "two-level (uint8) lanes are for q4 and q5");
         scale_d = supers_of(2);
         offset_d = scale_d + groups * nb;
       } else {
@@ -777,7 +786,7 @@ std::vector<Weights> checked_weights(const std::vector<at::Tensor>& qs, const st
       }
     }
     out.push_back(Weights{static_cast<const uint8_t*>(qs[i].data_ptr()), Lanes{scales[i].data_ptr(), scale_d},
-                          Lanes{q4 && !q5 && !q6 ? offsets[i].data_ptr() : nullptr, offset_d},
+                          Lanes{q4 && !q6 && offsets[i].numel() ? offsets[i].data_ptr() : nullptr, offset_d},
                           q5 || q6 ? static_cast<const uint8_t*>(highs[i].data_ptr()) : nullptr, nb, rows[i], q4,
                           lane_type == at::kHalf, q5, two, q6});
   }

@@ -147,7 +147,8 @@ void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, fl
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
     }
     if (Q4) {
-      const __m512 off = Q5 ? _mm512_mul_ps(sw, _mm512_set1_ps(-16.f)) : lanes16(w, w.offset, w.lanes(g, b), w.lanes(g2, b));
+      const __m512 off = w.offset.p ? lanes16(w, w.offset, w.lanes(g, b), w.lanes(g2, b))
+                                    : _mm512_mul_ps(sw, _mm512_set1_ps(-16.f));  // q5 from Q5_0: -16 * scale
       for (int r = 0; r < RM; ++r) acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(a.s[(m0 + r) * a.nb + b]), acc[r]);
     }
   }
@@ -290,8 +291,7 @@ void tile_duo(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out,
       for (int k = 1; k < NCH; ++k) s[r] = _mm512_add_epi32(s[r], isum[r][k]);
     }
     const __m256 sw = lanes8(w, w.scale, w.lanes(g, b));
-    // q5's offset is -16 * scale (exact: a power of two)
-    const __m256 off = !Q4 ? sw : Q5 ? _mm256_mul_ps(sw, _mm256_set1_ps(-16.f)) : lanes8(w, w.offset, w.lanes(g, b));
+    const __m256 off = !Q4 ? sw : offsets8(w, sw, w.lanes(g, b));
     const float* d = a.d + m0 * a.nb + b;  // row r's at d[r * a.nb]
     const float* bs = a.s + m0 * a.nb + b;
     if constexpr (NP > 0) {

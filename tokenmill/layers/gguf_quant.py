@@ -6,8 +6,10 @@ GGUF types map without a second rounding where the arithmetic allows:
     Q4_0 → q4 (scale d, offset -8d)      Q4_1 → q4 (scale d, offset m)
     Q4_K → q4 (each 32-weight sub-block: scale d*sc, offset -dmin*m; fp16 x 6-bit is exact in fp32),
            kept in two levels as the file has them (uint8 sc, m a block; fp16 d, -dmin per 8 blocks)
+    Q5_1 → q5 (scale d, offset m)        Q5_K → q5 (Q4_K's two levels, plus the fifth bits)
+           (under $TOKENMILL_Q5_K=q8 both re-round to q8 instead, for A/B runs)
     Q6_K → q6 (each 16-weight sub-block: scale d*sc, q - 32; int8 sc and fp16 d kept) where q6_k_format()
-           says so, else like Q5_1, Q5_K: dequantized, then re-quantized to q8 (one rounding, measured in the tests)
+           says so, else dequantized, then re-quantized to q8 (one rounding, measured in the tests)
 Any other type has no native mapping (callers dequantize it to a dense matrix).
 Exact mappings move GGUF's own bytes (no float round trip); the rest go through gguf's reference
 dequantizer and `quant_formats.quantize`, in slices of rows.
@@ -35,7 +37,7 @@ _T = GGMLQuantizationType
 GGUF_MAPPING: dict[GGMLQuantizationType, tuple[QuantFormat, bool]] = {
     _T.Q8_0: ("q8", True), _T.Q5_0: ("q8", True),
     _T.Q4_0: ("q4", True), _T.Q4_1: ("q4", True), _T.Q4_K: ("q4", True),
-    _T.Q5_1: ("q8", False), _T.Q5_K: ("q8", False), _T.Q6_K: ("q8", False),
+    _T.Q5_1: ("q5", True), _T.Q5_K: ("q5", True), _T.Q6_K: ("q8", False),
 }  # fmt: skip
 # Where `auto` packs Q5_0 as q5 (0.69 bytes a weight) rather than q8 (1.06): the same integers either
 # way, so a question of speed only, which depends on the microarchitecture, not just the path. Qwen2.5-
@@ -52,6 +54,10 @@ Q5_0_ENV = "TOKENMILL_Q5_0"
 # 0.98x; docs/quantization.md). Elsewhere q6 has only the 256-bit tiles: through the AVX2 path on the same
 # CPU batch 1 ran 0.75x. $TOKENMILL_Q6_K = q6 | q8 overrides (A/B runs).
 Q6_K_ENV = "TOKENMILL_Q6_K"
+# Q5_1 and Q5_K (Q5_K_M files) stay at 5 bits everywhere: q8 would be a second rounding and 1.6x the
+# file's bytes (1.125 bytes a weight against 0.69), past the 1.2x resident-memory budget; speed against q8
+# in docs/quantization.md ("q5 with offsets"). $TOKENMILL_Q5_K = q5 | q8 overrides (A/B runs).
+Q5_K_ENV = "TOKENMILL_Q5_K"
 
 
 @functools.cache
@@ -92,6 +98,9 @@ def gguf_format(ggml_type: GGMLQuantizationType, isa: str) -> tuple[QuantFormat,
     if ggml_type == _T.Q6_K:
         fmt = q6_k_format(isa, *_host_vendor_family())
         return (fmt, fmt == "q6")
+    if ggml_type in (_T.Q5_1, _T.Q5_K):
+        fmt = _override(Q5_K_ENV, ("q5", "q8")) or "q5"
+        return (fmt, fmt == "q5")
     return GGUF_MAPPING.get(ggml_type)
 
 
@@ -168,15 +177,8 @@ def _q5_0_q5(blocks: np.ndarray, cols: int) -> QuantMatrix:
     # Block: d (fp16), qh (uint32, bit j = fifth bit of weight j), 16 bytes of nibbles j | j+16 << 4
     # (q4's own pairing).
     rows, b = blocks.shape[0], _blocks(blocks, 22)
-    return interleave("q5", torch.from_numpy(np.ascontiguousarray(b[:, 6:]).reshape(rows, cols // 2)),
-                      torch.from_numpy(_half(b[:, :2]).reshape(rows, -1).copy()), None,
-                      torch.from_numpy(_q5_0_high(b).reshape(rows, cols)))
-
-
-def _q5_0_high(b: np.ndarray) -> np.ndarray:
-    """Q5_0 blocks [n, 22] → uint8 [n, 32], weight j's fifth bit (bit j of the block's qh word)."""
-    qh = np.ascontiguousarray(b[:, 2:6]).view(np.uint32)
-    return ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return _matrix("q5", b[:, 6:].reshape(rows, cols // 2), _half(b[:, :2]).reshape(rows, -1), None,
+                   _q5_0_high(b).reshape(rows, cols))
 
 
 def _exact_q8_matrix(blocks: np.ndarray, ggml_type: GGMLQuantizationType, cols: int) -> QuantMatrix:
@@ -220,10 +222,41 @@ def _q6_k(blocks: np.ndarray, cols: int) -> QuantMatrix:
                          torch.from_numpy(np.ascontiguousarray(high.reshape(rows, cols))))
 
 
+def _q5_1_q5(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    # Block: d, m (fp16), qh (uint32, bit j = fifth bit of weight j), 16 bytes of nibbles j | j+16 << 4.
+    rows, b = blocks.shape[0], _blocks(blocks, 24)
+    return _matrix("q5", b[:, 8:].reshape(rows, cols // 2), _half(b[:, :2]).reshape(rows, -1),
+                   _half(b[:, 2:4]).reshape(rows, -1), _fifth_bits(b[:, 4:8]).reshape(rows, cols))
+
+
+def _q5_0_high(b: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks [n, 22] → uint8 [n, 32], weight j's fifth bit (bit j of the block's qh word)."""
+    return _fifth_bits(b[:, 2:6])
+
+
+def _fifth_bits(qh_bytes: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1 qh words (uint8 [n, 4], little-endian) → uint8 [n, 32]: bit j, weight j's fifth bit."""
+    qh = np.ascontiguousarray(qh_bytes).view(np.uint32)
+    return ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
 def _q4_k(blocks: np.ndarray, cols: int) -> QuantMatrix:
     # Super-block of 256: d, dmin (fp16), 12 bytes of 6-bit (sc, m) for 8 sub-blocks, 128 bytes of
     # nibbles where bytes [32p, 32p + 32) hold sub-block 2p in low and 2p + 1 in high nibbles.
-    rows, b = blocks.shape[0], _blocks(blocks, 144)
+    return _k_quant(_blocks(blocks, 144), blocks.shape[0], cols, 16, None)
+
+
+def _q5_k(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    # Super-block of 256 (176 bytes): Q4_K's d, dmin, 12 scale bytes, then qh[32] (bit s of qh[l] = the
+    # fifth bit of weight l of sub-block s), then Q4_K's 128 nibble bytes (ggml's dequantize_row_q5_K).
+    b = _blocks(blocks, 176)
+    qh = b[:, 16:48]
+    high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [sb, sub-block, 32]
+    return _k_quant(b, blocks.shape[0], cols, 48, high)
+
+
+def _k_quant(b: np.ndarray, rows: int, cols: int, nibbles_at: int, high: np.ndarray | None) -> QuantMatrix:
+    """Q4_K / Q5_K super-blocks [n, bytes] → q4 / q5 in their two levels (high: Q5_K's fifth bits, [n, 8, 32])."""
     d, dmin = _half(b[:, :2]), _half(b[:, 2:4])
     s = b[:, 4:16].reshape(-1, 3, 4)
     sc = np.concatenate([s[:, 0] & 0x3F, (s[:, 2] & 0x0F) | ((s[:, 0] >> 2) & 0x30)], axis=1)
@@ -231,23 +264,27 @@ def _q4_k(blocks: np.ndarray, cols: int) -> QuantMatrix:
     # q4's byte e of a sub-block is w(e) | w(e + 16) << 4: from the halves x0 (weights 0-15) and x1 (16-31)
     # of group p, sub-block 2p takes both low nibbles, 2p + 1 both high ones (4.7x faster than unpacking
     # every nibble to a byte and packing again).
-    x = b[:, 16:].reshape(-1, 4, 2, 16)
+    x = b[:, nibbles_at:].reshape(-1, 4, 2, 16)
     x0, x1 = x[:, :, 0], x[:, :, 1]
     packed = np.stack([(x0 & 0x0F) | ((x1 & 0x0F) << 4), (x0 >> 4) | (x1 & 0xF0)], axis=2)  # [sb, p, 2, 16]
     # Two-level lanes, as the file stores them: sc and m a sub-block (uint8), d and -dmin a super-block (fp16);
     # the kernel forms d·sc and -dmin·m in float32 (exact), so a step reads 0.58 bytes a weight, not 0.75.
-    mat = _matrix("q4", packed.reshape(rows, cols // 2), sc.reshape(rows, -1), mn.reshape(rows, -1))
+    mat = _matrix("q4" if high is None else "q5", packed.reshape(rows, cols // 2), sc.reshape(rows, -1),
+                  mn.reshape(rows, -1), None if high is None else high.reshape(rows, cols))
     return qf.two_level(mat, torch.from_numpy(d.reshape(rows, -1)), torch.from_numpy(-dmin.reshape(rows, -1)))
 
 
 _EXACT = {(_T.Q8_0, "q8"): _q8_0, (_T.Q5_0, "q8"): _q5_0, (_T.Q5_0, "q5"): _q5_0_q5, (_T.Q4_0, "q4"): _q4_0,
-          (_T.Q4_1, "q4"): _q4_1, (_T.Q4_K, "q4"): _q4_k, (_T.Q6_K, "q6"): _q6_k}
+          (_T.Q4_1, "q4"): _q4_1, (_T.Q4_K, "q4"): _q4_k, (_T.Q5_1, "q5"): _q5_1_q5, (_T.Q5_K, "q5"): _q5_k,
+          (_T.Q6_K, "q6"): _q6_k}
 
 
-def _matrix(fmt: QuantFormat, qs: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> QuantMatrix:
-    """Pack row-major blocks; fp16 scale (and offset) arrays stay fp16, uint8 ones (two-level multipliers)
-    uint8, anything else becomes float32."""
+def _matrix(fmt: QuantFormat, qs: np.ndarray, scale: np.ndarray, offset: np.ndarray | None,
+            high: np.ndarray | None = None) -> QuantMatrix:
+    """Pack row-major blocks (high: q5's fifth bits, 0/1 a weight); fp16 scale (and offset) arrays stay fp16,
+    uint8 ones (two-level multipliers) uint8, anything else becomes float32."""
     lane_type = scale.dtype if scale.dtype in (np.float16, np.uint8) else np.float32
     return interleave(fmt, torch.from_numpy(np.ascontiguousarray(qs)),
                       torch.from_numpy(np.ascontiguousarray(scale, dtype=lane_type)),
-                      None if offset is None else torch.from_numpy(np.ascontiguousarray(offset, lane_type)))
+                      None if offset is None else torch.from_numpy(np.ascontiguousarray(offset, lane_type)),
+                      None if high is None else torch.from_numpy(np.ascontiguousarray(high, np.uint8)))

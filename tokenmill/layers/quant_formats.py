@@ -4,7 +4,8 @@ All are blocks of 32 consecutive weights of one output row (K = in_features = 32
 
     q8:  w = scale * q             q int8 in [-127, 127]
     q4:  w = scale * q + offset    q in [0, 15], two per byte
-    q5:  w = scale * (q - 16)      q in [0, 31]: q4's nibbles plus a plane of fifth bits (GGUF Q5_0)
+    q5:  w = scale * (q - 16)      q in [0, 31]: q4's nibbles plus a plane of fifth bits (GGUF Q5_0),
+         or scale * q + offset     with offset lanes as q4's (GGUF Q5_1; Q5_K in its two levels)
 
 Kernel layout (what quant_kernels.cpp reads): rows in groups of 8 (ROW_GROUP; the last group
 padded with zero rows), each group's blocks back to back, and inside a block the 8 rows interleaved
@@ -20,8 +21,10 @@ horizontal sums (the kernel's comment has the arithmetic).
                                      fp16 scale that is the packed scale exactly (Q8_0, Q5_0, Q4_0, Q4_1):
                                      half the bytes, the same values; uint8 for two-level lanes (Q4_K's own
                                      form: scale = sc · d, sc a 6-bit multiplier a block, d fp16 per 8 blocks)
-    offset [G, nb * 8] like scale    q4 only, same order and dtype as scale (q5's is -16 * scale, implied)
-    supers [2, G, nb] fp16           two-level lanes only (nb a multiple of 8): per (g, super-block t = b // 8)
+    offset [G, nb * 8] like scale    q4, and q5 from Q5_1 / Q5_K; same order and dtype as scale (a q5
+                                     without offset lanes has -16 * scale, implied)
+    supers [2, G, nb] fp16           two-level lanes only (q4 from Q4_K, q5 from Q5_K; nb a multiple of 8):
+                                     per (g, super-block t = b // 8)
                                      the 8 rows' d (index 0: the scale's, 1: the offset's, -dmin), at
                                      g·nb + 8t + r; a lane is then multiplier · d, exact in float32
     high   [G, nb * 32] uint8        q5 only: per (g, b), 8 chunks c x (low, high nibbles) of a
@@ -83,10 +86,10 @@ class QuantMatrix:
     fmt: QuantFormat
     qs: torch.Tensor  # q8: int8 [G, nb * 256]; q4, q5, q6: uint8 [G, nb * 128]   (G = ceil(rows / 8))
     scale: torch.Tensor  # float32 or float16 [G, nb * 8]; uint8 multipliers for two-level lanes; q6: int8 [G, nb * 16]
-    offset: torch.Tensor  # [G, nb * 8] for q4, scale's dtype; empty for q8, q5 and q6
+    offset: torch.Tensor  # [G, nb * 8] for q4 (and q5 from Q5_1 / Q5_K), scale's dtype; else empty
     rows: int  # true output rows (the last group's padding excluded)
     high: torch.Tensor = _EMPTY_U8  # q5: uint8 [G, nb * 32] fifth bits; q6: [G, nb * 64] (bits 4, 5); else empty
-    supers: torch.Tensor = _EMPTY_F16  # two-level lanes (q4 from Q4_K): fp16 [2, G, nb]; q6: [1, G, nb]; else empty
+    supers: torch.Tensor = _EMPTY_F16  # two-level lanes (q4/q5 from Q4_K/Q5_K): fp16 [2, G, nb]; q6: [1, G, nb]
 
     @property
     def cols(self) -> int:
@@ -94,8 +97,8 @@ class QuantMatrix:
 
     @property
     def two_level(self) -> bool:
-        """q4 lanes in Q4_K's two levels (q6's lanes are always two-level: int8 a half-block, fp16 supers)."""
-        return self.fmt == "q4" and self.supers.numel() > 0
+        """q4/q5 lanes in Q4_K's / Q5_K's two levels (q6's are always two-level: int8 a half-block, fp16 supers)."""
+        return self.fmt in ("q4", "q5") and self.supers.numel() > 0
 
     @property
     def nbytes(self) -> int:
@@ -243,18 +246,20 @@ def row_major(mat: QuantMatrix) -> RowMajor:
         planes = mat.high.reshape(groups, nb, 2, HIGH_BYTES)
         bit4, bit5 = (_unpack_high(planes[:, :, i].reshape(groups, -1), nb) for i in (0, 1))
         return RowMajor(qs[:mat.rows], lanes[:mat.rows], None, (bit4 | (bit5 << 1))[:mat.rows])
-    offset = rows_of(mat.offset) if mat.fmt == "q4" else None
+    offset = rows_of(mat.offset) if mat.offset.numel() else None
     high = _unpack_high(mat.high, nb)[:mat.rows] if mat.fmt == "q5" else None
     return RowMajor(qs[:mat.rows], rows_of(mat.scale), offset, high)
 
 
 def two_level(mat: QuantMatrix, scale_d: torch.Tensor, offset_d: torch.Tensor) -> QuantMatrix:
-    """A q4 matrix interleaved with uint8 lanes (its blocks' multipliers) given its super-blocks' fp16 lanes,
-    row-major [rows, nb / 8] each: the lanes are multiplier · d (Q4_K's d · sc and -dmin · m, exact in
-    float32), at 0.5625 + 0.0156 bytes a weight where float32 lanes took 0.75."""
+    """A q4 (or q5 with offset lanes) matrix interleaved with uint8 lanes (its blocks' multipliers) given its
+    super-blocks' fp16 lanes, row-major [rows, nb / 8] each: the lanes are multiplier · d (Q4_K's and Q5_K's
+    d · sc and -dmin · m, exact in float32), at 0.5625 + 0.0156 bytes a weight (q4) where float32 lanes
+    took 0.75."""
     groups, nb = mat.qs.shape[0], mat.cols // BLOCK
-    if mat.fmt != "q4" or mat.scale.dtype != torch.uint8 or nb % SUPER:
-        raise ValueError("two-level lanes are uint8 multipliers of a q4 matrix whose K is a multiple of 256")
+    if mat.fmt not in ("q4", "q5") or mat.scale.dtype != torch.uint8 or not mat.offset.numel() or nb % SUPER:
+        raise ValueError("two-level lanes are uint8 multipliers (scale and offset) of a q4 or q5 matrix whose "
+                         "K is a multiple of 256")
 
     scale_d, offset_d = _pad(scale_d.to(torch.float16), mat.rows), _pad(offset_d.to(torch.float16), mat.rows)
     return replace(mat, supers=torch.stack([_by_group(scale_d, groups), _by_group(offset_d, groups)]))
@@ -293,6 +298,8 @@ def _cat(group: list[QuantMatrix]) -> QuantMatrix:
         return _cat([quantize(m.dequantize(), "q8") for m in group])
     if len({m.two_level for m in group}) > 1:  # two-level lanes join others as float32
         group = [expand_lanes(m) for m in group]
+    if len({bool(m.offset.numel()) for m in group}) > 1:  # q5 of Q5_0 beside Q5_1 / Q5_K: its offsets spelled out
+        group = [m if m.offset.numel() else _with_implied_offset(m) for m in group]
     if len({m.scale.dtype for m in group}) > 1:
         group = [replace(m, scale=m.scale.float(), offset=m.offset.float()) for m in group]
     if all(m.rows % ROW_GROUP == 0 for m in group[:-1]):  # whole groups: the packed bytes simply follow
@@ -302,6 +309,12 @@ def _cat(group: list[QuantMatrix]) -> QuantMatrix:
     parts = [row_major(m) for m in group]  # a part ends mid-group: regroup the rows
     return interleave(fmt, torch.cat([p.qs for p in parts]), torch.cat([p.scale for p in parts]),
                       _cat_present([p.offset for p in parts]), _cat_present([p.high for p in parts]))
+
+
+def _with_implied_offset(mat: QuantMatrix) -> QuantMatrix:
+    """A q5 matrix without offset lanes (Q5_0: -16 · scale, implied) with them written out, float32 (exact)."""
+    scale = mat.scale.float()
+    return replace(mat, scale=scale, offset=scale * -16.0)
 
 
 def _cat_present(values: list[torch.Tensor | None]) -> torch.Tensor | None:

@@ -25,7 +25,7 @@ copies every tensor to bytes (a second GB at peak) and `safe_open` copies each t
 
     header "__metadata__" {"tokenmill": JSON {"key": {...}, "source": path, "entries": {entry: [fmt, ...]}}}
     entry  = "<name>,<name>,...@<method>+<method>"       one linear layer: its checkpoint names and methods
-    tensor = "<entry>#<segment>.qs" | ".scale" | ".offset" (q4 only) | ".high" (q5) | ".supers" (two-level lanes)
+    tensor = "<entry>#<segment>.qs" | ".scale" | ".offset" (q4; q5 from Q5_1, Q5_K) | ".high" (q5, q6) | ".supers"
     order  = every qs first, from a 64-byte aligned data start (aligned as a model's qs sizes are multiples
              of 64), then the float32s
 
@@ -196,7 +196,7 @@ class RepackCache:
             raise ValueError(f"tensor {prefix + 'scale'!r} is {lane_type}, expected one of {allowed} for {quant}")
         scale = _checked(self._tensors, prefix + "scale", lane_type, lane_shape)
         offset = torch.empty(0)
-        if quant == "q4":
+        if quant == "q4" or (quant == "q5" and prefix + "offset" in self._tensors):  # q5: Q5_1's and Q5_K's
             offset = _checked(self._tensors, prefix + "offset", lane_type, lane_shape)
         high = torch.empty(0, dtype=torch.uint8)
         if quant in ("q5", "q6"):
@@ -226,7 +226,7 @@ class RepackCache:
             for i, s in enumerate(segments):
                 tensors[f"{entry}#{i}.qs"] = s.qs
                 tensors[f"{entry}#{i}.scale"] = s.scale
-                if s.fmt == "q4":
+                if s.offset.numel():
                     tensors[f"{entry}#{i}.offset"] = s.offset
                 if s.fmt in ("q5", "q6"):
                     tensors[f"{entry}#{i}.high"] = s.high
@@ -262,9 +262,10 @@ def _expected_segments(names: Sequence[str], methods: Sequence[str],
     return segments
 
 
-# A format's scale lanes: float32, fp16 where GGUF's scales are exact, uint8 (q4 in Q4_K's two levels), int8 (q6).
+# A format's scale lanes: float32, fp16 where GGUF's scales are exact, uint8 (q4/q5 in Q4_K's/Q5_K's two levels),
+# int8 (q6).
 _LANE_TYPES: dict[str, tuple[torch.dtype, ...]] = {
-    "q8": (torch.float32, torch.float16), "q5": (torch.float32, torch.float16),
+    "q8": (torch.float32, torch.float16), "q5": (torch.float32, torch.float16, torch.uint8),
     "q4": (torch.float32, torch.float16, torch.uint8), "q6": (torch.int8,),
 }
 
