@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,8 @@ KERNELS = Path("tokenmill") / "kernels"
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default="HEAD", help="git revision whose kernel sources are the baseline")
-    p.add_argument("--model", default="smollm2-135m", choices=(*common.MODELS, "qwen2.5-coder-1.5b", "gemma3-270m"))
+    p.add_argument("--model", default="smollm2-135m", type=_model,
+                   help=f"one of {', '.join(CATALOG)}, or a .gguf file (e.g. a Q5_K_M made with llama-quantize)")
     p.add_argument("--batch", type=int, default=1, help="requests decoding together")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128, help="tokens per request and round")
@@ -47,12 +49,23 @@ def parse_args() -> argparse.Namespace:
                                               "otherwise overwrite each other)")
     p.add_argument("--base-q6-as-q8", action="store_true",
                    help="the base build's q6 layers (TOKENMILL_Q6_K=q6 loads) re-rounded to q8: the two formats A/B")
+    p.add_argument("--base-q5-as-q8", action="store_true",
+                   help="the base build's q5 layers with offsets (Q5_1, Q5_K) re-rounded to q8: the two formats A/B")
     p.add_argument("--query-rows", type=int, default=0,
                    help="time one request's verification step of this many query rows instead of decoding")
     args = p.parse_args()
     if args.query_rows and args.batch != 1:
         p.error("--query-rows times one request: leave --batch at 1")
     return args
+
+
+CATALOG = (*common.MODELS, "qwen2.5-coder-1.5b", "gemma3-270m")
+
+
+def _model(value: str) -> str:
+    if value in CATALOG or (value.endswith(".gguf") and Path(value).is_file()):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r}: not one of {', '.join(CATALOG)}, nor a .gguf file")
 
 
 def base_sources(revision: str, into: Path) -> str:
@@ -73,16 +86,24 @@ def base_sources(revision: str, into: Path) -> str:
 class Build:
     """One build's plans (one per quantized linear) and native decoder stack over a loaded model."""
 
-    def __init__(self, model: Any, modules: dict[str, Any], q6_as_q8: bool = False) -> None:
+    def __init__(self, model: Any, modules: dict[str, Any], q6_as_q8: bool = False, q5_as_q8: bool = False) -> None:
         from tokenmill.layers import linear_layers
         from tokenmill.layers.linear import QuantLinear
         from tokenmill.models.native_stack import stack_over
 
         # A build that predates super lanes (Q4_K's two levels, q6) gets each layer as it used to load it (float32
         # lanes, Q6_K as q8): an A/B across those changes then also measures the bytes they saved. `q6_as_q8`:
-        # this build's q6 layers re-rounded to q8 (an A/B of the two formats under one build).
+        # this build's q6 layers re-rounded to q8 (an A/B of the two formats under one build); `q5_as_q8` likewise
+        # its q5 layers with offsets (Q5_1, Q5_K).
         legacy = "supers" not in (modules["quant"].QuantPlan.__init__.__doc__ or "")
-        convert = linear_layers.legacy_segment if legacy else linear_layers.q6_as_q8 if q6_as_q8 else None
+        convert: Callable[[Any], Any] | None = None
+        if legacy:
+            convert = linear_layers.legacy_segment
+        elif q6_as_q8 or q5_as_q8:
+            def convert(segment: Any) -> Any:
+                if q5_as_q8:
+                    segment = linear_layers.q5_offsets_as_q8(segment)
+                return linear_layers.q6_as_q8(segment) if q6_as_q8 else segment
         self.plans = {name: lin.plan_from(modules["quant"], convert)
                       for name, lin in model.linears().items() if isinstance(lin, QuantLinear)}
         by_layer = {id(lin): self.plans[name] for name, lin in model.linears().items() if name in self.plans}
@@ -160,7 +181,8 @@ def main() -> None:
     model = llm.core.runner.model
     if model.native_stack is None:
         raise SystemExit(f"kernel_ab: {args.model} does not run the native decoder stack here")
-    builds = {"base": Build(model, base_modules, args.base_q6_as_q8), "new": Build(model, new_modules)}
+    builds = {"base": Build(model, base_modules, args.base_q6_as_q8, args.base_q5_as_q8),
+              "new": Build(model, new_modules)}
     prompts = common.build_prompts(llm.tokenizer.encode, args.batch, args.prompt_len, common.prompt_bos(llm.tokenizer))
     verify = VerifyRounds(llm, prompts[0], args.query_rows) if args.query_rows else None
 
@@ -190,8 +212,8 @@ def main() -> None:
           f"working tree {statistics.median(steps['new']) * 1e3:.2f} ms a step; median base/new "
           f"{summary['median_ratio']:.3f}; greedy tokens {'identical' if same else 'differ'}")
     shape = f"q{args.query_rows}" if args.query_rows else f"b{args.batch}"
-    common.save_json("kernel_ab", f"{args.model}_{shape}_p{args.prompt_len}{'_' + args.tag if args.tag else ''}",
-                     summary)
+    name = Path(args.model).name.removesuffix(".gguf")
+    common.save_json("kernel_ab", f"{name}_{shape}_p{args.prompt_len}{'_' + args.tag if args.tag else ''}", summary)
 
 
 if __name__ == "__main__":

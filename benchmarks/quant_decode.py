@@ -42,7 +42,7 @@ MODES = ("none", "auto-1pass", "auto")
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"],
-                   help="catalog models ('none': skip the decode comparison)")
+                   help="catalog models or .gguf files ('none': skip the decode comparison)")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
@@ -239,8 +239,11 @@ def main() -> None:
         result["memory"] = measure_memory(args)
     report(result)
     # Decode and memory runs of one model on one day get their own files (they overwrote each other).
-    parts = ["+".join(models)] if models else []
-    parts += [f"memory-{args.memory}"] if args.memory else []
+    def label(model: str) -> str:  # a catalog name, or a .gguf path's file name
+        return Path(model).name.removesuffix(".gguf")
+
+    parts = ["+".join(label(m) for m in models)] if models else []
+    parts += [f"memory-{label(args.memory)}"] if args.memory else []
     parts += [args.tag] if args.tag else []
     common.save_json("quant_decode", f"{'_'.join(parts) or 'none'}_t{args.threads}", result)
 

@@ -207,10 +207,15 @@ def q6_as_q8(segment: qf.QuantMatrix) -> qf.QuantMatrix:
     return qf.quantize(segment.dequantize(), "q8") if segment.fmt == "q6" else segment
 
 
+def q5_offsets_as_q8(segment: qf.QuantMatrix) -> qf.QuantMatrix:
+    """A q5 segment with offset lanes (Q5_1, Q5_K) re-rounded to q8 (their path before q5 took offsets)."""
+    return qf.quantize(segment.dequantize(), "q8") if segment.fmt == "q5" and segment.offset.numel() else segment
+
+
 def legacy_segment(segment: qf.QuantMatrix) -> qf.QuantMatrix:
-    """A segment as loads before super lanes packed it: q6 as q8, two-level q4 lanes multiplied out into
-    float32 ones (the same values)."""
-    return qf.expand_lanes(q6_as_q8(segment))
+    """A segment as loads before super lanes packed it: q6 and q5 with offsets as q8, two-level q4 lanes
+    multiplied out into float32 ones (the same values)."""
+    return qf.expand_lanes(q6_as_q8(q5_offsets_as_q8(segment)))
 
 
 def _check_rows(rows: int, out_features: int) -> None:
