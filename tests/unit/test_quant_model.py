@@ -69,6 +69,35 @@ def test_auto_runs_gguf_blocks_natively_and_tracks_the_dequantized_path(
     assert len(out.outputs[0].token_ids) == 8
 
 
+# Q5_1 (what a Q5_K_M file holds where a row is not a multiple of 256) beside Q5_0 in one fused q/k/v, and
+# beside q4 in a fused gate/up. (Q5_K needs K >= 256, past the tiny models: tested on random blocks.)
+Q5_LAYER_TYPES = {
+    "attn_q": (T.Q5_0, T.Q4_0), "attn_k": (T.Q5_0, T.Q4_0), "attn_v": (T.Q5_1, T.Q8_0),
+    "attn_output": (T.Q5_1, T.Q4_1), "ffn_gate": (T.Q4_1, T.Q5_1), "ffn_up": (T.Q5_1, T.Q5_1),
+    "ffn_down": (T.Q8_0, T.Q5_1),
+}  # fmt: skip
+
+
+def test_q5_1_stays_5_bit_and_joins_q5_0_in_one_segment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.fixtures.tiny_models import make_tiny_gguf
+
+    monkeypatch.setenv(gguf_quant.Q5_0_ENV, "q5")
+    path = make_tiny_gguf("llama", tmp_path / "q5.gguf", layer_types=Q5_LAYER_TYPES)
+    native, reference = _llm(path, "auto"), _llm(path, "none")
+    linears = native.core.runner.model.linears()
+    methods = {name: linear.method for name, linear in linears.items()}
+    # Q5_0's implied offsets (-16 · scale) written out beside Q5_1's: one q5 segment, not two formats
+    assert methods["layers.0.qkv_proj"] == "q5" and methods["layers.0.gate_up_proj"] == "q4+q5"
+    assert methods["layers.1.gate_up_proj"] == "q5" and methods["layers.1.down_proj"] == "q5"
+    qkv = linears["layers.0.qkv_proj"]
+    assert isinstance(qkv, QuantLinear) and qkv.segments[0].offset.numel()
+    prompt = _prompt(40, seed=4)
+    ours, ref = engine_prompt_logits(native, prompt), engine_prompt_logits(reference, prompt)
+    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert rel < 0.05, f"max relative logit error {rel:.3f}"  # a dropped offset moves them by far more
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+
+
 def test_packed_rows_are_the_gguf_values_in_hf_order(quant_gguf: Callable[[str], Path]) -> None:
     """llama q/k rows are stored RoPE-interleaved: the packed rows must come back un-interleaved,
     i.e. equal to the loader's own dequantized (and permuted) float tensor."""
