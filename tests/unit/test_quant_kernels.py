@@ -25,7 +25,9 @@ GGUF_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_1, T.Q5_K]
 # q5, or gguf_format() where q5_0_format() picks it; every path computes it).
 CASES = [pytest.param(t, gq.GGUF_MAPPING[t][0], id=t.name) for t in GGUF_TYPES] + [
     pytest.param(T.Q5_0, "q5", id="Q5_0-q5"), pytest.param(T.Q6_K, "q6", id="Q6_K-q6")]
-REROUNDED = [pytest.param(T.Q5_K, "q8", id="Q5_K-q8")]  # $TOKENMILL_Q5_K=q8 (A/B runs): one re-rounding
+# $TOKENMILL_Q5_K=q8 (A/B runs), and `auto`'s Q2_K and Q3_K (no kernel at their bit width): one re-rounding
+REROUNDED = [pytest.param(T.Q5_K, "q8", id="Q5_K-q8"), pytest.param(T.Q3_K, "q8", id="Q3_K-q8"),
+             pytest.param(T.Q2_K, "q8", id="Q2_K-q8")]
 ROWS = [1, 2, 3, 4, 5, 6, 7, 10, 16, 64]  # 5, 6, 10: tiles of 5-6 rows (a 1-2-row rest joins)
 PASSES = [1, 2]
 FINE = 254.0

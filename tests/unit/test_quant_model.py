@@ -137,6 +137,27 @@ def test_unsupported_type_names_itself_and_falls_back_once(
     assert methods["layers.0.qkv_proj"] == "q4+q8"
 
 
+@pytest.mark.parametrize("ggml_type", [T.Q3_K, T.Q2_K], ids=lambda t: t.name)
+def test_2_and_3_bit_k_quants_round_to_q8_with_one_warning(ggml_type: GGMLQuantizationType,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Q3_K_M / Q2_K files: no kernel reads 2-3 bits, and dense float32 would be ~10x the file, so `auto`
+    re-rounds them to q8 (one warning a type, naming it and the first tensor); `none` keeps them dense."""
+    from tests.fixtures.gguf_blocks import gguf_blocks
+    from tokenmill.layers.linear import LinearConfig, WeightPart, choose_method
+
+    raw = quant_formats.RawBlocks(ggml_type, (16, 256), gguf_blocks(ggml_type, 16, 256, seed=3))
+    monkeypatch.setattr(linear_module, "_warned", set())
+    config = LinearConfig(torch.float32, torch.device("cpu"), quantization="auto")
+    with caplog.at_level(logging.WARNING, logger="tokenmill.layers.linear"):
+        methods = [choose_method(WeightPart(f"w{i}", {}, raw), (16, 256), config) for i in range(3)]
+    assert methods == ["q8"] * 3
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tokenmill.layers.linear"]
+    assert len(warnings) == 1 and ggml_type.name in warnings[0] and "w0" in warnings[0] and "q8" in warnings[0]
+    none = LinearConfig(torch.float32, torch.device("cpu"), quantization="none")
+    assert choose_method(WeightPart("w", {}, raw), (16, 256), none) == "dense"
+
+
 def test_forced_isa_env(quant_gguf: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(QUANT_ISA_ENV, "portable")
     linear = _llm(quant_gguf("qwen2"), "auto").core.runner.model.layers[0].qkv_proj

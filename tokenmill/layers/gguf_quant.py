@@ -10,6 +10,8 @@ GGUF types map without a second rounding where the arithmetic allows:
            (under $TOKENMILL_Q5_K=q8 both re-round to q8 instead, for A/B runs)
     Q6_K → q6 (each 16-weight sub-block: scale d*sc, q - 32; int8 sc and fp16 d kept) where q6_k_format()
            says so, else dequantized, then re-quantized to q8 (one rounding, measured in the tests)
+    Q2_K, Q3_K → q8 (dequantized, then re-rounded: no kernel reads 2-3 bits, and dense float32 would be 9-11x
+           the file's bytes; GGUF_REROUNDED, with one warning)
 Any other type has no native mapping (callers dequantize it to a dense matrix).
 Exact mappings move GGUF's own bytes (no float round trip); the rest go through gguf's reference
 dequantizer and `quant_formats.quantize`, in slices of rows.
@@ -38,7 +40,11 @@ GGUF_MAPPING: dict[GGMLQuantizationType, tuple[QuantFormat, bool]] = {
     _T.Q8_0: ("q8", True), _T.Q5_0: ("q8", True),
     _T.Q4_0: ("q4", True), _T.Q4_1: ("q4", True), _T.Q4_K: ("q4", True),
     _T.Q5_1: ("q5", True), _T.Q5_K: ("q5", True), _T.Q6_K: ("q8", False),
+    _T.Q2_K: ("q8", False), _T.Q3_K: ("q8", False),
 }  # fmt: skip
+# Types with no kernel at their own bit width that `auto` re-rounds to q8 rather than expanding to dense float
+# (Q3_K_M and Q2_K files: a 1.5B model's weights 1.1x the file instead of ~10x); the load warns once a type.
+GGUF_REROUNDED = frozenset({_T.Q2_K, _T.Q3_K})
 # Where `auto` packs Q5_0 as q5 (0.69 bytes a weight) rather than q8 (1.06): the same integers either
 # way, so a question of speed only, which depends on the microarchitecture, not just the path. Qwen2.5-
 # Coder-0.5B's whole decode step, q5 against q8 (docs/quantization.md, "q5 (Q5_0 kept at 5 bits)"):

@@ -156,6 +156,11 @@ def choose_method(part: WeightPart, shape: tuple[int, ...], config: LinearConfig
                    "GGUF tensor type %s has no native quantized kernel: tensors of this type (first: %s) "
                    "are dequantized to dense", part.raw.ggml_type.name, part.name)
         return "dense"
+    if part.raw.ggml_type in gq.GGUF_REROUNDED:
+        _warn_once(f"rerounded:{part.raw.ggml_type}",
+                   "GGUF tensor type %s has no native kernel at its bit width: tensors of this type (first: %s) "
+                   "are re-rounded to q8 (1.125 bytes a weight; one more rounding, at most half an 8-bit step)",
+                   part.raw.ggml_type.name, part.name)
     return mapped[0]
 
 
