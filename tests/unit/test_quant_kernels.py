@@ -19,15 +19,14 @@ from tokenmill.layers import gguf_quant as gq
 from tokenmill.layers import quant_formats as qf
 
 T = GGMLQuantizationType
-# Every type in the four packaged files, and Q5_1 and Q5_K (Q5_K_M files: q5 with offset lanes).
-GGUF_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_1, T.Q5_K]
+# Every type in the four packaged files, Q5_1 and Q5_K (Q5_K_M files: q5 with offset lanes), Q3_K (Q3_K_M: q6).
+GGUF_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_1, T.Q5_K, T.Q3_K]
 # (GGUF type, format) pairs a load can pick: each type's default mapping, and Q5_0 → q5 (--quantization
 # q5, or gguf_format() where q5_0_format() picks it; every path computes it).
 CASES = [pytest.param(t, gq.GGUF_MAPPING[t][0], id=t.name) for t in GGUF_TYPES] + [
     pytest.param(T.Q5_0, "q5", id="Q5_0-q5"), pytest.param(T.Q6_K, "q6", id="Q6_K-q6")]
-# $TOKENMILL_Q5_K=q8 (A/B runs), and `auto`'s Q2_K and Q3_K (no kernel at their bit width): one re-rounding
-REROUNDED = [pytest.param(T.Q5_K, "q8", id="Q5_K-q8"), pytest.param(T.Q3_K, "q8", id="Q3_K-q8"),
-             pytest.param(T.Q2_K, "q8", id="Q2_K-q8")]
+# $TOKENMILL_Q5_K=q8 (A/B runs), and `auto`'s Q2_K (no format holds it exactly): one re-rounding
+REROUNDED = [pytest.param(T.Q5_K, "q8", id="Q5_K-q8"), pytest.param(T.Q2_K, "q8", id="Q2_K-q8")]
 ROWS = [1, 2, 3, 4, 5, 6, 7, 10, 16, 64]  # 5, 6, 10: tiles of 5-6 rows (a 1-2-row rest joins)
 PASSES = [1, 2]
 FINE = 254.0
@@ -198,7 +197,7 @@ def test_paths_agree_with_each_other(passes: int) -> None:
 @pytest.mark.skipif(not {1, 2} <= RUNNABLE, reason="needs the avx2 and avx512vnni paths on this CPU")
 @pytest.mark.parametrize(("ggml_type", "fmt"), [(T.Q4_0, "q4"), (T.Q4_1, "q4"), (T.Q8_0, "q8"), (T.Q4_K, "q4"),
                                                (T.Q6_K, "q8"), (T.Q5_0, "q5"), (T.Q6_K, "q6"), (T.Q5_1, "q5"),
-                                               (T.Q5_K, "q5")],
+                                               (T.Q5_K, "q5"), (T.Q3_K, "q6")],
                          ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("out_features", [8, 37, 64, 72])
 @pytest.mark.parametrize("duo_rows", [0, 9, 17], ids=["no-duo", "duo", "duo-streams"])

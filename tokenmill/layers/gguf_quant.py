@@ -10,8 +10,10 @@ GGUF types map without a second rounding where the arithmetic allows:
            (under $TOKENMILL_Q5_K=q8 both re-round to q8 instead, for A/B runs)
     Q6_K → q6 (each 16-weight sub-block: scale d*sc, q - 32; int8 sc and fp16 d kept) where q6_k_format()
            says so, else dequantized, then re-quantized to q8 (one rounding, measured in the tests)
-    Q2_K, Q3_K → q8 (dequantized, then re-rounded: no kernel reads 2-3 bits, and dense float32 would be 9-11x
-           the file's bytes; GGUF_REROUNDED, with one warning)
+    Q3_K → q6 (each 16-weight sub-block: scale d·(sc − 32), q3 − 4 = q6 − 32 with q6 = q3 + 28; exact, 0.82
+           bytes a weight: no kernel reads 3 bits, and q8's re-rounding failed the release gate, top-1 0.988)
+    Q2_K → q8 (dequantized, then re-rounded: its 16-weight sub-blocks have offsets, which no format holds at
+           that grain; dense float32 would be ~11x the file's bytes; GGUF_REROUNDED, with one warning)
 Any other type has no native mapping (callers dequantize it to a dense matrix).
 Exact mappings move GGUF's own bytes (no float round trip); the rest go through gguf's reference
 dequantizer and `quant_formats.quantize`, in slices of rows.
@@ -40,11 +42,11 @@ GGUF_MAPPING: dict[GGMLQuantizationType, tuple[QuantFormat, bool]] = {
     _T.Q8_0: ("q8", True), _T.Q5_0: ("q8", True),
     _T.Q4_0: ("q4", True), _T.Q4_1: ("q4", True), _T.Q4_K: ("q4", True),
     _T.Q5_1: ("q5", True), _T.Q5_K: ("q5", True), _T.Q6_K: ("q8", False),
-    _T.Q2_K: ("q8", False), _T.Q3_K: ("q8", False),
+    _T.Q3_K: ("q6", True), _T.Q2_K: ("q8", False),
 }  # fmt: skip
 # Types with no kernel at their own bit width that `auto` re-rounds to q8 rather than expanding to dense float
-# (Q3_K_M and Q2_K files: a 1.5B model's weights 1.1x the file instead of ~10x); the load warns once a type.
-GGUF_REROUNDED = frozenset({_T.Q2_K, _T.Q3_K})
+# (Q2_K files); the load warns once a type.
+GGUF_REROUNDED = frozenset({_T.Q2_K})
 # Where `auto` packs Q5_0 as q5 (0.69 bytes a weight) rather than q8 (1.06): the same integers either
 # way, so a question of speed only, which depends on the microarchitecture, not just the path. Qwen2.5-
 # Coder-0.5B's whole decode step, q5 against q8 (docs/quantization.md, "q5 (Q5_0 kept at 5 bits)"):
@@ -246,6 +248,25 @@ def _fifth_bits(qh_bytes: np.ndarray) -> np.ndarray:
     return ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
 
 
+def _q3_k(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    # Super-block of 256 (110 bytes): hmask[32], qs[64], 12 bytes of 6-bit scales, d fp16 (ggml's
+    # dequantize_row_q3_K). Weight 128n + 32j + l (n < 2, j < 4, l < 32): q3 = (qs[32n + l] >> 2j) & 3, plus 4 where
+    # bit 4n + j of hmask[l] is set; w = d · (sc_k − 32) · (q3 − 4), k = its 16-weight sub-block. In q6's terms
+    # (w = lane · (q6 − 32), an int8 multiplier a 16-column half): q6 = q3 + 28, multiplier sc_k − 32.
+    rows, b = blocks.shape[0], _blocks(blocks, 110)
+    hmask, qs, s, d = b[:, :32], b[:, 32:96].reshape(-1, 2, 1, 32), b[:, 96:108], _half(b[:, 108:110])
+    low = (qs >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & 3  # [sb, n, j, l]
+    bit = np.arange(8, dtype=np.uint8).reshape(1, 2, 4, 1)
+    q6 = (low | (((hmask[:, None, None, :] >> bit) & 1) << 2)) + 28  # [sb, n, j, l] in [28, 35]
+    lo, t = s[:, :8], s[:, 8:12]
+    sc = np.concatenate([(lo[:, :4] & 0x0F) | ((t & 3) << 4), (lo[:, 4:] & 0x0F) | (((t >> 2) & 3) << 4),
+                         (lo[:, :4] >> 4) | (((t >> 4) & 3) << 4), (lo[:, 4:] >> 4) | ((t >> 6) << 4)], axis=1)
+    q6 = q6.reshape(rows, cols)
+    return qf.interleave_q6(qf.pack_nibbles(torch.from_numpy(q6 & 0x0F)),
+                            torch.from_numpy((sc.astype(np.int16) - 32).astype(np.int8).reshape(rows, -1)),
+                            torch.from_numpy(np.ascontiguousarray(d.reshape(rows, -1))), torch.from_numpy(q6 >> 4))
+
+
 def _q4_k(blocks: np.ndarray, cols: int) -> QuantMatrix:
     # Super-block of 256: d, dmin (fp16), 12 bytes of 6-bit (sc, m) for 8 sub-blocks, 128 bytes of
     # nibbles where bytes [32p, 32p + 32) hold sub-block 2p in low and 2p + 1 in high nibbles.
@@ -282,7 +303,7 @@ def _k_quant(b: np.ndarray, rows: int, cols: int, nibbles_at: int, high: np.ndar
 
 _EXACT = {(_T.Q8_0, "q8"): _q8_0, (_T.Q5_0, "q8"): _q5_0, (_T.Q5_0, "q5"): _q5_0_q5, (_T.Q4_0, "q4"): _q4_0,
           (_T.Q4_1, "q4"): _q4_1, (_T.Q4_K, "q4"): _q4_k, (_T.Q5_1, "q5"): _q5_1_q5, (_T.Q5_K, "q5"): _q5_k,
-          (_T.Q6_K, "q6"): _q6_k}
+          (_T.Q6_K, "q6"): _q6_k, (_T.Q3_K, "q6"): _q3_k}
 
 
 def _matrix(fmt: QuantFormat, qs: np.ndarray, scale: np.ndarray, offset: np.ndarray | None,
