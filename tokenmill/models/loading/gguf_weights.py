@@ -205,7 +205,7 @@ def _check_type(info: GgufTensorInfo, path: Path) -> None:
     if info.ggml_type not in _ZERO_COPY_DTYPES and info.ggml_type not in _DEQUANTIZABLE:
         raise ModelFormatError(
             f"{path}: tensor {info.name!r} is {info.ggml_type.name}, which tokenmill cannot dequantize; "
-            "use a file quantized with Q4_K_M, Q5_K_M or Q8_0"
+            "use a file quantized with Q3_K_M, Q4_K_M, Q5_K_M, Q6_K or Q8_0"
         )
 
 
