@@ -19,8 +19,9 @@ from tokenmill.layers import gguf_quant as gq
 from tokenmill.layers import quant_formats as qf
 
 T = GGMLQuantizationType
-# Every type in the four packaged files, Q5_1 and Q5_K (Q5_K_M files: q5 with offset lanes), Q3_K (Q3_K_M: q6).
-GGUF_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_1, T.Q5_K, T.Q3_K]
+# Every type in the four packaged files, Q5_1 and Q5_K (Q5_K_M files: q5 with offset lanes), Q3_K (Q3_K_M: q6),
+# IQ4_NL and IQ4_XS (q8 from their tables).
+GGUF_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_1, T.Q5_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS]
 # (GGUF type, format) pairs a load can pick: each type's default mapping, and Q5_0 → q5 (--quantization
 # q5, or gguf_format() where q5_0_format() picks it; every path computes it).
 CASES = [pytest.param(t, gq.GGUF_MAPPING[t][0], id=t.name) for t in GGUF_TYPES] + [

@@ -33,7 +33,8 @@ from tokenmill.models.loading.weights import Checkpoint, LazyTensors, TensorSour
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 _T = GGMLQuantizationType
 _ZERO_COPY_DTYPES = {_T.F32: torch.float32, _T.F16: torch.float16, _T.BF16: torch.bfloat16}
-_DEQUANTIZABLE = {_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K}
+_DEQUANTIZABLE = {_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K,
+                  _T.IQ4_NL, _T.IQ4_XS}
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
@@ -205,7 +206,7 @@ def _check_type(info: GgufTensorInfo, path: Path) -> None:
     if info.ggml_type not in _ZERO_COPY_DTYPES and info.ggml_type not in _DEQUANTIZABLE:
         raise ModelFormatError(
             f"{path}: tensor {info.name!r} is {info.ggml_type.name}, which tokenmill cannot dequantize; "
-            "use a file quantized with Q3_K_M, Q4_K_M, Q5_K_M, Q6_K or Q8_0"
+            "use a file quantized with Q3_K_M, IQ4_XS, Q4_K_M, Q5_K_M, Q6_K or Q8_0"
         )
 
 
