@@ -278,11 +278,37 @@ inline __m256i bcast_pair(const int16_t* p) {                                   
   std::memcpy(&v, p, sizeof v);                                                                                        \
   return _mm256_set1_epi32(v);                                                                                         \
 }                                                                                                                      \
+/* kByteBits' decode (AVX2): chunk c's 16 bytes as 32 nibble bytes, bytes 0-15 its low nibbles (lo's lanes),  \
+   16-31 its high ones... */                                                                                          \
+inline __m256i nibble_bytes(const uint8_t* p) {                                                                        \
+  const __m256i r = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));                 \
+  return _mm256_and_si256(_mm256_srlv_epi64(r, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));               \
+}                                                                                                                      \
+/* ...and a mask word pair (4 bytes: the low nibbles' uint16, then the high ones') as 32 bytes in that order:    \
+   byte i of each 128-bit half is `bit` where bit i of its uint16 is set, else 0. */                                   \
+inline __m256i bit_bytes(const uint8_t* words, int8_t bit) {                                                           \
+  int32_t v;                                                                                                           \
+  std::memcpy(&v, words, sizeof v);                                                                                    \
+  const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,                                 \
+                                       2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);                                \
+  const __m256i pos = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));                                 \
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(v), sel), pos), pos);   \
+  return _mm256_and_si256(set, _mm256_set1_epi8(bit));                                                                 \
+}                                                                                                                      \
+/* Bytes 0-15 and 16-31 widened to the int16 lanes of lo and hi. */                                                   \
+inline void widen_halves(__m256i q, __m256i& lo, __m256i& hi) {                                                        \
+  lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));                                                                \
+  hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));                                                           \
+}                                                                                                                      \
 /* Chunk c of a q4/q5 block: 16 bytes → its low and high nibbles as int16 (c's pairs and c + 8's), q5's                \
    fifth bits added: lane i of lo (hi) gets 16 where bit i of its mask word is set. */                                 \
 template <bool Q5>                                                                                                     \
 inline void unpack_chunk(const Weights& w, const uint8_t* blk, int64_t g, int64_t b, int c, __m256i low, __m256i& lo,  \
                          __m256i& hi) {                                                                                \
+  if constexpr (Q5 && kByteBits) {                                                                                               \
+    widen_halves(_mm256_or_si256(nibble_bytes(blk + 16 * c), bit_bytes(w.high_block(g, b) + 4 * c, 16)), lo, hi);     \
+    return;                                                                                                            \
+  }                                                                                                                    \
   const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * c)));           \
   lo = _mm256_and_si256(raw, low);                                                                                     \
   hi = _mm256_srli_epi16(raw, 4);                                                                                      \
@@ -389,12 +415,21 @@ void tile6(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, in
     __m256i slo[RM][NCH], shi[RM][NCH];                                                                                \
     for (int r = 0; r < RM; ++r) for (int k = 0; k < NCH; ++k) slo[r][k] = shi[r][k] = _mm256_setzero_si256();        \
     auto chunk = [&](int c) {                                                                                          \
-      const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * c)));       \
-      uint32_t w4, w5;                                                                                                 \
-      std::memcpy(&w4, hb + 4 * c, sizeof w4);                                                                         \
-      std::memcpy(&w5, hb + 32 + 4 * c, sizeof w5);                                                                    \
-      const __m256i lo = _mm256_sub_epi16(add_bit(add_bit(_mm256_and_si256(raw, low), w4 & 0xFFFF, 16), w5 & 0xFFFF, 32), bias); \
-      const __m256i hi = _mm256_sub_epi16(add_bit(add_bit(_mm256_srli_epi16(raw, 4), w4 >> 16, 16), w5 >> 16, 32), bias); \
+      __m256i lo, hi;                                                                                                  \
+      if constexpr (kByteBits) {  /* q - 32 formed as bytes, then sign-extended */                                    \
+        const __m256i q = _mm256_or_si256(_mm256_or_si256(nibble_bytes(blk + 16 * c), bit_bytes(hb + 4 * c, 16)),     \
+                                          bit_bytes(hb + 32 + 4 * c, 32));                                             \
+        const __m256i s = _mm256_sub_epi8(q, _mm256_set1_epi8(32));                                                    \
+        lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(s));                                                          \
+        hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(s, 1));                                                     \
+      } else {                                                                                                         \
+        const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * c)));     \
+        uint32_t w4, w5;                                                                                               \
+        std::memcpy(&w4, hb + 4 * c, sizeof w4);                                                                       \
+        std::memcpy(&w5, hb + 32 + 4 * c, sizeof w5);                                                                  \
+        lo = _mm256_sub_epi16(add_bit(add_bit(_mm256_and_si256(raw, low), w4 & 0xFFFF, 16), w5 & 0xFFFF, 32), bias);  \
+        hi = _mm256_sub_epi16(add_bit(add_bit(_mm256_srli_epi16(raw, 4), w4 >> 16, 16), w5 >> 16, 32), bias);         \
+      }                                                                                                                \
       for (int r = 0; r < RM; ++r) {                                                                                   \
         const int16_t* ab = arow[r] + b * QK + 2 * c;                                                                  \
         slo[r][c % NCH] = madd_acc(slo[r][c % NCH], lo, bcast_pair(ab));                                               \
@@ -446,6 +481,10 @@ void groups256(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 constexpr bool kSplitChains = false;
+// q5/q6's high bits built at byte level, a chunk's 32 weights at once (kByteBits): AVX2 has no mask registers,
+// so add_bit's broadcast-and-compare per 16 lanes was most of a q5 chunk's decode (measured in
+// docs/quantization.md). The VNNI path keeps add_bit: one masked add there.
+constexpr bool kByteBits = true;
 inline __m256i madd_acc(__m256i acc, __m256i w, __m256i a) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a)); }
 // v | bit in the int16 lanes whose bit is set in `mask` (q5's fifth bit: 16; q6's bits 4 and 5: 16, 32;
 // v has neither yet). AVX2 has no mask registers: broadcast, and with each lane's bit, compare, and the
