@@ -5,7 +5,10 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,8 +53,23 @@ def load_engine(config: EngineConfig) -> LoadedEngine:
     if config.retain_freed_memory:  # before the engine thread starts: it then shares the main arena
         retain_freed_memory()
     elapsed = time.monotonic() - started
-    log.info("loaded %s from %s in %.1f s", source.name, source.path, elapsed)
+    log.info("loaded %s from %s in %.1f s; %s", source.name, source.path, elapsed,
+             weights_summary(core.runner.model, source.path))
     return LoadedEngine(core, tokenizer, source, elapsed)
+
+
+def weights_summary(model: Any, path: Path) -> str:
+    """One line for the load log: the linear layers' bytes a step against the checkpoint's size, and how many
+    layers run each method (e.g. "q4 x 81, q6+q4 x 28"): what `auto` made of the file's types."""
+    linears = model.linears() if hasattr(model, "linears") else {}
+    if not linears:
+        return "no linear-layer summary for this model"
+    methods = Counter(linear.method for linear in linears.values())
+    gigabytes = model.weight_bytes() / 1e9
+    file_gb = path.stat().st_size / 1e9 if path.is_file() else 0.0
+    against = f" ({gigabytes / file_gb:.2f}x the {file_gb:.2f} GB file)" if file_gb else ""
+    layers = ", ".join(f"{method} x {count}" for method, count in methods.most_common())
+    return f"linear weights {gigabytes:.2f} GB{against}: {layers}"
 
 
 def freeze_loaded_heap() -> int:
