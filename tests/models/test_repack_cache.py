@@ -263,18 +263,21 @@ def test_two_level_and_q6_segments_round_trip(tmp_path: Path) -> None:
     q6 = gguf_quant.from_gguf(gguf_blocks(T.Q6_K, 20, 512, 2), T.Q6_K, 512, "q6")
     q5k = gguf_quant.from_gguf(gguf_blocks(T.Q5_K, 16, 512, 3), T.Q5_K, 512, "q5")
     q51 = gguf_quant.from_gguf(gguf_blocks(T.Q5_1, 8, 512, 4), T.Q5_1, 512, "q5")
+    iq4 = gguf_quant.from_gguf(gguf_blocks(T.IQ4_XS, 8, 512, 5), T.IQ4_XS, 512, "iq4")
     assert q4k.two_level and q6.fmt == "q6" and q5k.two_level and q51.offset.numel()
-    shapes = {"a.weight": (24, 512), "b.weight": (20, 512), "c.weight": (16, 512), "d.weight": (8, 512)}
+    shapes = {"a.weight": (24, 512), "b.weight": (20, 512), "c.weight": (16, 512), "d.weight": (8, 512),
+              "e.weight": (8, 512)}
     path, key = tmp_path / "cache.safetensors", {"test": 1}
     cache = repack_cache.RepackCache(path, key, tmp_path, shapes)
     cache.store(["a.weight"], ["q4"], [q4k])
     cache.store(["b.weight"], ["q6"], [q6])
     cache.store(["c.weight"], ["q5"], [q5k])
     cache.store(["d.weight"], ["q5"], [q51])
+    cache.store(["e.weight"], ["iq4"], [iq4])
     cache.flush()
     back = repack_cache.RepackCache(path, key, tmp_path, shapes)
     for names, method, want in ((["a.weight"], "q4", q4k), (["b.weight"], "q6", q6), (["c.weight"], "q5", q5k),
-                                (["d.weight"], "q5", q51)):
+                                (["d.weight"], "q5", q51), (["e.weight"], "iq4", iq4)):
         loaded = back.load(names, [method])
         assert loaded is not None
         (got,) = loaded

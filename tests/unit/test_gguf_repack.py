@@ -14,7 +14,7 @@ T = GGMLQuantizationType
 
 
 CASES = [(T.Q4_K, "q4"), (T.Q6_K, "q8"), (T.Q5_0, "q8"), (T.Q5_0, "q5"), (T.Q8_0, "q8"), (T.Q4_1, "q4"), (T.Q4_0, "q8"),
-         (T.Q5_K, "q5"), (T.Q5_1, "q5")]
+         (T.Q5_K, "q5"), (T.Q5_1, "q5"), (T.IQ4_XS, "iq4"), (T.IQ4_NL, "iq4")]
 
 
 @pytest.mark.parametrize(("ggml_type", "fmt"), CASES, ids=[f"{t.name}-{f}" for t, f in CASES])

@@ -20,7 +20,7 @@ from tokenmill.layers import quant_formats as qf
 
 T = GGMLQuantizationType
 # Every type in the four packaged files, Q5_1 and Q5_K (Q5_K_M files: q5 with offset lanes), Q3_K (Q3_K_M: q6),
-# IQ4_NL and IQ4_XS (q8 from their tables).
+# IQ4_NL and IQ4_XS (iq4: their nibbles and table).
 GGUF_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_1, T.Q5_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS]
 # (GGUF type, format) pairs a load can pick: each type's default mapping, and Q5_0 → q5 (--quantization
 # q5, or gguf_format() where q5_0_format() picks it; every path computes it).
@@ -198,7 +198,7 @@ def test_paths_agree_with_each_other(passes: int) -> None:
 @pytest.mark.skipif(not {1, 2} <= RUNNABLE, reason="needs the avx2 and avx512vnni paths on this CPU")
 @pytest.mark.parametrize(("ggml_type", "fmt"), [(T.Q4_0, "q4"), (T.Q4_1, "q4"), (T.Q8_0, "q8"), (T.Q4_K, "q4"),
                                                (T.Q6_K, "q8"), (T.Q5_0, "q5"), (T.Q6_K, "q6"), (T.Q5_1, "q5"),
-                                               (T.Q5_K, "q5"), (T.Q3_K, "q6")],
+                                               (T.Q5_K, "q5"), (T.Q3_K, "q6"), (T.IQ4_NL, "iq4"), (T.IQ4_XS, "iq4")],
                          ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("out_features", [8, 37, 64, 72])
 @pytest.mark.parametrize("duo_rows", [0, 9, 17], ids=["no-duo", "duo", "duo-streams"])
@@ -232,6 +232,22 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(isa: int, ggml_ty
     alone = torch.cat([run(mat, x[i:i + 1], isa) for i in range(11)])
     for rows in range(1, 12):
         assert torch.equal(run(mat, x[:rows], isa), alone[:rows]), rows
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("ggml_type", [T.IQ4_NL, T.IQ4_XS], ids=lambda t: t.name)
+def test_iq4_equals_its_tables_unpacked_into_q8_bit_for_bit(isa: int, ggml_type: GGMLQuantizationType) -> None:
+    """iq4 looks each nibble up in the table inside the tile (vpshufb before the widening); q8 holds the same
+    int8 values unpacked at load: the same integer sums and float steps, so the same bits, at half the bytes."""
+    raw = gguf_blocks(ggml_type, 37, 512, seed=5)
+    iq4, q8 = gq.from_gguf(raw, ggml_type, 512, "iq4"), gq.from_gguf(raw, ggml_type, 512, "q8")
+    assert iq4.nbytes < 0.6 * q8.nbytes
+    duos = (0, 9, 17) if isa == 2 else (-1,)
+    for rows in [*range(1, 18), 64]:
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        for duo_rows in duos:
+            same = torch.equal(run(iq4, x, isa, duo_rows=duo_rows), run(q8, x, isa, duo_rows=duo_rows))
+            assert same, (rows, duo_rows)
 
 
 def test_bad_inputs_are_errors_not_crashes() -> None:

@@ -13,6 +13,8 @@
 //   q6: w = scale[n, b, h] * (q - 32)       (q in [0, 63]: q4's nibbles, plus two such mask planes for
 //                                            bits 4 and 5; a scale per 16-column half h, int8 times an
 //                                            fp16 lane per 8 blocks: GGUF Q6_K's own blocks)
+//   iq4: w = scale[n, b] * T[q]            (q in [0, 15]: q4's nibbles, T the matrix's 16-entry int8 table, passed
+//                                            as its `high`; GGUF IQ4_NL and IQ4_XS exactly, no offset)
 // Scales and offsets are float32, or fp16 where the GGUF block stored them so (exact; half the bytes), or
 // two-level (Q4_K: a uint8 multiplier a block times an fp16 lane per 8 blocks, formed exactly in float32).
 // Activations: each row of x is quantized once per call to int8 blocks of 32. With P = 2 passes (the
@@ -102,11 +104,12 @@ struct Weights {           // one interleaved matrix (quant_formats.py)
   const uint8_t* qs;       // [G, nb * (q4 ? 128 : 256)]
   Lanes scale;             // [G, nb * 8] float32, or fp16 (`half`: where GGUF's own fp16 scales are exact), or uint8 (`two`)
   Lanes offset;            // [G, nb * 8] like scale (q4; q5 from Q5_1 / Q5_K) or nullptr (q8; q5 from Q5_0: -16 scale)
-  const uint8_t* high;     // [G, nb * 32] q5's fifth-bit masks, or nullptr
+  const uint8_t* high;     // [G, nb * 32] q5's fifth-bit masks (q6: two planes; iq4: its 16-entry int8 table), or nullptr
   int64_t nb, rows;
   bool q4, half, q5;       // q4: nibbles (q4 and q5); q5: plus the fifth bits
   bool two;                // two-level lanes (q4 from Q4_K; nb a multiple of 8)
   bool q6;                 // q6 (Q6_K): q4's nibbles, two mask planes (bits 4, 5), int8 lanes a 16-column half
+  bool iq4;                // iq4 (IQ4_NL, IQ4_XS): q4's nibbles through the int8 table at `high`, no offset
   // The 16 mask words of block (g, b): word 2c = chunk c's low nibbles, 2c + 1 its high nibbles (q6: then the
   // 16 words of the bit-5 plane).
   const uint8_t* high_block(int64_t g, int64_t b) const { return high + (g * nb + b) * (q6 ? 64 : 32); }
@@ -193,6 +196,7 @@ inline int32_t weight_at(const Weights& w, const uint8_t* blk, const uint8_t* hb
   if (!w.q4) return reinterpret_cast<const int8_t*>(blk)[(p * RG + r) * 2 + e];
   const uint8_t byte = blk[((p % 8) * RG + r) * 2 + e];
   const int32_t q = p < 8 ? (byte & 0x0F) : (byte >> 4);
+  if (w.iq4) return reinterpret_cast<const int8_t*>(w.high)[q];
   if (!w.q5 && !w.q6) return q;
   const int word = 2 * (p % 8) + (p < 8 ? 0 : 1), lane = 2 * r + e;
   const uint16_t mask = static_cast<uint16_t>(hb[2 * word] | (hb[2 * word + 1] << 8));
@@ -222,7 +226,7 @@ void groups_portable(const Weights& w, const Act& a, int64_t M, int64_t g0, int6
           int32_t isum = 0;
           for (int j = 0; j < QK; ++j) isum += weight_at(w, blk, hb, r, j) * ab[j];
           y[r] += w.scale_at(lanes + r) * a.d[m * a.nb + b] * static_cast<float>(isum);
-          if (w.q4) y[r] += w.offset_or_implied(lanes + r) * a.s[m * a.nb + b];
+          if (w.q4 && !w.iq4) y[r] += w.offset_or_implied(lanes + r) * a.s[m * a.nb + b];
         }
       }
       for (int64_t r = 0; r < valid; ++r) out[m * ld + g * RG + r] = y[r];
@@ -295,6 +299,10 @@ inline __m256i bit_bytes(const uint8_t* words, int8_t bit) {                    
   const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(v), sel), pos), pos);   \
   return _mm256_and_si256(set, _mm256_set1_epi8(bit));                                                                 \
 }                                                                                                                      \
+/* iq4's table in both 128-bit halves (a vpshufb table). */                                                           \
+inline __m256i iq4_table(const Weights& w) {                                                                           \
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.high)));                       \
+}                                                                                                                      \
 /* Bytes 0-15 and 16-31 widened to the int16 lanes of lo and hi. */                                                   \
 inline void widen_halves(__m256i q, __m256i& lo, __m256i& hi) {                                                        \
   lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));                                                                \
@@ -302,9 +310,15 @@ inline void widen_halves(__m256i q, __m256i& lo, __m256i& hi) {                 
 }                                                                                                                      \
 /* Chunk c of a q4/q5 block: 16 bytes → its low and high nibbles as int16 (c's pairs and c + 8's), q5's                \
    fifth bits added: lane i of lo (hi) gets 16 where bit i of its mask word is set. */                                 \
-template <bool Q5>                                                                                                     \
+template <bool Q5, bool IQ = false>                                                                                   \
 inline void unpack_chunk(const Weights& w, const uint8_t* blk, int64_t g, int64_t b, int c, __m256i low, __m256i& lo,  \
                          __m256i& hi) {                                                                                \
+  if constexpr (IQ) {  /* iq4: the table's int8 at each nibble byte, sign-extended */                                 \
+    const __m256i v = _mm256_shuffle_epi8(iq4_table(w), nibble_bytes(blk + 16 * c));                                  \
+    lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));                                                              \
+    hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));                                                         \
+    return;                                                                                                            \
+  }                                                                                                                    \
   if constexpr (Q5 && kByteBits) {                                                                                               \
     widen_halves(_mm256_or_si256(nibble_bytes(blk + 16 * c), bit_bytes(w.high_block(g, b) + 4 * c, 16)), lo, hi);     \
     return;                                                                                                            \
@@ -333,7 +347,7 @@ inline void store_rows(const Weights& w, int64_t g, const __m256* acc, int64_t m
 }                                                                                                                      \
 /* Group g (8 output rows) against activation rows m0 .. m0 + RM - 1: one int32 vector per row and                     \
    block (lane r = row r's block sum), then y += sum * (8 weight scales x the row's scale). */                         \
-template <int RM, bool Q4, bool Q5>                                                                                    \
+template <int RM, bool Q4, bool Q5, bool IQ = false>                                                                   \
 void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld, bool first_pass) {            \
   __m256 acc[RM];                                                                                                      \
   const int16_t* arow[RM];                                                                                             \
@@ -352,7 +366,7 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
       const __m256i low = _mm256_set1_epi16(0x0F);                                                                     \
       auto chunk = [&](int c) {                                                                                        \
         __m256i lo, hi;                                                                                                \
-        unpack_chunk<Q5>(w, blk, g, b, c, low, lo, hi);                                                                \
+        unpack_chunk<Q5, IQ>(w, blk, g, b, c, low, lo, hi);                                                            \
         for (int r = 0; r < RM; ++r) {                                                                                 \
           const int16_t* ab = arow[r] + b * QK + 2 * c;                                                                \
           isum[r][(2 * c) % NCH] = madd_acc(isum[r][(2 * c) % NCH], lo, bcast_pair(ab));                               \
@@ -384,7 +398,7 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
       const __m256 scale = _mm256_mul_ps(sw, _mm256_set1_ps(a.d[(m0 + r) * a.nb + b]));                                \
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum_r[r]), scale, acc[r]);                                          \
     }                                                                                                                  \
-    if (Q4) {                                                                                                          \
+    if (Q4 && !IQ) {                                                                                                   \
       const __m256 off = offsets8(w, sw, w.lanes(g, b));                                                               \
       for (int r = 0; r < RM; ++r) acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(a.s[(m0 + r) * a.nb + b]), acc[r]);    \
     }                                                                                                                  \
@@ -452,6 +466,7 @@ template <int RM>                                                               
 void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld) {                             \
   if (w.q6) tile6<RM>(w, g, a, m0, out, ld, m0 == 0);                                                                  \
   else if (w.q5) tile<RM, true, true>(w, g, a, m0, out, ld, m0 == 0);                                                  \
+  else if (w.iq4) tile<RM, true, false, true>(w, g, a, m0, out, ld, m0 == 0);                                          \
   else if (w.q4) tile<RM, true, false>(w, g, a, m0, out, ld, m0 == 0);                                                 \
   else tile<RM, false, false>(w, g, a, m0, out, ld, m0 == 0);                                                          \
 }                                                                                                                      \
@@ -730,7 +745,7 @@ void run_groups_panel(const Weights& w, const Act& a, int64_t M, float* out, int
   const int64_t grain = std::max<int64_t>(1, (kSplitBytes) / std::max<int64_t>(1, group_bytes));
   const int64_t wide_rows = wide_min_rows();
 #ifdef TM_X86
-  if (isa == AMX && M >= amx_rows && !w.q6) {  // q6: the VNNI tiles at every M
+  if (isa == AMX && M >= amx_rows && !w.q6 && !w.iq4) {  // q6, iq4: the VNNI tiles at every M
     // Tasks of 16-row tiles: each regroups its weights once for all M rows, so a split costs nothing.
     return at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
       amx::tiles(w, a, M, t0, t1, out, ld);
@@ -787,7 +802,9 @@ std::vector<Weights> checked_weights(const std::vector<at::Tensor>& qs, const st
   for (size_t i = 0; i < qs.size(); ++i) {
     const bool q4 = qs[i].scalar_type() == at::kByte;
     const at::ScalarType lane_type = scales[i].scalar_type();
-    const bool q6 = q4 && lane_type == at::kChar, q5 = has_high(i) && !q6, two = lane_type == at::kByte;
+    const bool q6 = q4 && lane_type == at::kChar, two = lane_type == at::kByte;
+    const bool iq4 = q4 && !q6 && has_high(i) && highs[i].scalar_type() == at::kChar;  // high: its int8 table
+    const bool q5 = has_high(i) && !q6 && !iq4;
     const int64_t groups = (rows[i] + RG - 1) / RG;
     TORCH_CHECK(q4 || qs[i].scalar_type() == at::kChar, "qs must be int8 (q8) or uint8 (q4)");
     TORCH_CHECK(rows[i] > 0 && qs[i].dim() == 2 && qs[i].is_contiguous() && qs[i].size(0) == groups &&
@@ -810,8 +827,10 @@ std::vector<Weights> checked_weights(const std::vector<at::Tensor>& qs, const st
       TORCH_CHECK((lane_type == at::kFloat || lane_type == at::kHalf || two) && scales[i].is_contiguous() &&
                   scales[i].numel() == groups * nb * RG,
                   "scale must be float32, fp16 or uint8 (two-level) [ceil(rows/8), K/32 * 8]");
-      // q5's offset lanes are optional (Q5_0: implied -16 * scale); q4's and two-level lanes' are not.
-      TORCH_CHECK(!q4 || (q5 && !two && offsets[i].numel() == 0) ||
+      // q5's offset lanes are optional (Q5_0: implied -16 * scale); q4's and two-level lanes' are not; iq4 has none.
+      TORCH_CHECK(!iq4 || (!two && offsets[i].numel() == 0 && highs[i].numel() == 16 && highs[i].is_contiguous()),
+                  "iq4 takes a 16-entry int8 table as its high and no offset");
+      TORCH_CHECK(!q4 || iq4 || (q5 && !two && offsets[i].numel() == 0) ||
                   (offsets[i].scalar_type() == lane_type && offsets[i].is_contiguous() &&
                    offsets[i].numel() == groups * nb * RG), "offset must be [ceil(rows/8), K/32 * 8] of scale's dtype");
       TORCH_CHECK(!q5 || (q4 && highs[i].scalar_type() == at::kByte && highs[i].is_contiguous() &&
@@ -826,8 +845,8 @@ std::vector<Weights> checked_weights(const std::vector<at::Tensor>& qs, const st
     }
     out.push_back(Weights{static_cast<const uint8_t*>(qs[i].data_ptr()), Lanes{scales[i].data_ptr(), scale_d},
                           Lanes{q4 && !q6 && offsets[i].numel() ? offsets[i].data_ptr() : nullptr, offset_d},
-                          q5 || q6 ? static_cast<const uint8_t*>(highs[i].data_ptr()) : nullptr, nb, rows[i], q4,
-                          lane_type == at::kHalf, q5, two, q6});
+                          q5 || q6 || iq4 ? static_cast<const uint8_t*>(highs[i].data_ptr()) : nullptr, nb, rows[i],
+                          q4, lane_type == at::kHalf, q5, two, q6, iq4});
   }
   return out;
 }
@@ -861,7 +880,7 @@ void quant_linear_into(const float* x, int64_t M, int64_t K, const std::vector<W
   int16_t* a16 = reinterpret_cast<int16_t*>((a_at + 31) & ~static_cast<std::uintptr_t>(31));
 #ifdef TM_X86
   if (isa == AMX && bf16_rows > 0 && M >= bf16_rows && amx_bf16_usable() &&
-      std::none_of(ws.begin(), ws.end(), [](const Weights& w) { return w.q6; })) {  // q6: no bf16 tiles
+      std::none_of(ws.begin(), ws.end(), [](const Weights& w) { return w.q6 || w.iq4; })) {  // q6, iq4: no bf16 tiles
     // bf16 activations (16 rows of padding: the tiles read whole 16-row tiles) and bf16 tiles.
     uint16_t* xb = reinterpret_cast<uint16_t*>(d);
     const size_t need = ((M + 16) * K + 1) / 2 + 16;

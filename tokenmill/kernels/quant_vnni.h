@@ -90,7 +90,7 @@ inline void store_two(const Weights& w, int64_t g, int64_t g2, const __m512* acc
   }
 }
 
-template <int RM, bool Q4, bool Q5>
+template <int RM, bool Q4, bool Q5, bool IQ = false>
 void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, float* out, int64_t ld, bool first_pass) {
   // Independent chains a row (summed exactly at the block's end): vpdpwssd's latency is 4 cycles at two
   // a cycle, so fewer than 8 chains in flight leave it idle.
@@ -115,8 +115,17 @@ void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, fl
       const __m512i low = _mm512_set1_epi16(0x0F);
 #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
-        const __m512i raw = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(load_two(b0 + 16 * c, b1 + 16 * c)));
-        __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_srli_epi16(raw, 4);
+        __m512i lo, hi;
+        if constexpr (IQ) {  // iq4: the table's int8 at each nibble byte (both groups' chunks), sign-extended
+          const __m256i bytes = _mm512_castsi512_si256(load_two(b0 + 16 * c, b1 + 16 * c)), nib = _mm256_set1_epi8(0x0F);
+          const __m256i table = iq4_table(w);
+          lo = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(bytes, nib)));
+          hi = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib)));
+        } else {
+          const __m512i raw = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(load_two(b0 + 16 * c, b1 + 16 * c)));
+          lo = _mm512_and_si512(raw, low);
+          hi = _mm512_srli_epi16(raw, 4);
+        }
         if (Q5) {  // lanes 0-15 are group g's chunk, 16-31 group g2's: their two mask words side by side
           uint32_t w0, w1;
           std::memcpy(&w0, w.high_block(g, b) + 4 * c, sizeof w0);
@@ -147,7 +156,7 @@ void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, fl
       const __m512 scale = _mm512_mul_ps(sw, _mm512_set1_ps(a.d[(m0 + r) * a.nb + b]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
     }
-    if (Q4) {
+    if (Q4 && !IQ) {
       const __m512 off = w.offset.p ? lanes16(w, w.offset, w.lanes(g, b), w.lanes(g2, b))
                                     : _mm512_mul_ps(sw, _mm512_set1_ps(-16.f));  // q5 from Q5_0: -16 * scale
       for (int r = 0; r < RM; ++r) acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(a.s[(m0 + r) * a.nb + b]), acc[r]);
@@ -226,7 +235,7 @@ inline __m512i bcast_duo(const int16_t* p) {  // activation pairs p, p + 1 in ev
   std::memcpy(&v, p, sizeof v);
   return _mm512_set1_epi64(v);
 }
-template <int RM, bool Q4, bool Q5>
+template <int RM, bool Q4, bool Q5, bool IQ = false>
 void tile_duo(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld) {
   // Independent vpdpwssd chains a row, summed exactly at the block's end: vpdpwssd's latency is 4 cycles
   // at two a cycle on Zen 5 (measured), so a tile keeps at least 8 chains in flight.
@@ -265,6 +274,11 @@ void tile_duo(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out,
           const __m512i sixteen = _mm512_set1_epi16(16), lo0 = _mm512_and_si512(raw, low), hi0 = _mm512_srli_epi16(raw, 4);
           lo = duo_order(_mm512_mask_add_epi16(lo0, m.lo, lo0, sixteen));
           hi = duo_order(_mm512_mask_add_epi16(hi0, m.hi, hi0, sixteen));
+        } else if constexpr (IQ) {  // iq4: chunks c, c + 1 through the table, sign-extended, then permuted
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * c));
+          const __m256i nib = _mm256_set1_epi8(0x0F), table = iq4_table(w);
+          lo = duo_order(_mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(bytes, nib))));
+          hi = duo_order(_mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib))));
         } else {
           const __m512i raw = duo_order(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * c))));
           lo = _mm512_and_si512(raw, low);
@@ -303,7 +317,7 @@ void tile_duo(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out,
                                                 _mm512_permutex2var_epi32(s[r], odd, s[r + 1]));
         const __m512 dd = _mm512_mask_broadcastss_ps(_mm512_set1_ps(d[r * a.nb]), 0xFF00, _mm_load_ss(d + (r + 1) * a.nb));
         acc2[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(folded), _mm512_mul_ps(sw2, dd), acc2[i]);
-        if (Q4) {
+        if (Q4 && !IQ) {
           const __m512 ss = _mm512_mask_broadcastss_ps(_mm512_set1_ps(bs[r * a.nb]), 0xFF00, _mm_load_ss(bs + (r + 1) * a.nb));
           acc2[i] = _mm512_fmadd_ps(off2, ss, acc2[i]);
         }
@@ -314,7 +328,7 @@ void tile_duo(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out,
       const __m256i folded = _mm512_cvtepi64_epi32(_mm512_add_epi32(s[r], _mm512_srli_epi64(s[r], 32)));
       const __m256 scale = _mm256_mul_ps(sw, _mm256_set1_ps(d[r * a.nb]));
       acc_last = _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded), scale, acc_last);
-      if (Q4) acc_last = _mm256_fmadd_ps(off, _mm256_set1_ps(bs[r * a.nb]), acc_last);
+      if (Q4 && !IQ) acc_last = _mm256_fmadd_ps(off, _mm256_set1_ps(bs[r * a.nb]), acc_last);
     }
   }
   const __mmask8 mask = group_mask(w, g);
@@ -334,6 +348,7 @@ void span_duo(const Weights& w, int64_t g0, int64_t g1, const Act& a, int64_t m0
   for (int64_t g = g0; g < g1; ++g) {
     if (w.q6) tile_duo6<RM>(w, g, a, m0, out, ld);
     else if (w.q5) tile_duo<RM, true, true>(w, g, a, m0, out, ld);
+    else if (w.iq4) tile_duo<RM, true, false, true>(w, g, a, m0, out, ld);
     else if (w.q4) tile_duo<RM, true, false>(w, g, a, m0, out, ld);
     else tile_duo<RM, false, false>(w, g, a, m0, out, ld);
   }
@@ -473,6 +488,7 @@ template <int RM>
 void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, float* out, int64_t ld) {
   if (w.q6) tile2_6<RM>(w, g, g2, a, m0, out, ld, m0 == 0);
   else if (w.q5) tile2<RM, true, true>(w, g, g2, a, m0, out, ld, m0 == 0);
+  else if (w.iq4) tile2<RM, true, false, true>(w, g, g2, a, m0, out, ld, m0 == 0);
   else if (w.q4) tile2<RM, true, false>(w, g, g2, a, m0, out, ld, m0 == 0);
   else tile2<RM, false, false>(w, g, g2, a, m0, out, ld, m0 == 0);
 }

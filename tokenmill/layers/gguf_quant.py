@@ -12,9 +12,9 @@ GGUF types map without a second rounding where the arithmetic allows:
            says so, else dequantized, then re-quantized to q8 (one rounding, measured in the tests)
     Q3_K → q6 (each 16-weight sub-block: scale d·(sc − 32), q3 − 4 = q6 − 32 with q6 = q3 + 28; exact, 0.82
            bytes a weight: no kernel reads 3 bits, and q8's re-rounding failed the release gate, top-1 0.988)
-    IQ4_NL → q8 (q = the type's 16-entry int8 table at each nibble, scale = d: exact), IQ4_XS → q8 (the same,
-           scale = d·(ls − 32) a 32-block in float32: exact); 1.06 / 1.125 bytes a weight against the files'
-           0.56 / 0.53 (no kernel reads table-coded nibbles yet)
+    IQ4_NL → iq4 (the nibbles as stored, the type's 16-entry int8 table, scale = d: exact), IQ4_XS → iq4 (the
+           same, scale = d·(ls − 32) a 32-block in float32: exact); 0.5625 / 0.625 bytes a weight against the
+           files' 0.5625 / 0.53. Under --quantization q8 both unpack to q8 (exact too)
     Q2_K → q8 (dequantized, then re-rounded: its 16-weight sub-blocks have offsets, which no format holds at
            that grain; dense float32 would be ~11x the file's bytes; GGUF_REROUNDED, with one warning)
 Any other type has no native mapping (callers dequantize it to a dense matrix).
@@ -45,7 +45,7 @@ GGUF_MAPPING: dict[GGMLQuantizationType, tuple[QuantFormat, bool]] = {
     _T.Q8_0: ("q8", True), _T.Q5_0: ("q8", True),
     _T.Q4_0: ("q4", True), _T.Q4_1: ("q4", True), _T.Q4_K: ("q4", True),
     _T.Q5_1: ("q5", True), _T.Q5_K: ("q5", True), _T.Q6_K: ("q8", False),
-    _T.Q3_K: ("q6", True), _T.Q2_K: ("q8", False), _T.IQ4_NL: ("q8", True), _T.IQ4_XS: ("q8", True),
+    _T.Q3_K: ("q6", True), _T.Q2_K: ("q8", False), _T.IQ4_NL: ("iq4", True), _T.IQ4_XS: ("iq4", True),
 }  # fmt: skip
 # Types with no kernel at their own bit width that `auto` re-rounds to q8 rather than expanding to dense float
 # (Q2_K files); the load warns once a type.
@@ -215,18 +215,41 @@ def _iq4_nl(blocks: np.ndarray, cols: int) -> QuantMatrix:
     return _matrix("q8", _iq4_values(b[:, 2:]).reshape(rows, cols), _half(b[:, :2]).reshape(rows, -1), None)
 
 
-def _iq4_xs(blocks: np.ndarray, cols: int) -> QuantMatrix:
-    # Super-block of 256 (136 bytes): d fp16, scales_h uint16, scales_l[4], then 8 x 16 bytes of nibbles as
-    # IQ4_NL's. Block i's 6-bit ls = low nibble i of scales_l (byte i / 2) | bits 2i, 2i + 1 of scales_h << 4;
-    # w = d · (ls − 32) · table[nibble] (ggml's dequantize_row_iq4_xs). d · (ls − 32) is exact in float32.
+def _iq4_nl_iq4(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    rows, b = blocks.shape[0], _blocks(blocks, 18)
+    return _iq4_matrix(b[:, 2:].reshape(rows, cols // 2), _half(b[:, :2]).reshape(rows, -1))
+
+
+def _iq4_xs_iq4(blocks: np.ndarray, cols: int) -> QuantMatrix:
     rows, b = blocks.shape[0], _blocks(blocks, 136)
+    return _iq4_matrix(b[:, 8:].reshape(rows, cols // 2), _iq4_xs_scales(b).reshape(rows, -1))
+
+
+def _iq4_matrix(nibbles: np.ndarray, scale: np.ndarray) -> QuantMatrix:
+    """iq4 from row-major nibble bytes (j | j + 16 << 4 a 32-block: q4's own pairing) and scale lanes."""
+    lane_type = np.float16 if scale.dtype == np.float16 else np.float32
+    return qf.interleave("iq4", torch.from_numpy(np.ascontiguousarray(nibbles)),
+                         torch.from_numpy(np.ascontiguousarray(scale, dtype=lane_type)), None,
+                         torch.from_numpy(_IQ4_VALUES.copy()))
+
+
+def _iq4_xs_scales(b: np.ndarray) -> np.ndarray:
+    """IQ4_XS super-blocks [n, 136] → float32 [n, 8]: each 32-block's d · (ls − 32) (exact in float32)."""
     d = _half(b[:, :2]).astype(np.float32)
     sh = np.ascontiguousarray(b[:, 2:4]).view(np.uint16).astype(np.int32)
     i = np.arange(8)
     low = (b[:, 4 + i // 2].astype(np.int32) >> (4 * (i % 2))) & 0x0F
     ls = low | (((sh >> (2 * i)) & 3) << 4)
+    return d * (ls - 32).astype(np.float32)
+
+
+def _iq4_xs(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    # Super-block of 256 (136 bytes): d fp16, scales_h uint16, scales_l[4], then 8 x 16 bytes of nibbles as
+    # IQ4_NL's. Block i's 6-bit ls = low nibble i of scales_l (byte i / 2) | bits 2i, 2i + 1 of scales_h << 4;
+    # w = d · (ls − 32) · table[nibble] (ggml's dequantize_row_iq4_xs). d · (ls − 32) is exact in float32.
+    rows, b = blocks.shape[0], _blocks(blocks, 136)
     q = _iq4_values(b[:, 8:].reshape(-1, 8, 16))
-    return _matrix("q8", q.reshape(rows, cols), (d * (ls - 32).astype(np.float32)).reshape(rows, -1), None)
+    return _matrix("q8", q.reshape(rows, cols), _iq4_xs_scales(b).reshape(rows, -1), None)
 
 
 def _q4_0(blocks: np.ndarray, cols: int) -> QuantMatrix:
@@ -335,7 +358,8 @@ def _k_quant(b: np.ndarray, rows: int, cols: int, nibbles_at: int, high: np.ndar
 
 _EXACT = {(_T.Q8_0, "q8"): _q8_0, (_T.Q5_0, "q8"): _q5_0, (_T.Q5_0, "q5"): _q5_0_q5, (_T.Q4_0, "q4"): _q4_0,
           (_T.Q4_1, "q4"): _q4_1, (_T.Q4_K, "q4"): _q4_k, (_T.Q5_1, "q5"): _q5_1_q5, (_T.Q5_K, "q5"): _q5_k,
-          (_T.Q6_K, "q6"): _q6_k, (_T.Q3_K, "q6"): _q3_k, (_T.IQ4_NL, "q8"): _iq4_nl, (_T.IQ4_XS, "q8"): _iq4_xs}
+          (_T.Q6_K, "q6"): _q6_k, (_T.Q3_K, "q6"): _q3_k, (_T.IQ4_NL, "q8"): _iq4_nl, (_T.IQ4_XS, "q8"): _iq4_xs,
+          (_T.IQ4_NL, "iq4"): _iq4_nl_iq4, (_T.IQ4_XS, "iq4"): _iq4_xs_iq4}
 
 
 def _matrix(fmt: QuantFormat, qs: np.ndarray, scale: np.ndarray, offset: np.ndarray | None,

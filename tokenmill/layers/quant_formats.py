@@ -6,6 +6,7 @@ All are blocks of 32 consecutive weights of one output row (K = in_features = 32
     q4:  w = scale * q + offset    q in [0, 15], two per byte
     q5:  w = scale * (q - 16)      q in [0, 31]: q4's nibbles plus a plane of fifth bits (GGUF Q5_0),
          or scale * q + offset     with offset lanes as q4's (GGUF Q5_1; Q5_K in its two levels)
+    iq4: w = scale * T[q]          q in [0, 15]: q4's nibbles through a 16-entry int8 table T (GGUF IQ4_NL, IQ4_XS)
 
 Kernel layout (what quant_kernels.cpp reads): rows in groups of 8 (ROW_GROUP; the last group
 padded with zero rows), each group's blocks back to back, and inside a block the 8 rows interleaved
@@ -55,14 +56,14 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-QuantFormat = Literal["q8", "q4", "q5", "q6"]
+QuantFormat = Literal["q8", "q4", "q5", "q6", "iq4"]
 QUANT_FORMATS: tuple[QuantFormat, ...] = ("q8", "q4", "q5")  # `--quantization` modes (any float matrix rounds to them)
-PACKED_FORMATS: tuple[QuantFormat, ...] = (*QUANT_FORMATS, "q6")  # q6: GGUF Q6_K's own blocks only
+PACKED_FORMATS: tuple[QuantFormat, ...] = (*QUANT_FORMATS, "q6", "iq4")  # q6, iq4: GGUF blocks only (Q6_K/Q3_K, IQ4_*)
 BLOCK = 32
 ROW_GROUP = 8  # output rows interleaved per group (the kernel's 8 int32 lanes)
 # 16-byte chunks per (group, block), each 8 rows x 2 bytes: q8 16 (a column pair of int8 per row),
 # q4 and q5 8 (two column pairs per row, in the bytes' low and high nibbles).
-_PAIRS: dict[str, int] = {"q8": 16, "q4": 8, "q5": 8, "q6": 8}
+_PAIRS: dict[str, int] = {"q8": 16, "q4": 8, "q5": 8, "q6": 8, "iq4": 8}
 HIGH_BYTES = 32  # q5's fifth-bit plane per (group, block): 8 chunks x 2 nibble halves x uint16 (q6: two planes)
 SUPER = 8  # blocks per two-level super-block (Q4_K's 256 weights)
 QUANT_LAYOUT_VERSION = 6  # bump when packed bytes change meaning: it keys the on-disk cache (loading/repack_cache.py)
@@ -88,7 +89,7 @@ class QuantMatrix:
     scale: torch.Tensor  # float32 or float16 [G, nb * 8]; uint8 multipliers for two-level lanes; q6: int8 [G, nb * 16]
     offset: torch.Tensor  # [G, nb * 8] for q4 (and q5 from Q5_1 / Q5_K), scale's dtype; else empty
     rows: int  # true output rows (the last group's padding excluded)
-    high: torch.Tensor = _EMPTY_U8  # q5: uint8 [G, nb * 32] fifth bits; q6: [G, nb * 64] (bits 4, 5); else empty
+    high: torch.Tensor = _EMPTY_U8  # q5: uint8 [G, nb * 32] fifth bits; q6: [G, nb * 64] (bits 4, 5); iq4: int8 [16] T
     supers: torch.Tensor = _EMPTY_F16  # two-level lanes (q4/q5 from Q4_K/Q5_K): fp16 [2, G, nb]; q6: [1, G, nb]
 
     @property
@@ -109,6 +110,9 @@ class QuantMatrix:
         rm = row_major(self)
         nb = rm.scale.shape[1]
         q = rm.qs if self.fmt == "q8" else _unpack_q4(rm.qs)
+        if self.fmt == "iq4":  # w = scale * T[q]
+            w = self.high[q.long()].reshape(self.rows, nb, BLOCK).float() * rm.scale.float().unsqueeze(-1)
+            return w.reshape(self.rows, self.cols)
         if rm.high is not None:
             q = q | (rm.high << 4)
         if self.fmt == "q6":  # scale per 16-column half: w = scale * (q - 32)
@@ -127,7 +131,7 @@ class RowMajor:
     """A matrix's packed values in row order: qs (q8: int8 [rows, cols]; q4/q5/q6: uint8 [rows, cols / 2],
     byte j of a block = q_j | q_(j+16) << 4, low 4 bits), scale/offset [rows, nb] (q6: float32 scale
     [rows, 2 nb], one a 16-column half), high (q5: uint8 [rows, cols] of 0/1, the fifth bits; q6: q >> 4,
-    0-3; else None)."""
+    0-3; iq4: its int8 [16] table; else None)."""
 
     qs: torch.Tensor
     scale: torch.Tensor
@@ -153,8 +157,13 @@ def interleave(fmt: QuantFormat, qs: torch.Tensor, scale: torch.Tensor, offset: 
     rows, nb = scale.shape
     qs, scale = _pad(qs, rows), _pad(scale, rows)
     offset = None if offset is None else _pad(offset, rows)
-    high = None if high is None else _pad(high, rows)
+    high = high if high is None or fmt == "iq4" else _pad(high, rows)  # iq4's is its table, not rows
     groups = qs.shape[0] // ROW_GROUP
+    if fmt == "iq4":  # high: the table itself, not per row
+        if high is None or high.dtype != torch.int8 or high.numel() != 16 or offset is not None:
+            raise ValueError("iq4 takes its 16-entry int8 table as high, and no offset")
+        return QuantMatrix(fmt, _interleaved_qs(qs, fmt, groups, nb), _by_group(scale, groups), torch.empty(0), rows,
+                           high.contiguous())
     if (fmt == "q5") != (high is not None):
         raise ValueError("q5, and only q5, has fifth bits")
     return QuantMatrix(fmt, _interleaved_qs(qs, fmt, groups, nb), _by_group(scale, groups),
@@ -247,7 +256,7 @@ def row_major(mat: QuantMatrix) -> RowMajor:
         bit4, bit5 = (_unpack_high(planes[:, :, i].reshape(groups, -1), nb) for i in (0, 1))
         return RowMajor(qs[:mat.rows], lanes[:mat.rows], None, (bit4 | (bit5 << 1))[:mat.rows])
     offset = rows_of(mat.offset) if mat.offset.numel() else None
-    high = _unpack_high(mat.high, nb)[:mat.rows] if mat.fmt == "q5" else None
+    high = _unpack_high(mat.high, nb)[:mat.rows] if mat.fmt == "q5" else mat.high if mat.fmt == "iq4" else None
     return RowMajor(qs[:mat.rows], rows_of(mat.scale), offset, high)
 
 
@@ -304,11 +313,13 @@ def _cat(group: list[QuantMatrix]) -> QuantMatrix:
         group = [replace(m, scale=m.scale.float(), offset=m.offset.float()) for m in group]
     if all(m.rows % ROW_GROUP == 0 for m in group[:-1]):  # whole groups: the packed bytes simply follow
         supers = torch.cat([m.supers for m in group], dim=1) if group[0].supers.numel() else _EMPTY_F16
+        high = group[0].high if fmt == "iq4" else torch.cat([m.high for m in group])  # iq4: one table (GGUF's)
         return QuantMatrix(fmt, torch.cat([m.qs for m in group]), torch.cat([m.scale for m in group]),
-                           torch.cat([m.offset for m in group]), rows, torch.cat([m.high for m in group]), supers)
+                           torch.cat([m.offset for m in group]), rows, high, supers)
     parts = [row_major(m) for m in group]  # a part ends mid-group: regroup the rows
+    highs = parts[0].high if fmt == "iq4" else _cat_present([p.high for p in parts])
     return interleave(fmt, torch.cat([p.qs for p in parts]), torch.cat([p.scale for p in parts]),
-                      _cat_present([p.offset for p in parts]), _cat_present([p.high for p in parts]))
+                      _cat_present([p.offset for p in parts]), highs)
 
 
 def _with_implied_offset(mat: QuantMatrix) -> QuantMatrix:
@@ -342,8 +353,8 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantMatrix:
     rows, cols = weight.shape
     if cols % BLOCK:
         raise ValueError(f"in_features {cols} is not a multiple of {BLOCK}")
-    if fmt == "q6":
-        raise ValueError("q6 holds GGUF Q6_K blocks only (exact); float weights round to q8, q5 or q4")
+    if fmt in ("q6", "iq4"):
+        raise ValueError(f"{fmt} holds GGUF blocks only (exact); float weights round to q8, q5 or q4")
     w = weight.detach().float().reshape(rows, cols // BLOCK, BLOCK)
     if fmt == "q8":
         amax = w.abs().amax(-1)

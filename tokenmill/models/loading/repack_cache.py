@@ -201,6 +201,8 @@ class RepackCache:
         high = torch.empty(0, dtype=torch.uint8)
         if quant in ("q5", "q6"):
             high = _checked(self._tensors, prefix + "high", torch.uint8, qf.high_shape(rows, cols, quant))
+        elif quant == "iq4":  # its int8 table
+            high = _checked(self._tensors, prefix + "high", torch.int8, (16,))
         supers = torch.empty(0, dtype=torch.float16)
         if lane_type in (torch.uint8, torch.int8):  # two-level lanes: their fp16 super lanes
             planes = 1 if quant == "q6" else 2
@@ -228,7 +230,7 @@ class RepackCache:
                 tensors[f"{entry}#{i}.scale"] = s.scale
                 if s.offset.numel():
                     tensors[f"{entry}#{i}.offset"] = s.offset
-                if s.fmt in ("q5", "q6"):
+                if s.fmt in ("q5", "q6", "iq4"):
                     tensors[f"{entry}#{i}.high"] = s.high
                 if s.supers.numel():
                     tensors[f"{entry}#{i}.supers"] = s.supers
@@ -266,7 +268,7 @@ def _expected_segments(names: Sequence[str], methods: Sequence[str],
 # int8 (q6).
 _LANE_TYPES: dict[str, tuple[torch.dtype, ...]] = {
     "q8": (torch.float32, torch.float16), "q5": (torch.float32, torch.float16, torch.uint8),
-    "q4": (torch.float32, torch.float16, torch.uint8), "q6": (torch.int8,),
+    "q4": (torch.float32, torch.float16, torch.uint8), "q6": (torch.int8,), "iq4": (torch.float32, torch.float16),
 }
 
 
