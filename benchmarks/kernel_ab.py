@@ -51,6 +51,8 @@ def parse_args() -> argparse.Namespace:
                    help="the base build's q6 layers (TOKENMILL_Q6_K=q6 loads) re-rounded to q8: the two formats A/B")
     p.add_argument("--base-q5-as-q8", action="store_true",
                    help="the base build's q5 layers with offsets (Q5_1, Q5_K) re-rounded to q8: the two formats A/B")
+    p.add_argument("--base-iq4-as-q8", action="store_true",
+                   help="the base build's iq4 layers (IQ4_NL, IQ4_XS) unpacked to q8 through their tables (exact)")
     p.add_argument("--query-rows", type=int, default=0,
                    help="time one request's verification step of this many query rows instead of decoding")
     args = p.parse_args()
@@ -86,7 +88,8 @@ def base_sources(revision: str, into: Path) -> str:
 class Build:
     """One build's plans (one per quantized linear) and native decoder stack over a loaded model."""
 
-    def __init__(self, model: Any, modules: dict[str, Any], q6_as_q8: bool = False, q5_as_q8: bool = False) -> None:
+    def __init__(self, model: Any, modules: dict[str, Any], q6_as_q8: bool = False, q5_as_q8: bool = False,
+                 iq4_as_q8: bool = False) -> None:
         from tokenmill.layers import linear_layers
         from tokenmill.layers.linear import QuantLinear
         from tokenmill.models.native_stack import stack_over
@@ -99,8 +102,10 @@ class Build:
         convert: Callable[[Any], Any] | None = None
         if legacy:
             convert = linear_layers.legacy_segment
-        elif q6_as_q8 or q5_as_q8:
+        elif q6_as_q8 or q5_as_q8 or iq4_as_q8:
             def convert(segment: Any) -> Any:
+                if iq4_as_q8:
+                    segment = linear_layers.iq4_as_q8(segment)
                 if q5_as_q8:
                     segment = linear_layers.q5_offsets_as_q8(segment)
                 return linear_layers.q6_as_q8(segment) if q6_as_q8 else segment
@@ -181,7 +186,7 @@ def main() -> None:
     model = llm.core.runner.model
     if model.native_stack is None:
         raise SystemExit(f"kernel_ab: {args.model} does not run the native decoder stack here")
-    builds = {"base": Build(model, base_modules, args.base_q6_as_q8, args.base_q5_as_q8),
+    builds = {"base": Build(model, base_modules, args.base_q6_as_q8, args.base_q5_as_q8, args.base_iq4_as_q8),
               "new": Build(model, new_modules)}
     prompts = common.build_prompts(llm.tokenizer.encode, args.batch, args.prompt_len, common.prompt_bos(llm.tokenizer))
     verify = VerifyRounds(llm, prompts[0], args.query_rows) if args.query_rows else None

@@ -212,10 +212,15 @@ def q5_offsets_as_q8(segment: qf.QuantMatrix) -> qf.QuantMatrix:
     return qf.quantize(segment.dequantize(), "q8") if segment.fmt == "q5" and segment.offset.numel() else segment
 
 
+def iq4_as_q8(segment: qf.QuantMatrix) -> qf.QuantMatrix:
+    """An iq4 segment unpacked to q8 through its table (exact: IQ4_NL / IQ4_XS's path before iq4)."""
+    return qf.iq4_as_q8(segment) if segment.fmt == "iq4" else segment
+
+
 def legacy_segment(segment: qf.QuantMatrix) -> qf.QuantMatrix:
-    """A segment as loads before super lanes packed it: q6 and q5 with offsets as q8, two-level q4 lanes
+    """A segment as loads before super lanes packed it: q6, q5 with offsets and iq4 as q8, two-level q4 lanes
     multiplied out into float32 ones (the same values)."""
-    return qf.expand_lanes(q6_as_q8(q5_offsets_as_q8(segment)))
+    return qf.expand_lanes(q6_as_q8(q5_offsets_as_q8(iq4_as_q8(segment))))
 
 
 def _check_rows(rows: int, out_features: int) -> None:

@@ -260,6 +260,12 @@ def row_major(mat: QuantMatrix) -> RowMajor:
     return RowMajor(qs[:mat.rows], rows_of(mat.scale), offset, high)
 
 
+def iq4_as_q8(mat: QuantMatrix) -> QuantMatrix:
+    """An iq4 matrix with its table applied: q8 of the same int8 values and scales (exact; 2x the bytes)."""
+    rm = row_major(mat)
+    return interleave("q8", mat.high[_unpack_q4(rm.qs).long()], rm.scale, None)
+
+
 def two_level(mat: QuantMatrix, scale_d: torch.Tensor, offset_d: torch.Tensor) -> QuantMatrix:
     """A q4 (or q5 with offset lanes) matrix interleaved with uint8 lanes (its blocks' multipliers) given its
     super-blocks' fp16 lanes, row-major [rows, nb / 8] each: the lanes are multiplier · d (Q4_K's and Q5_K's
