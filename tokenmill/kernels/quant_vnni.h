@@ -90,6 +90,14 @@ inline void store_two(const Weights& w, int64_t g, int64_t g2, const __m512* acc
   }
 }
 
+// iq4: 32 nibble-pair bytes (two 16-byte chunks) → the table's int8 at their low (lo) and high (hi) nibbles,
+// sign-extended to int16, in the bytes' order (what q4's zero-extension and mask/shift give for its nibbles).
+inline void iq4_nibbles(const Weights& w, __m256i bytes, __m512i& lo, __m512i& hi) {
+  const __m256i nib = _mm256_set1_epi8(0x0F), table = iq4_table(w);
+  lo = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(bytes, nib)));
+  hi = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib)));
+}
+
 template <int RM, bool Q4, bool Q5, bool IQ = false>
 void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, float* out, int64_t ld, bool first_pass) {
   // Independent chains a row (summed exactly at the block's end): vpdpwssd's latency is 4 cycles at two
@@ -116,11 +124,8 @@ void tile2(const Weights& w, int64_t g, int64_t g2, const Act& a, int64_t m0, fl
 #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
         __m512i lo, hi;
-        if constexpr (IQ) {  // iq4: the table's int8 at each nibble byte (both groups' chunks), sign-extended
-          const __m256i bytes = _mm512_castsi512_si256(load_two(b0 + 16 * c, b1 + 16 * c)), nib = _mm256_set1_epi8(0x0F);
-          const __m256i table = iq4_table(w);
-          lo = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(bytes, nib)));
-          hi = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib)));
+        if constexpr (IQ) {  // iq4: both groups' chunks through the table
+          iq4_nibbles(w, _mm512_castsi512_si256(load_two(b0 + 16 * c, b1 + 16 * c)), lo, hi);
         } else {
           const __m512i raw = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(load_two(b0 + 16 * c, b1 + 16 * c)));
           lo = _mm512_and_si512(raw, low);
@@ -274,11 +279,10 @@ void tile_duo(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out,
           const __m512i sixteen = _mm512_set1_epi16(16), lo0 = _mm512_and_si512(raw, low), hi0 = _mm512_srli_epi16(raw, 4);
           lo = duo_order(_mm512_mask_add_epi16(lo0, m.lo, lo0, sixteen));
           hi = duo_order(_mm512_mask_add_epi16(hi0, m.hi, hi0, sixteen));
-        } else if constexpr (IQ) {  // iq4: chunks c, c + 1 through the table, sign-extended, then permuted
-          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * c));
-          const __m256i nib = _mm256_set1_epi8(0x0F), table = iq4_table(w);
-          lo = duo_order(_mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(bytes, nib))));
-          hi = duo_order(_mm512_cvtepi8_epi16(_mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib))));
+        } else if constexpr (IQ) {  // iq4: chunks c, c + 1 through the table, then permuted
+          iq4_nibbles(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * c)), lo, hi);
+          lo = duo_order(lo);
+          hi = duo_order(hi);
         } else {
           const __m512i raw = duo_order(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 * c))));
           lo = _mm512_and_si512(raw, low);
