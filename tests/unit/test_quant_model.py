@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -159,6 +160,29 @@ def test_2_and_3_bit_k_quants_run_quantized(ggml_type: GGMLQuantizationType, mon
         assert len(warnings) == 1 and ggml_type.name in warnings[0] and "w0" in warnings[0] and "q8" in warnings[0]
     none = LinearConfig(torch.float32, torch.device("cpu"), quantization="none")
     assert choose_method(WeightPart("w", {}, raw), (16, 256), none) == "dense"
+
+
+def test_a_type_nothing_reads_is_a_load_error_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """IQ2_XXS (and the other IQ1-IQ3 codes) has neither a kernel nor a dequantizer here: the load stops with
+    one error naming the file, the tensor and its type, and the files that work."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES
+
+    from tests.fixtures import tiny_models
+    from tokenmill.errors import ModelFormatError
+
+    add = tiny_models._add_tensor
+
+    def iq2_q_proj(writer: Any, name: str, data: Any, layer_types: Any) -> None:
+        if name != "blk.0.attn_q.weight":
+            return add(writer, name, data, layer_types)
+        writer.add_tensor(name, np.zeros((data.shape[0], GGML_QUANT_SIZES[T.IQ2_XXS][1]), dtype=np.uint8),
+                          raw_dtype=T.IQ2_XXS)
+
+    monkeypatch.setattr(tiny_models, "_add_tensor", iq2_q_proj)
+    path = tiny_models.make_tiny_gguf("llama", tmp_path / "iq2.gguf")
+    with pytest.raises(ModelFormatError, match=r"'blk\.0\.attn_q\.weight' is IQ2_XXS.*IQ4_XS, Q4_K_M"):
+        _llm(path, "auto")
 
 
 def test_forced_isa_env(quant_gguf: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
