@@ -244,6 +244,8 @@ def test_iq4_equals_its_tables_unpacked_into_q8_bit_for_bit(isa: int, ggml_type:
     assert iq4.nbytes < 0.6 * q8.nbytes
     unpacked = qf.iq4_as_q8(iq4)  # kernel_ab's base conversion: the load's own q8 bytes
     assert torch.equal(unpacked.qs, q8.qs) and torch.equal(unpacked.scale, q8.scale)
+    # --quantization q8 (and kernel_ab's base conversion) applies the table at load: gguf's floats exactly
+    assert torch.equal(q8.dequantize(), torch.from_numpy(dequantize(raw, ggml_type)).reshape(37, 512))
     duos = (0, 9, 17) if isa == 2 else (-1,)
     for rows in [*range(1, 18), 64]:
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))

@@ -204,23 +204,15 @@ def _exact_q8_matrix(blocks: np.ndarray, ggml_type: GGMLQuantizationType, cols: 
 _IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 
-def _iq4_values(qs: np.ndarray) -> np.ndarray:
-    """16 bytes a 32-block → its 32 int8 weights: weight j from byte j's low nibble, j + 16 from its high one."""
-    return _IQ4_VALUES[np.concatenate([qs & 0x0F, qs >> 4], axis=-1)]
-
-
-def _iq4_nl(blocks: np.ndarray, cols: int) -> QuantMatrix:
-    # Block of 32 (18 bytes): d fp16, 16 bytes of nibbles j | j + 16 << 4; w = d · table[nibble].
-    rows, b = blocks.shape[0], _blocks(blocks, 18)
-    return _matrix("q8", _iq4_values(b[:, 2:]).reshape(rows, cols), _half(b[:, :2]).reshape(rows, -1), None)
-
-
 def _iq4_nl_iq4(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    # Block of 32 (18 bytes): d fp16, 16 bytes of nibbles j | j + 16 << 4; w = d · table[nibble].
     rows, b = blocks.shape[0], _blocks(blocks, 18)
     return _iq4_matrix(b[:, 2:].reshape(rows, cols // 2), _half(b[:, :2]).reshape(rows, -1))
 
 
 def _iq4_xs_iq4(blocks: np.ndarray, cols: int) -> QuantMatrix:
+    # Super-block of 256 (136 bytes): d fp16, scales_h uint16, scales_l[4], then 8 x 16 bytes of nibbles as
+    # IQ4_NL's; w = d · (ls − 32) · table[nibble] (ggml's dequantize_row_iq4_xs).
     rows, b = blocks.shape[0], _blocks(blocks, 136)
     return _iq4_matrix(b[:, 8:].reshape(rows, cols // 2), _iq4_xs_scales(b).reshape(rows, -1))
 
@@ -234,22 +226,14 @@ def _iq4_matrix(nibbles: np.ndarray, scale: np.ndarray) -> QuantMatrix:
 
 
 def _iq4_xs_scales(b: np.ndarray) -> np.ndarray:
-    """IQ4_XS super-blocks [n, 136] → float32 [n, 8]: each 32-block's d · (ls − 32) (exact in float32)."""
+    """IQ4_XS super-blocks [n, 136] → float32 [n, 8]: each 32-block's d · (ls − 32) (exact in float32), block
+    i's 6-bit ls = low nibble i of scales_l (byte i / 2) | bits 2i, 2i + 1 of scales_h << 4."""
     d = _half(b[:, :2]).astype(np.float32)
     sh = np.ascontiguousarray(b[:, 2:4]).view(np.uint16).astype(np.int32)
     i = np.arange(8)
     low = (b[:, 4 + i // 2].astype(np.int32) >> (4 * (i % 2))) & 0x0F
     ls = low | (((sh >> (2 * i)) & 3) << 4)
     return d * (ls - 32).astype(np.float32)
-
-
-def _iq4_xs(blocks: np.ndarray, cols: int) -> QuantMatrix:
-    # Super-block of 256 (136 bytes): d fp16, scales_h uint16, scales_l[4], then 8 x 16 bytes of nibbles as
-    # IQ4_NL's. Block i's 6-bit ls = low nibble i of scales_l (byte i / 2) | bits 2i, 2i + 1 of scales_h << 4;
-    # w = d · (ls − 32) · table[nibble] (ggml's dequantize_row_iq4_xs). d · (ls − 32) is exact in float32.
-    rows, b = blocks.shape[0], _blocks(blocks, 136)
-    q = _iq4_values(b[:, 8:].reshape(-1, 8, 16))
-    return _matrix("q8", q.reshape(rows, cols), _iq4_xs_scales(b).reshape(rows, -1), None)
 
 
 def _q4_0(blocks: np.ndarray, cols: int) -> QuantMatrix:
@@ -358,8 +342,11 @@ def _k_quant(b: np.ndarray, rows: int, cols: int, nibbles_at: int, high: np.ndar
 
 _EXACT = {(_T.Q8_0, "q8"): _q8_0, (_T.Q5_0, "q8"): _q5_0, (_T.Q5_0, "q5"): _q5_0_q5, (_T.Q4_0, "q4"): _q4_0,
           (_T.Q4_1, "q4"): _q4_1, (_T.Q4_K, "q4"): _q4_k, (_T.Q5_1, "q5"): _q5_1_q5, (_T.Q5_K, "q5"): _q5_k,
-          (_T.Q6_K, "q6"): _q6_k, (_T.Q3_K, "q6"): _q3_k, (_T.IQ4_NL, "q8"): _iq4_nl, (_T.IQ4_XS, "q8"): _iq4_xs,
-          (_T.IQ4_NL, "iq4"): _iq4_nl_iq4, (_T.IQ4_XS, "iq4"): _iq4_xs_iq4}
+          (_T.Q6_K, "q6"): _q6_k, (_T.Q3_K, "q6"): _q3_k,
+          (_T.IQ4_NL, "iq4"): _iq4_nl_iq4, (_T.IQ4_XS, "iq4"): _iq4_xs_iq4,
+          # --quantization q8: the table applied to the same nibbles (exact)
+          (_T.IQ4_NL, "q8"): lambda b, c: qf.iq4_as_q8(_iq4_nl_iq4(b, c)),
+          (_T.IQ4_XS, "q8"): lambda b, c: qf.iq4_as_q8(_iq4_xs_iq4(b, c))}
 
 
 def _matrix(fmt: QuantFormat, qs: np.ndarray, scale: np.ndarray, offset: np.ndarray | None,
