@@ -56,15 +56,22 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from tokenmill.layers.quant_bits import (
+    BLOCK,
+    HIGH_BYTES,
+    ROW_GROUP,
+    pack_high,
+    pack_nibbles,
+    unpack_high,
+    unpack_nibbles,
+)
+
 QuantFormat = Literal["q8", "q4", "q5", "q6", "iq4"]
 QUANT_FORMATS: tuple[QuantFormat, ...] = ("q8", "q4", "q5")  # `--quantization` modes (any float matrix rounds to them)
 PACKED_FORMATS: tuple[QuantFormat, ...] = (*QUANT_FORMATS, "q6", "iq4")  # q6, iq4: GGUF blocks only (Q6_K/Q3_K, IQ4_*)
-BLOCK = 32
-ROW_GROUP = 8  # output rows interleaved per group (the kernel's 8 int32 lanes)
 # 16-byte chunks per (group, block), each 8 rows x 2 bytes: q8 16 (a column pair of int8 per row),
 # q4 and q5 8 (two column pairs per row, in the bytes' low and high nibbles).
 _PAIRS: dict[str, int] = {"q8": 16, "q4": 8, "q5": 8, "q6": 8, "iq4": 8}
-HIGH_BYTES = 32  # q5's fifth-bit plane per (group, block): 8 chunks x 2 nibble halves x uint16 (q6: two planes)
 SUPER = 8  # blocks per two-level super-block (Q4_K's 256 weights)
 QUANT_LAYOUT_VERSION = 6  # bump when packed bytes change meaning: it keys the on-disk cache (loading/repack_cache.py)
 @dataclass(frozen=True, slots=True)
@@ -109,7 +116,7 @@ class QuantMatrix:
         """float32 [rows, cols]: the weights the kernel multiplies by."""
         rm = row_major(self)
         nb = rm.scale.shape[1]
-        q = rm.qs if self.fmt == "q8" else _unpack_q4(rm.qs)
+        q = rm.qs if self.fmt == "q8" else unpack_nibbles(rm.qs)
         if self.fmt == "iq4":  # w = scale * T[q]
             w = self.high[q.long()].reshape(self.rows, nb, BLOCK).float() * rm.scale.float().unsqueeze(-1)
             return w.reshape(self.rows, self.cols)
@@ -156,19 +163,19 @@ def interleave(fmt: QuantFormat, qs: torch.Tensor, scale: torch.Tensor, offset: 
     for q5's fifth bits, of bits)."""
     rows, nb = scale.shape
     qs, scale = _pad(qs, rows), _pad(scale, rows)
-    offset = None if offset is None else _pad(offset, rows)
-    high = high if high is None or fmt == "iq4" else _pad(high, rows)  # iq4's is its table, not rows
     groups = qs.shape[0] // ROW_GROUP
     if fmt == "iq4":  # high: the table itself, not per row
         if high is None or high.dtype != torch.int8 or high.numel() != 16 or offset is not None:
             raise ValueError("iq4 takes its 16-entry int8 table as high, and no offset")
         return QuantMatrix(fmt, _interleaved_qs(qs, fmt, groups, nb), _by_group(scale, groups), torch.empty(0), rows,
                            high.contiguous())
+    offset = None if offset is None else _pad(offset, rows)
+    high = None if high is None else _pad(high, rows)
     if (fmt == "q5") != (high is not None):
         raise ValueError("q5, and only q5, has fifth bits")
     return QuantMatrix(fmt, _interleaved_qs(qs, fmt, groups, nb), _by_group(scale, groups),
                        torch.empty(0) if offset is None else _by_group(offset, groups), rows,
-                       _EMPTY_U8 if high is None else _pack_high(high, groups, nb))
+                       _EMPTY_U8 if high is None else pack_high(high, groups, nb))
 
 
 def interleave_q6(qs: torch.Tensor, scale: torch.Tensor, d: torch.Tensor, high: torch.Tensor) -> QuantMatrix:
@@ -184,8 +191,8 @@ def interleave_q6(qs: torch.Tensor, scale: torch.Tensor, d: torch.Tensor, high: 
         raise ValueError("q6 needs K a multiple of 256")
     qs, scale, d, high = _pad(qs, rows), _pad(scale, rows), _pad(d, rows), _pad(high, rows)
     groups = qs.shape[0] // ROW_GROUP
-    planes = torch.stack([_pack_high(high & 1, groups, nb).view(groups, nb, HIGH_BYTES),
-                          _pack_high(high >> 1, groups, nb).view(groups, nb, HIGH_BYTES)], dim=2)
+    planes = torch.stack([pack_high(high & 1, groups, nb).view(groups, nb, HIGH_BYTES),
+                          pack_high(high >> 1, groups, nb).view(groups, nb, HIGH_BYTES)], dim=2)
     return QuantMatrix("q6", _interleaved_qs(qs, "q6", groups, nb), _by_group(scale, groups), torch.empty(0), rows,
                        planes.reshape(groups, nb * 2 * HIGH_BYTES).contiguous(),
                        _by_group(d.to(torch.float16), groups).unsqueeze(0))
@@ -219,25 +226,6 @@ def _pairs_as_int16(qs: torch.Tensor) -> torch.Tensor:
     return qs.contiguous().view(torch.int16)
 
 
-def _pack_high(high: torch.Tensor, groups: int, nb: int) -> torch.Tensor:
-    # Column j of a block = 16 h + 2 c + e (h: low or high nibble, c: chunk, e: column of the pair):
-    # [G, r, nb, h, c, e] → [G, nb, c, h, (r, e)], then the 16 bits (r, e) into one uint16.
-    bits = high.reshape(groups, ROW_GROUP, nb, 2, 8, 2).permute(0, 2, 4, 3, 1, 5).reshape(groups, nb, 8, 2, 16)
-    weights = torch.tensor([1 << i for i in range(16)], dtype=torch.int32)
-    words = (bits.to(torch.int32) * weights).sum(-1)  # [G, nb, c, h] in [0, 2^16)
-    lo, hi = (words & 0xFF).to(torch.uint8), (words >> 8).to(torch.uint8)
-    return torch.stack([lo, hi], dim=-1).reshape(groups, nb * HIGH_BYTES).contiguous()
-
-
-def _unpack_high(plane: torch.Tensor, nb: int) -> torch.Tensor:
-    groups = plane.shape[0]
-    words = plane.reshape(groups, nb, 8, 2, 2).to(torch.int32)
-    words = words[..., 0] | (words[..., 1] << 8)  # [G, nb, c, h]
-    bits = (words.unsqueeze(-1) >> torch.arange(16, dtype=torch.int32)) & 1  # [G, nb, c, h, (r, e)]
-    bits = bits.reshape(groups, nb, 8, 2, ROW_GROUP, 2).permute(0, 4, 1, 3, 2, 5)  # [G, r, nb, h, c, e]
-    return bits.reshape(groups * ROW_GROUP, nb * BLOCK).to(torch.uint8)
-
-
 def row_major(mat: QuantMatrix) -> RowMajor:
     """interleave's inverse, padding rows dropped (two-level lanes come back as their float32 values)."""
     mat = expand_lanes(mat)
@@ -253,17 +241,17 @@ def row_major(mat: QuantMatrix) -> RowMajor:
         sc, d = _by_row(mat.scale, groups), _by_row(mat.supers[0], groups)
         lanes = sc.float() * d.float().repeat_interleave(2 * SUPER, dim=1)  # exact: int8 x fp16
         planes = mat.high.reshape(groups, nb, 2, HIGH_BYTES)
-        bit4, bit5 = (_unpack_high(planes[:, :, i].reshape(groups, -1), nb) for i in (0, 1))
+        bit4, bit5 = (unpack_high(planes[:, :, i].reshape(groups, -1), nb) for i in (0, 1))
         return RowMajor(qs[:mat.rows], lanes[:mat.rows], None, (bit4 | (bit5 << 1))[:mat.rows])
     offset = rows_of(mat.offset) if mat.offset.numel() else None
-    high = _unpack_high(mat.high, nb)[:mat.rows] if mat.fmt == "q5" else mat.high if mat.fmt == "iq4" else None
+    high = unpack_high(mat.high, nb)[:mat.rows] if mat.fmt == "q5" else mat.high if mat.fmt == "iq4" else None
     return RowMajor(qs[:mat.rows], rows_of(mat.scale), offset, high)
 
 
 def iq4_as_q8(mat: QuantMatrix) -> QuantMatrix:
     """An iq4 matrix with its table applied: q8 of the same int8 values and scales (exact; 2x the bytes)."""
     rm = row_major(mat)
-    return interleave("q8", mat.high[_unpack_q4(rm.qs).long()], rm.scale, None)
+    return interleave("q8", mat.high[unpack_nibbles(rm.qs).long()], rm.scale, None)
 
 
 def two_level(mat: QuantMatrix, scale_d: torch.Tensor, offset_d: torch.Tensor) -> QuantMatrix:
@@ -395,16 +383,3 @@ def _fp16_lanes(values: torch.Tensor, up: bool) -> torch.Tensor:
     off = half.float() < values if up else half.float() > values
     toward = torch.full_like(half, float("inf") if up else float("-inf"))
     return torch.where(off, torch.nextafter(half, toward), half)
-
-
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """[rows, cols] values < 16 → q4's bytes, w(j) | w(j + 16) << 4 per 32-block."""
-    rows, cols = q.shape
-    blocks = q.reshape(rows, cols // BLOCK, BLOCK)
-    return (blocks[..., :16] | (blocks[..., 16:] << 4)).reshape(rows, cols // 2).contiguous()
-
-
-def _unpack_q4(qs: torch.Tensor) -> torch.Tensor:
-    rows = qs.shape[0]
-    blocks = qs.reshape(rows, -1, 16)
-    return torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).reshape(rows, -1)
