@@ -282,8 +282,8 @@ inline __m256i bcast_pair(const int16_t* p) {                                   
   std::memcpy(&v, p, sizeof v);                                                                                        \
   return _mm256_set1_epi32(v);                                                                                         \
 }                                                                                                                      \
-/* kByteBits' decode (AVX2): chunk c's 16 bytes as 32 nibble bytes, bytes 0-15 its low nibbles (lo's lanes),  \
-   16-31 its high ones... */                                                                                          \
+/* Byte-level decode (iq4's, and q5/q6's where kByteBits): chunk c's 16 bytes as 32 nibble bytes, bytes 0-15 its \
+   low nibbles (lo's lanes), 16-31 its high ones... */                                                                \
 inline __m256i nibble_bytes(const uint8_t* p) {                                                                        \
   const __m256i r = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));                 \
   return _mm256_and_si256(_mm256_srlv_epi64(r, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));               \
@@ -303,10 +303,12 @@ inline __m256i bit_bytes(const uint8_t* words, int8_t bit) {                    
 inline __m256i iq4_table(const Weights& w) {                                                                           \
   return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.high)));                       \
 }                                                                                                                      \
-/* Bytes 0-15 and 16-31 widened to the int16 lanes of lo and hi. */                                                   \
+/* Bytes 0-15 and 16-31 widened to the int16 lanes of lo and hi (sign- or zero-extended). */                           \
+template <bool Signed>                                                                                                 \
 inline void widen_halves(__m256i q, __m256i& lo, __m256i& hi) {                                                        \
-  lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q));                                                                \
-  hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1));                                                           \
+  const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);                                  \
+  lo = Signed ? _mm256_cvtepi8_epi16(q0) : _mm256_cvtepu8_epi16(q0);                                                   \
+  hi = Signed ? _mm256_cvtepi8_epi16(q1) : _mm256_cvtepu8_epi16(q1);                                                   \
 }                                                                                                                      \
 /* Chunk c of a q4/q5 block: 16 bytes → its low and high nibbles as int16 (c's pairs and c + 8's), q5's                \
    fifth bits added: lane i of lo (hi) gets 16 where bit i of its mask word is set. */                                 \
@@ -314,13 +316,11 @@ template <bool Q5, bool IQ = false>                                             
 inline void unpack_chunk(const Weights& w, const uint8_t* blk, int64_t g, int64_t b, int c, __m256i low, __m256i& lo,  \
                          __m256i& hi) {                                                                                \
   if constexpr (IQ) {  /* iq4: the table's int8 at each nibble byte, sign-extended */                                 \
-    const __m256i v = _mm256_shuffle_epi8(iq4_table(w), nibble_bytes(blk + 16 * c));                                  \
-    lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));                                                              \
-    hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));                                                         \
+    widen_halves<true>(_mm256_shuffle_epi8(iq4_table(w), nibble_bytes(blk + 16 * c)), lo, hi);                        \
     return;                                                                                                            \
   }                                                                                                                    \
   if constexpr (Q5 && kByteBits) {                                                                                               \
-    widen_halves(_mm256_or_si256(nibble_bytes(blk + 16 * c), bit_bytes(w.high_block(g, b) + 4 * c, 16)), lo, hi);     \
+    widen_halves<false>(_mm256_or_si256(nibble_bytes(blk + 16 * c), bit_bytes(w.high_block(g, b) + 4 * c, 16)), lo, hi); \
     return;                                                                                                            \
   }                                                                                                                    \
   const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * c)));           \
@@ -433,9 +433,7 @@ void tile6(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, in
       if constexpr (kByteBits) {  /* q - 32 formed as bytes, then sign-extended */                                    \
         const __m256i q = _mm256_or_si256(_mm256_or_si256(nibble_bytes(blk + 16 * c), bit_bytes(hb + 4 * c, 16)),     \
                                           bit_bytes(hb + 32 + 4 * c, 32));                                             \
-        const __m256i s = _mm256_sub_epi8(q, _mm256_set1_epi8(32));                                                    \
-        lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(s));                                                          \
-        hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(s, 1));                                                     \
+        widen_halves<true>(_mm256_sub_epi8(q, _mm256_set1_epi8(32)), lo, hi);                                          \
       } else {                                                                                                         \
         const __m256i raw = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * c)));     \
         uint32_t w4, w5;                                                                                               \
@@ -1021,7 +1019,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TM_CAPI_ENTRY(api, PlanForwardOut, plan_forward_out);
     return api;
   }, "the entry points as C function pointers (c_api.h), for stack_kernels.cpp");
-  m.def("quant_linear", &quant_linear, "y = x W^T for interleaved q8/q4/q5/q6 block-quantized W, int16 activations (CPU)",
+  m.def("quant_linear", &quant_linear, "y = x W^T for interleaved q8/q4/q5/q6/iq4 block-quantized W, int16 activations (CPU)",
         pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("rows"),
         pybind11::arg("passes"), pybind11::arg("isa"), pybind11::arg("highs") = std::vector<at::Tensor>{},
         pybind11::arg("amx_rows") = -1, pybind11::arg("bf16_rows") = -1, pybind11::arg("duo_rows") = -1,
