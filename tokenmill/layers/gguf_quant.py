@@ -63,7 +63,8 @@ Q5_0_ENV = "TOKENMILL_Q5_0"
 # Zen 5's avx512vnni path, whose duo and 512-bit q6 tiles decode the two extra bits under the stream
 # (Qwen2.5-Coder-1.5B against q8 in one build: batch 1 1.05-1.15x, batch 16 1.07x, a 512-token prefill
 # 0.98x; docs/quantization.md). Elsewhere q6 has only the 256-bit tiles: through the AVX2 path on the same
-# CPU batch 1 ran 0.75x. $TOKENMILL_Q6_K = q6 | q8 overrides (A/B runs).
+# CPU batch 1 ran 0.75x of q8, 0.915x after the byte-level decode (avx2::kByteBits). $TOKENMILL_Q6_K = q6 | q8
+# overrides (A/B runs).
 Q6_K_ENV = "TOKENMILL_Q6_K"
 # Q5_1 and Q5_K (Q5_K_M files) stay at 5 bits everywhere: q8 would be a second rounding and 1.6x the
 # file's bytes (1.125 bytes a weight against 0.69), past the 1.2x resident-memory budget; speed against q8
