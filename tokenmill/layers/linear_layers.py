@@ -1,5 +1,5 @@
 """The Linear objects: y = x Wᵀ + b for one (maybe row-fused) weight matrix, owning its storage and
-its kernel. `DenseLinear`: a float matrix and dense_kernels.py's pick; `QuantLinear`: packed q8/q4/q5/q6
+its kernel. `DenseLinear`: a float matrix and dense_kernels.py's pick; `QuantLinear`: packed q8/q4/q5/q6/iq4
 segments (quant_formats.py) and one native QuantPlan call for all of them. layers/linear.py chooses
 and builds them (`build_linear`); models hold them.
 """
