@@ -25,7 +25,8 @@ copies every tensor to bytes (a second GB at peak) and `safe_open` copies each t
 
     header "__metadata__" {"tokenmill": JSON {"key": {...}, "source": path, "entries": {entry: [fmt, ...]}}}
     entry  = "<name>,<name>,...@<method>+<method>"       one linear layer: its checkpoint names and methods
-    tensor = "<entry>#<segment>.qs" | ".scale" | ".offset" (q4; q5 from Q5_1, Q5_K) | ".high" (q5, q6; iq4: its table) | ".supers"
+    tensor = "<entry>#<segment>.qs" | ".scale" | ".offset" (q4; q5 from Q5_1, Q5_K) | ".supers"
+             | ".high" (q5, q6; iq4: its table)
     order  = every qs first, from a 64-byte aligned data start (aligned as a model's qs sizes are multiples
              of 64), then the float32s
 
