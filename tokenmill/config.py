@@ -186,8 +186,11 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" or "priority" (orders requests within a service class)
     enable_chunked_prefill: bool = True
     service_classes: ServiceClassConfig = field(default_factory=ServiceClassConfig)
+    # Schedule step N + 1 while step N runs (engine/pipeline.py): "auto" (on CUDA), "on" or "off".
+    async_scheduling: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.async_scheduling in ("auto", "on", "off"), "async_scheduling must be auto, on or off")
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
         _require(self.max_num_seqs > 0, "max_num_seqs must be positive")
         _require(self.policy in ("fcfs", "priority"), "policy must be 'fcfs' or 'priority'")
@@ -307,6 +310,10 @@ class EngineConfig:
     # CPU engines run fewer compute threads while other processes take some of their CPUs
     # (engine/cpu_share.py): one busy process beside a 2-thread engine made its steps 2.6x slower.
     adapt_threads: bool = True
+
+    def __post_init__(self) -> None:
+        _require(not (self.scheduler.async_scheduling == "on" and self.speculative.method is not None),
+                 "async scheduling does not combine with speculative decoding: use --async-scheduling auto or off")
 
 
 _LOG_REQUEST_MODES = ("off", "meta", "ids", "ids+text")

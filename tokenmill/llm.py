@@ -39,20 +39,22 @@ class LLM:
                  enable_chunked_prefill: bool = True, seed: int = 0, num_threads: int | None = None,
                  gemm_backend: str = "auto", attention_backend: str = "auto", kv_cache_dtype: str = "auto",
                  quantization: str = DEFAULT_QUANTIZATION, amx_bf16: bool = False, enforce_eager: bool = False,
-                 compile: str | bool = "auto",
+                 compile: str | bool = "auto", async_scheduling: str = "auto",
                  speculative: str | None = None,
                  draft_model: str | None = None, draft_quantization: str | None = None, draft_vocab: int | None = None,
                  num_speculative_tokens: int = 0, ngram_min: int = 1, ngram_max: int = 4,
                  profile: int | ProfileConfig | None = None, adapt_threads: bool = True) -> None:
         """`profile`: N steps (or a ProfileConfig) to profile, written to ./tokenmill-profile (docs/performance.md).
         `compile`: "auto", "on"/True, "off"/False: torch.compile of the decoder stack (models/compiled.py).
-        `adapt_threads`: run fewer compute threads while other processes take some of the CPUs (engine/cpu_share.py)."""
+        `adapt_threads`: run fewer compute threads while other processes take some of the CPUs (engine/cpu_share.py).
+        `async_scheduling`: "auto" (on CUDA), "on", "off": schedule step N + 1 while step N runs (engine/pipeline.py)."""
         self.config = EngineConfig(
             ModelConfig(model, dtype, device, max_model_len, seed, gemm_backend, attention_backend, quantization,
                         amx_bf16, enforce_eager, compile_mode(compile)),
             CacheConfig(block_size, num_kv_blocks, kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
                         kv_cache_dtype=kv_cache_dtype),
-            SchedulerConfig(max_num_batched_tokens, max_num_seqs, policy, enable_chunked_prefill),
+            SchedulerConfig(max_num_batched_tokens, max_num_seqs, policy, enable_chunked_prefill,
+                            async_scheduling=async_scheduling),
             num_threads,
             SpeculativeConfig(speculative, num_speculative_tokens, ngram_min, ngram_max, draft_model,
                               draft_quantization, draft_vocab=draft_vocab),

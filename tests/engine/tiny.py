@@ -105,11 +105,12 @@ _BUILDERS = {"llama": _llama, "qwen2": _qwen2, "gemma3": _gemma3}
 
 def make_core(model: TinyModel, *, block_size: int = 4, num_blocks: int = 256, max_num_batched_tokens: int = 2048,
               max_num_seqs: int = 64, enable_prefix_caching: bool = True, policy: str = "fcfs",
-              max_model_len: int | None = None, seed: int = 0) -> EngineCore:
+              max_model_len: int | None = None, seed: int = 0, async_scheduling: str = "auto") -> EngineCore:
     config = EngineConfig(
         ModelConfig("tiny", dtype="float32", device="cpu", max_model_len=max_model_len, seed=seed),
         CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching),
-        SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, policy=policy),
+        SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, policy=policy,
+                        async_scheduling=async_scheduling),
     )
     return EngineCore(config, model.arch, model.state_dict)
 

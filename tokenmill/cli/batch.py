@@ -54,6 +54,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {"dtype": args.dtype, "device": args.device, "seed": args.seed, "kv_cache_dtype": args.kv_cache_dtype,
             "quantization": args.quantization, "amx_bf16": args.amx_bf16,
             "enforce_eager": args.enforce_eager, "compile": compile_mode(args.compile),
+            "async_scheduling": args.async_scheduling,
             "enable_prefix_caching": not args.no_prefix_caching, **kwargs}
 
 

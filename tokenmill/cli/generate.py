@@ -56,6 +56,7 @@ def run_generate(args: argparse.Namespace) -> int:
               num_threads=args.threads, gemm_backend=args.gemm_backend, attention_backend=args.attention_backend,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
               amx_bf16=args.amx_bf16, enforce_eager=args.enforce_eager, compile=compile_mode(args.compile),
+              async_scheduling=args.async_scheduling,
               **speculative_kwargs(args))
     tokens: str | list[int] = prompt
     if args.chat:

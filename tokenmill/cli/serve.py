@@ -115,6 +115,10 @@ def add_quantization_argument(parser: Any) -> None:
                              "release gate on Qwen2.5-Coder-1.5B; docs/quantization.md)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="CUDA: no CUDA graphs; every decode step launches its kernels from Python")
+    parser.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                        help="schedule and build step N+1 while step N runs on a device thread; auto: on CUDA "
+                             "(on a CPU the host work would take a core from the compute threads; "
+                             "docs/performance.md)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="CPU: torch.compile the decoder stack's glue around the native GEMM and attention "
                              "ops (steps the native decode stack does not take); default: where it measured "
@@ -157,7 +161,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     compile_mode(args.compile)),
         CacheConfig(num_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype),
         SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy,
-                        service_classes=service_class_config(args)),
+                        service_classes=service_class_config(args), async_scheduling=args.async_scheduling),
         num_threads=args.threads,
         speculative=speculative_config(args),
         profile=ProfileConfig(num_steps=args.profile_steps, output_dir=args.profile_dir),

@@ -18,8 +18,10 @@ def hash_block(parent: int, tokens: tuple[int, ...]) -> int:
 
 
 def update_block_hashes(request: Request, block_size: int) -> None:
-    """Extend `request.block_hashes` to cover every full block of its current token ids."""
-    num_full = len(request.token_ids) // block_size
+    """Extend `request.block_hashes` to cover every full block of its current token ids. A pending token
+    (asynchronous scheduling) is no token yet: the block it ends is not hashed until it is known."""
+    num_tokens = len(request.token_ids) - (1 if request.has_pending_token else 0)
+    num_full = num_tokens // block_size
     hashes = request.block_hashes
     parent = hashes[-1] if hashes else _ROOT_HASH
     for i in range(len(hashes), num_full):

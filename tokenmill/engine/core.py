@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -12,9 +13,16 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.cpu_share import build_governor
 from tokenmill.engine.inputs import RequestLimits
-from tokenmill.engine.interfaces import RunnerOutput
+from tokenmill.engine.interfaces import RunnerOutput, SchedulerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block, num_kv_blocks
+from tokenmill.engine.model_runner import ModelRunner, PreparedStep, kv_bytes_per_block, num_kv_blocks
+from tokenmill.engine.pipeline import (
+    InFlight,
+    StepPipeline,
+    async_scheduling_enabled,
+    overlappable,
+    release_openmp_team,
+)
 from tokenmill.engine.profiling import PhaseTimer
 from tokenmill.engine.request import EngineOutput, FinishReason, Request, SamplingParams
 from tokenmill.engine.sampler import Sampler
@@ -78,6 +86,13 @@ class EngineCore:
                  self.runner.kv_cache_bytes / 2**20, kv_spec.bytes_per_token(arch.num_kv_heads, arch.head_dim)
                  * arch.num_layers, arch.num_layers)
         self.governor = build_governor(device, config.adapt_threads)  # compute threads vs other processes
+        # Asynchronous scheduling: every step runs on a device thread, the next one scheduled meanwhile.
+        self.pipeline: StepPipeline | None = None
+        self.overlap_steps = True  # False: every step synchronous on the device thread (benchmarks' A/B)
+        if async_scheduling_enabled(config.scheduler.async_scheduling, device, self.speculator is not None):
+            self.pipeline = StepPipeline(torch.get_num_threads())
+            release_openmp_team()
+            log.info("asynchronous scheduling: step N + 1 is scheduled while step N runs")
         log.info("engine ready: %s, %d KV blocks of %d tokens, context %d, %s on %s",
                  arch.architecture, num_blocks, block_size, self.max_model_len, dtype, device)
 
@@ -123,6 +138,10 @@ class EngineCore:
 
     def reset(self) -> None:
         """Drop every request and all block bookkeeping (the KV tensors and weights stay)."""
+        in_flight = self.pipeline.take() if self.pipeline is not None else None
+        if in_flight is not None:
+            with contextlib.suppress(Exception):  # a failed step is why we reset
+                in_flight.result.result()  # the device thread must be done with the runner's state
         cache = self.config.cache
         self.kv = KVCacheManager(self.kv.num_blocks, cache.block_size, cache.enable_prefix_caching)
         # The step-time fit describes the machine, not the requests: it survives the reset.
@@ -134,32 +153,83 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or (self.pipeline is not None and self.pipeline.in_flight is not None)
 
     def step(self) -> StepResult:
+        pipeline = self.pipeline
+        if pipeline is None:
+            return self._step(self._execute)
+        if self.overlap_steps and not self.timer.enabled and all(
+                overlappable(r) for r in self.scheduler.requests.values()):
+            return self._step_overlapped(pipeline)
+        drained = self._complete(pipeline.take())  # a request that needs its history: one step at a time
+        result = self._step(lambda scheduled: pipeline.call(self._execute, scheduled))
+        result.outputs[:0] = drained
+        return result
+
+    def _execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        """One step's device work, on the thread that owns the compute threads."""
+        if self.governor is not None:
+            self.governor.tick()  # its thread count governs this thread's parallel regions
+        return self.runner.execute(scheduled)
+
+    def _step(self, execute: Callable[[SchedulerOutput], RunnerOutput]) -> StepResult:
         started = time.monotonic()
         timer = self.timer
-        if self.governor is not None:
-            self.governor.tick()  # on the engine thread: the thread count governs its parallel regions
         if self.speculator is not None:
             with timer.phase("propose"):
                 self.speculator.propose(self.scheduler.running)  # proposals ride on the requests into schedule()
         with timer.phase("schedule"):
             scheduled = self.scheduler.schedule()
-        result = self.runner.execute(scheduled) if not scheduled.is_empty else RunnerOutput()
+        result = execute(scheduled) if not scheduled.is_empty else RunnerOutput()
         with timer.phase("update"):
             outputs = self.scheduler.update(scheduled, result)
-        for o in outputs:
-            if o.finished:
-                self.runner.forget(o.request_id)
-                if self.speculator is not None:
-                    self.speculator.forget(o.request_id)
+        self._forget_finished(outputs)
         step_time_s = time.monotonic() - started
         self.scheduler.observe_step(scheduled, step_time_s)  # the SLO-aware scheduler's step-time model
         if self.speculator is not None:
             self.speculator.observe(scheduled.num_tokens, step_time_s)
         return StepResult(outputs, self._stats(scheduled.num_tokens, scheduled.num_preempted, started,
                                                 self.scheduler.step_stats))
+
+    def _step_overlapped(self, pipeline: StepPipeline) -> StepResult:
+        """Schedule and build step N + 1 while step N runs; return step N's outputs (pipeline.py)."""
+        started = time.monotonic()
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            outputs = self._complete(pipeline.take())
+            return StepResult(outputs, self._stats(0, 0, started, self.scheduler.step_stats))
+        prepared = self.runner.prepare(scheduled)
+        previous = pipeline.take()
+        pipeline.in_flight = InFlight(scheduled, pipeline.timed(self._run, prepared))
+        outputs = self._complete(previous)
+        self.scheduler.advance(scheduled)
+        if not self.scheduler.has_work:  # all ended: the running step's rows are thrown away
+            self._complete(pipeline.take())
+        return StepResult(outputs, self._stats(scheduled.num_tokens, scheduled.num_preempted, started,
+                                                self.scheduler.step_stats))
+
+    def _run(self, prepared: PreparedStep) -> RunnerOutput:
+        if self.governor is not None:
+            self.governor.tick()
+        return self.runner.run(prepared)
+
+    def _complete(self, in_flight: InFlight | None) -> list[EngineOutput]:
+        """Wait for a running step and apply its samples to the requests it advanced."""
+        if in_flight is None:
+            return []
+        result, step_time_s = in_flight.result.result()
+        outputs = self.scheduler.update(in_flight.scheduled, result, advanced=True)
+        self._forget_finished(outputs)
+        self.scheduler.observe_step(in_flight.scheduled, step_time_s)
+        return outputs
+
+    def _forget_finished(self, outputs: list[EngineOutput]) -> None:
+        for o in outputs:
+            if o.finished:
+                self.runner.forget(o.request_id)
+                if self.speculator is not None:
+                    self.speculator.forget(o.request_id)
 
     def stats(self) -> StepStats:
         """The gauges as they stand, outside any step (after aborts, or while idle)."""

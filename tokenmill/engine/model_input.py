@@ -12,13 +12,15 @@ calls, not a loop per token.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from tokenmill.engine.input_buffers import PersistentBlockTables
 from tokenmill.engine.interfaces import ScheduledRequest
+from tokenmill.engine.request import PLACEHOLDER
 from tokenmill.layers.attention import AttentionMetadata, GroupMetadata
 
 # Chunks up to this many query tokens attend row by row in the decode group (each row re-reads its
@@ -41,6 +43,9 @@ class ModelInput:
     every_row_sampled: bool = False  # sample_indices is arange(T): the hidden rows need no gather
     graph_key: tuple[int, int] | None = None  # staged in a CUDA graph's static buffers (engine/cuda_graphs.py):
     # replay that graph instead of running the model
+    # (flat row, request id) of each input token that is a PLACEHOLDER: the request's token from the step
+    # still running when this one was built (asynchronous scheduling), filled in before the forward.
+    pending_rows: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -90,6 +95,7 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int, slidin
     ends = np.cumsum(lens)
     sampled_idx = [i for i, s in enumerate(ordered) if s.needs_sample]
     sample_rows = _sample_rows(ordered, sampled_idx, ends)
+    pending = _pending_rows(input_ids, lambda row: ordered[int(np.searchsorted(ends, row, side="right"))])
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(slots).to(device),
         decode=_decode_group(decodes, decode_rows, block_size, sliding_window, device, decode_mask)
@@ -105,7 +111,14 @@ def build_model_input(scheduled: list[ScheduledRequest], block_size: int, slidin
         sampled=[ordered[i] for i in sampled_idx],
         prompt_logprob_offsets=[(s, int(ends[i] - lens[i])) for i, s in enumerate(ordered)
                                 if s.request.params.prompt_logprobs is not None],
+        pending_rows=pending,
     )
+
+
+def _pending_rows(input_ids: np.ndarray, owner: Callable[[int], ScheduledRequest]) -> list[tuple[int, str]]:
+    """(row, request id) of the PLACEHOLDER tokens among `input_ids`; `owner(row)` is the row's request."""
+    rows = np.flatnonzero(input_ids == PLACEHOLDER)
+    return [(int(r), owner(int(r)).request.request_id) for r in rows]
 
 
 @dataclass(slots=True)
@@ -120,6 +133,7 @@ class PlainDecodeArrays:
     seq_lens: np.ndarray  # [n] int64 keys after this step
     table: np.ndarray  # [n, ceil(max seq_len / block_size)] int64, contiguous
     sampled_idx: list[int]  # rows that sample (a plain decode always does, unless a draft model catches up)
+    pending_rows: list[tuple[int, str]] = field(default_factory=list)  # as ModelInput's
 
     @property
     def num_rows(self) -> int:
@@ -150,7 +164,8 @@ def plain_decode_arrays(scheduled: list[ScheduledRequest], block_size: int,
     table = tables.table[rows, :-(-int(seq_lens.max()) // block_size)]  # fancy indexing: a contiguous copy
     slots = table[np.arange(n), starts // block_size] * block_size + starts % block_size
     sampled_idx = [i for i, s in enumerate(scheduled) if s.needs_sample]
-    return PlainDecodeArrays(scheduled, input_ids, starts, slots, seq_lens, table, sampled_idx)
+    return PlainDecodeArrays(scheduled, input_ids, starts, slots, seq_lens, table, sampled_idx,
+                             _pending_rows(input_ids, scheduled.__getitem__))
 
 
 def _plain_decodes(scheduled: list[ScheduledRequest], block_size: int, device: torch.device,
@@ -172,6 +187,7 @@ def _plain_decodes(scheduled: list[ScheduledRequest], block_size: int, device: t
         sampled=sampled,
         prompt_logprob_offsets=prompt_offsets,
         every_row_sampled=every_row,
+        pending_rows=a.pending_rows,
     )
 
 

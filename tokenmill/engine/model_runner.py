@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +15,7 @@ from tokenmill.engine.interfaces import RunnerOutput, SampledTokens, ScheduledRe
 from tokenmill.engine.model_input import (
     MAX_DECODE_QUERY,
     ModelInput,
+    PlainDecodeArrays,
     build_model_input,
     is_plain_decode,
     plain_decode_arrays,
@@ -28,6 +30,17 @@ from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.registry import model_class
 
 log = logging.getLogger(__name__)
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A step's inputs built on the host (`ModelRunner.prepare`), in one of three forms: `inp`, device
+    tensors to run eagerly; `plain` or `rows`, host arrays to stage into a CUDA graph's buffers."""
+
+    out: SchedulerOutput
+    inp: ModelInput | None = None
+    plain: PlainDecodeArrays | None = None
+    rows: ModelInput | None = None
+
 
 def kv_bytes_per_block(arch: ArchConfig, block_size: int, spec: KVCacheSpec) -> int:
     """Keys and values (and their scales, if quantized) of every layer for `block_size` tokens."""
@@ -83,6 +96,7 @@ class ModelRunner:
         # set by the engine core for a draft proposer's controller (engine/spec/controller.py).
         self.track_confidence = False
         self.timer = PhaseTimer(self.device)  # the engine core shares its own (profiling.py)
+        self.last_tokens: dict[str, int] = {}  # each request's last token sampled by `run`: pending tokens' source
         self.tables: PersistentBlockTables | None = None
         if max_num_seqs is not None:
             self.tables = PersistentBlockTables(max_num_seqs, -(-max_model_len // block_size) + 1)
@@ -109,26 +123,51 @@ class ModelRunner:
             self.tables.reset()
 
     def _input(self, out: SchedulerOutput) -> ModelInput:
+        return self._device_input(self.prepare(out))
+
+    def prepare(self, out: SchedulerOutput) -> PreparedStep:
+        """The step's inputs, from the requests' state now: all the host work of a step before the
+        forward. Asynchronous scheduling calls it on the scheduling thread while the previous step
+        runs, so it touches no device buffer another step may be reading: a CUDA graph's static
+        buffers are written by `run`, on the executing thread."""
         fast = self.persistent_inputs and self.tables is not None
         if self.graphs is not None and fast:
-            staged = self._staged(out)
-            if staged is not None:
-                return staged
-        return build_model_input(out.scheduled, self.block_size, self.arch.sliding_window, self.device,
-                                 self.tables if fast else None,
-                                 decode_mask=not fast or self.model.attn.decode_kernel is None)
+            assert self.tables is not None
+            if is_plain_decode(out.scheduled):
+                arrays = plain_decode_arrays(out.scheduled, self.block_size, self.tables)
+                if self.graphs.key_for(arrays.num_rows, arrays.table.shape[1]) is not None:
+                    return PreparedStep(out, plain=arrays)
+            elif all(s.num_new_tokens <= MAX_DECODE_QUERY for s in out.scheduled):
+                host = build_model_input(out.scheduled, self.block_size, self.arch.sliding_window,
+                                         torch.device("cpu"), self.tables, decode_mask=False)
+                if self.graphs.fits_rows(host):
+                    return PreparedStep(out, rows=host)
+            # No graph fits: eager. Building updated the persistent tables idempotently; build again.
+        return PreparedStep(out, inp=build_model_input(
+            out.scheduled, self.block_size, self.arch.sliding_window, self.device, self.tables if fast else None,
+            decode_mask=not fast or self.model.attn.decode_kernel is None))
 
-    def _staged(self, out: SchedulerOutput) -> ModelInput | None:
-        """The step in a graph's static buffers, or None (eager). Building the inputs updates the
-        persistent tables idempotently, so a fallback may build them again."""
-        assert self.graphs is not None and self.tables is not None
-        if is_plain_decode(out.scheduled):
-            return self.graphs.stage(plain_decode_arrays(out.scheduled, self.block_size, self.tables))
-        if all(s.num_new_tokens <= MAX_DECODE_QUERY for s in out.scheduled):
-            host = build_model_input(out.scheduled, self.block_size, self.arch.sliding_window, torch.device("cpu"),
-                                     self.tables, decode_mask=False)
-            return self.graphs.stage_rows(host)
-        return None
+    def _device_input(self, p: PreparedStep) -> ModelInput:
+        """Fill in the pending tokens (the previous step's samples), then stage into a graph's buffers."""
+        if p.plain is not None:
+            assert self.graphs is not None
+            for row, request_id in p.plain.pending_rows:
+                p.plain.input_ids[row] = self.last_tokens[request_id]
+            staged = self.graphs.stage(p.plain)
+            assert staged is not None, "prepare checked that a graph fits"
+            return staged
+        inp = p.rows if p.rows is not None else p.inp
+        assert inp is not None
+        if inp.pending_rows:
+            rows = torch.tensor([row for row, _ in inp.pending_rows], device=inp.input_ids.device)
+            inp.input_ids[rows] = torch.tensor([self.last_tokens[rid] for _, rid in inp.pending_rows],
+                                               dtype=inp.input_ids.dtype, device=inp.input_ids.device)
+        if p.rows is not None:
+            assert self.graphs is not None
+            staged = self.graphs.stage_rows(p.rows)
+            assert staged is not None, "prepare checked that a graph fits"
+            return staged
+        return inp
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """`num_blocks` for the KV cache manager; with CUDA graphs one more, the padding rows' (never handed out)."""
@@ -175,12 +214,19 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(layer.nbytes for layer in self.kv_caches)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one step; sample for every request whose chunk reached its last known token."""
+        with self.timer.phase("build_input"):
+            prepared = self.prepare(out)
+        return self.run(prepared)
+
+    @torch.inference_mode()
+    def run(self, prepared: PreparedStep) -> RunnerOutput:
+        """Execute a prepared step: the device work (forward, logits, sampling). Steps run in the order
+        they were prepared, each after the one before it ended (its samples fill the pending tokens)."""
         timer = self.timer
         with timer.phase("build_input"):
-            inp = self._input(out)
+            inp = self._device_input(prepared)
         if timer.enabled:
             timer.shape = _shape(inp)
         with timer.phase("sample"):
@@ -203,6 +249,7 @@ class ModelRunner:
                                       for r, (token, logprob) in zip(requests, samples, strict=True)}
                 if self.track_confidence:
                     self._attach_confidences(logits, inp, result.sampled)
+        self.last_tokens = {rid: tokens.token_ids[-1] for rid, tokens in result.sampled.items()}
         return result
 
     @staticmethod

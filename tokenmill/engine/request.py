@@ -15,6 +15,12 @@ if TYPE_CHECKING:
     import torch
 
 
+# Asynchronous scheduling (engine/pipeline.py): the token of a step still running, appended to
+# token_ids when the next step is scheduled and replaced by the real token when the step's result
+# arrives. No vocabulary id is negative, so it can never pass for a token.
+PLACEHOLDER = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -191,6 +197,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def has_pending_token(self) -> bool:
+        """Its last token is a step's still running (asynchronous scheduling): known on the device, not yet here."""
+        return bool(self.token_ids) and self.token_ids[-1] == PLACEHOLDER
 
 
 @dataclass(slots=True)

@@ -36,7 +36,7 @@ from tokenmill.engine.class_scheduling import ClassScheduling, TokenCap
 from tokenmill.engine.interfaces import RunnerOutput, SampledTokens, ScheduledRequest, SchedulerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.policy import RequestQueue, build_policy
-from tokenmill.engine.request import EngineOutput, FinishReason, Request, RequestStatus, TokenLogprob
+from tokenmill.engine.request import PLACEHOLDER, EngineOutput, FinishReason, Request, RequestStatus, TokenLogprob
 from tokenmill.engine.service_class import ServiceClass
 from tokenmill.engine.stats import ClassStepStats
 from tokenmill.engine.step_time import OnlineStepTimeModel, StepTimeModel
@@ -136,6 +136,8 @@ class Scheduler(ClassScheduling):
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if request.has_pending_token and self._ends_with_pending(request):
+                continue  # its running step is its last: a row for it now would be thrown away
             allowed = budget
             if cap is not None:
                 if len(out.scheduled) >= self.config.max_num_seqs:
@@ -159,6 +161,12 @@ class Scheduler(ClassScheduling):
             scheduled_ids.add(request.request_id)
             budget -= num_new
         return budget
+
+    def _ends_with_pending(self, request: Request) -> bool:
+        """The pending token ends the request whatever it is (max_tokens or the context)."""
+        max_tokens = request.params.max_tokens
+        return ((max_tokens is not None and request.num_output_tokens >= max_tokens)
+                or request.num_tokens >= self.max_model_len)
 
     def _spec_tokens(self, request: Request, remaining: int, budget: int) -> list[int]:
         """The request's proposals that fit: the budget after its known tokens, the context, and
@@ -213,7 +221,11 @@ class Scheduler(ClassScheduling):
 
     def _first_chunk(self, request: Request, allowed: int) -> tuple[list[int], int, int] | None:
         """(cached blocks, tokens they cover, tokens to compute now) for a waiting request within
-        `allowed` tokens, or None when its prompt must go whole and does not fit (no chunked prefill)."""
+        `allowed` tokens, or None when its prompt must go whole and does not fit (no chunked prefill), or
+        when it was preempted with a step still running (asynchronous scheduling): it waits for that
+        step's token, since a prefill needs every input token and the prefix cache every block's."""
+        if request.has_pending_token:
+            return None
         cached = self.kv.find_cached_prefix(request)
         num_computed = len(cached) * self.kv.block_size
         num_new = request.num_tokens - num_computed
@@ -235,15 +247,32 @@ class Scheduler(ClassScheduling):
         return ScheduledRequest(request, request.num_computed_tokens, num_new,
                                 self.kv.block_tables[request.request_id], spec or [])
 
-    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[EngineOutput]:
-        """Advance computed counts, append sampled tokens, finish requests that stop."""
+    def advance(self, out: SchedulerOutput) -> None:
+        """Asynchronous scheduling: apply a step that is running but whose result is not here yet, so
+        the next step can be scheduled meanwhile. Computed counts move on; a request that samples gets
+        a PLACEHOLDER token, which the next step's input takes from this step's result on the executing
+        thread and `update(..., advanced=True)` replaces. No proposals here (speculation runs in step)."""
+        for s in out.scheduled:
+            request = s.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # its step ends it (update finished it) or it was aborted: the row is thrown away
+            samples = s.needs_sample  # before num_computed_tokens moves
+            request.num_computed_tokens += s.num_new_tokens
+            if samples:
+                request.token_ids.append(PLACEHOLDER)
+
+    def update(self, out: SchedulerOutput, result: RunnerOutput, advanced: bool = False) -> list[EngineOutput]:
+        """Advance computed counts, append sampled tokens, finish requests that stop. `advanced`: the
+        step went through `advance` (its counts moved; each sampled token replaces its placeholder), and
+        a request preempted since still takes its token (it was sampled from valid KV)."""
         outputs = []
         now = time.monotonic()
         self.step_stats = StepTokenStats(classes=self.last_plan)
         for s in out.scheduled:
             request = s.request
-            if request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if request.status is not RequestStatus.RUNNING and not (
+                    advanced and request.status is RequestStatus.PREEMPTED and request.has_pending_token):
+                continue  # aborted (or finished) while the step ran
             start = s.num_computed_tokens
             end = min(start + s.num_new_tokens, request.num_prompt_tokens)
             self.step_stats.num_prompt_tokens += max(0, end - start)
@@ -253,11 +282,17 @@ class Scheduler(ClassScheduling):
                 num_accepted = len(sampled.token_ids) - 1 if sampled is not None else 0
                 num_rejected = len(s.spec_token_ids) - num_accepted
                 self._record_spec(request, len(s.spec_token_ids), num_accepted)
-            # Rejected proposals' KV is garbage: computed stops after the last accepted one, so
-            # commit_computed below publishes verified blocks only.
-            request.num_computed_tokens += s.num_new_tokens - num_rejected
+            if advanced:
+                if sampled is not None:
+                    assert request.token_ids[-1] == PLACEHOLDER, "one step in flight per request"
+                    request.token_ids.pop()
+            else:
+                # Rejected proposals' KV is garbage: computed stops after the last accepted one, so
+                # commit_computed below publishes verified blocks only.
+                request.num_computed_tokens += s.num_new_tokens - num_rejected
             request.prompt_logprobs.extend(result.prompt_logprobs.get(request.request_id, []))
-            self.kv.commit_computed(request)
+            if request.status is RequestStatus.RUNNING:
+                self.kv.commit_computed(request)
             if sampled is not None:
                 outputs.append(self._append_tokens(request, sampled, now))
                 if s.spec_token_ids and request.status is RequestStatus.RUNNING:

@@ -1,0 +1,199 @@
+"""Asynchronous scheduling (engine/pipeline.py): step N + 1 is scheduled and built while step N runs.
+
+The tokens must be those of the synchronous engine whatever the scheduler does meanwhile: chunked
+prefill, prefix-cache hits, preemption of a request whose token is still pending, a stop token that
+ends a request whose next row was already submitted, aborts, and requests that force one step at a time.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from tests.engine.test_engine_invariants import PARAMS, PROMPTS, _check_pool, _random_params
+from tests.engine.tiny import (
+    ARCH_NAMES,
+    ArchName,
+    assert_all_free,
+    greedy,
+    make_core,
+    random_prompts,
+    run_to_completion,
+    tiny_model,
+)
+from tokenmill.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.engine.block_hash import update_block_hashes
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.request import PLACEHOLDER, Request, SamplingParams
+from tokenmill.errors import TokenmillError
+
+
+def _run(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams],
+         eos: tuple[int, ...] = ()) -> list[list[int]]:
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        core.add_request(str(i), prompt, p, eos)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    for _ in range(5_000):
+        if not core.has_unfinished:
+            break
+        for out in core.step().outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+        _check_pool(core)
+    assert not core.has_unfinished, "engine still busy after 5,000 steps"
+    return [tokens[str(i)] for i in range(len(prompts))]
+
+
+def _overlapped_steps(core: EngineCore) -> list[int]:
+    """Counts the steps that overlapped (in a list, so the test can read it after the run)."""
+    count = [0]
+    inner = core._step_overlapped
+
+    def counted(pipeline):  # type: ignore[no-untyped-def]
+        count[0] += 1
+        return inner(pipeline)
+
+    core._step_overlapped = counted  # type: ignore[method-assign]
+    return count
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+@pytest.mark.parametrize("setting", [{}, {"max_num_batched_tokens": 7}, {"num_blocks": 16},
+                                     {"num_blocks": 14, "max_num_batched_tokens": 5, "max_num_seqs": 6}],
+                         ids=["batched", "chunked", "preempting", "preempting-chunked"])
+def test_greedy_tokens_equal_the_synchronous_engine(arch: ArchName, setting: dict[str, int]) -> None:
+    model = tiny_model(arch)
+    expected = run_to_completion(make_core(model, async_scheduling="off", **setting), PROMPTS, PARAMS)
+    core = make_core(model, async_scheduling="on", **setting)
+    overlapped = _overlapped_steps(core)
+    assert _run(core, PROMPTS, PARAMS) == expected
+    assert overlapped[0] > 10
+    if "num_blocks" in setting:
+        assert core.scheduler.stats.num_preemptions > 0
+    assert_all_free(core)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_stop_tokens_end_requests_whose_next_row_was_submitted(arch: ArchName) -> None:
+    """EOS and stop ids are only known after the step; the row scheduled meanwhile is thrown away."""
+    model = tiny_model(arch)
+    free_run = run_to_completion(make_core(model), PROMPTS, [greedy(12)] * len(PROMPTS))
+    eos = (free_run[0][3],)  # a token the first request emits fourth: it ends there
+    params = [SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[t[5]]) for t in free_run]
+    expected = _run(make_core(model, async_scheduling="off"), PROMPTS, params, eos)
+    assert len(expected[0]) <= 4 and sum(len(t) < 12 for t in expected) > len(PROMPTS) // 2
+    core = make_core(model, async_scheduling="on")
+    assert _run(core, PROMPTS, params, eos) == expected
+    assert_all_free(core)
+
+
+def test_prefix_cache_hits_and_shared_prompts_give_the_same_tokens() -> None:
+    model = tiny_model("llama")
+    [shared] = random_prompts([26], seed=7)
+    prompts = [shared + s for s in random_prompts([1, 2, 3, 5, 6, 9], seed=8)] + [list(shared)] * 3
+    params = [greedy(9)] * len(prompts)
+    expected = [run_to_completion(make_core(model, enable_prefix_caching=False), [p], greedy(9))[0] for p in prompts]
+    core = make_core(model, async_scheduling="on", max_num_batched_tokens=12)
+    first = _run(core, prompts[:1], params[:1])
+    assert first + _run(core, prompts[1:], params[1:]) == expected
+    assert core.kv.pool.stats.hits >= 24 * (len(prompts) - 1)
+    assert_all_free(core)
+
+
+def test_requests_that_read_their_history_step_synchronously_beside_plain_ones() -> None:
+    """Penalties, logprobs and min_tokens need every token on the host: while one runs, the engine
+    drains the running step and goes one step at a time; the others' tokens do not change. The
+    min_tokens requests would stop one token early if their sampler counted a pending token."""
+    model = tiny_model("qwen2")
+    free_run = run_to_completion(make_core(model), PROMPTS, [greedy(12)] * len(PROMPTS))
+    params = []
+    for i, tokens in enumerate(free_run):
+        if i % 4 == 0:  # its sixth token is a stop id, masked while fewer than 6 tokens are out
+            params.append(SamplingParams(max_tokens=12, temperature=0.0, min_tokens=6, stop_token_ids=[tokens[5]]))
+        elif i % 4 == 1:
+            params.append(SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.3, logprobs=2))
+        else:
+            params.append(greedy(4 + i % 9))
+    expected = run_to_completion(make_core(model, async_scheduling="off", max_num_batched_tokens=16), PROMPTS, params)
+    assert all(len(expected[i]) > 6 for i in range(0, len(PROMPTS), 4))
+    core = make_core(model, async_scheduling="on", max_num_batched_tokens=16)
+    overlapped = _overlapped_steps(core)
+    assert _run(core, PROMPTS, params) == expected
+    assert overlapped[0] > 0  # after the special requests finished
+    assert_all_free(core)
+
+
+def test_every_step_runs_on_the_device_thread() -> None:
+    core = make_core(tiny_model("llama"), async_scheduling="on")
+    threads: set[str] = set()
+    inner = core.runner.run
+
+    def recorded(prepared):  # type: ignore[no-untyped-def]
+        threads.add(threading.current_thread().name)
+        return inner(prepared)
+
+    core.runner.run = recorded  # type: ignore[method-assign]
+    params = [greedy(5), SamplingParams(max_tokens=5, temperature=0.0, logprobs=1)]  # overlapped and not
+    _run(core, PROMPTS[:2], params)
+    assert len(threads) == 1 and next(iter(threads)).startswith("tokenmill-device")
+
+
+def test_no_block_leaks_after_random_requests_with_aborts() -> None:
+    rng = random.Random(1)
+    core = make_core(tiny_model("llama"), num_blocks=24, max_num_batched_tokens=40, max_num_seqs=16,
+                     policy="priority", async_scheduling="on")
+    prefixes = random_prompts([8, 12, 20], seed=17)
+    num_added = num_aborted = num_finished = 0
+    live: set[str] = set()
+    while num_added < 400 or core.has_unfinished:
+        while num_added < 400 and len(live) < 20:
+            length = rng.randint(1, 40)
+            prompt = (rng.choice([[], *prefixes]) + [rng.randint(0, 299) for _ in range(length)])[:max(1, length)]
+            params = greedy(rng.randint(1, 8)) if rng.random() < 0.7 else _random_params(rng)
+            rid = f"r{num_added}"
+            core.add_request(rid, prompt, params, (rng.randint(0, 299),), priority=rng.randint(0, 2))
+            live.add(rid)
+            num_added += 1
+        if live and rng.random() < 0.15:
+            victim = rng.choice(sorted(live))
+            if core.abort(victim) is not None:
+                num_aborted += 1
+            live.discard(victim)
+        for out in core.step().outputs:
+            if out.finished:
+                live.discard(out.request_id)
+                num_finished += 1
+        _check_pool(core)
+    assert num_aborted > 20 and num_finished + num_aborted == 400
+    assert core.scheduler.stats.num_preemptions > 0
+    assert_all_free(core)
+
+
+def test_a_pending_token_never_reaches_a_block_hash() -> None:
+    request = Request("r", list(range(7)), greedy(4))
+    request.token_ids.append(PLACEHOLDER)  # fills the second block of 4
+    update_block_hashes(request, 4)
+    assert len(request.block_hashes) == 1
+    request.token_ids[-1] = 7
+    update_block_hashes(request, 4)
+    assert len(request.block_hashes) == 2
+
+
+def test_a_request_preempted_with_a_pending_token_waits_for_it() -> None:
+    """Its prefill needs every input token: it is not admitted until the running step's result is in."""
+    core = make_core(tiny_model("llama"), async_scheduling="off")
+    request = core.add_request("r", [1, 2, 3, 4, 5], greedy(4), ())
+    assert core.scheduler._first_chunk(request, 100) is not None
+    request.token_ids.append(PLACEHOLDER)
+    assert core.scheduler._first_chunk(request, 100) is None
+
+
+def test_auto_is_off_on_cpu_and_on_does_not_combine_with_speculation() -> None:
+    assert make_core(tiny_model("llama")).pipeline is None
+    assert make_core(tiny_model("llama"), async_scheduling="on").pipeline is not None
+    with pytest.raises(TokenmillError, match="speculative"):
+        EngineConfig(ModelConfig("tiny"), scheduler=SchedulerConfig(async_scheduling="on"),
+                     speculative=SpeculativeConfig("ngram"))
+    with pytest.raises(TokenmillError, match="async_scheduling"):
+        SchedulerConfig(async_scheduling="yes")

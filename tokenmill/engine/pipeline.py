@@ -1,0 +1,122 @@
+"""Asynchronous scheduling: the next step is scheduled and built while the current one runs.
+
+    engine thread   schedule N+1, prepare N+1 ─submit─▶ wait N, update N, advance N+1, return N's outputs
+    device thread   ────────── run N ──────────┘ run N+1 (its pending tokens: N's samples) ─────────────
+
+Synchronously, the host work of a step (schedule, build the inputs, apply the samples, stop rules,
+hand outputs over) sits between two forwards, and the device idles through it: on the H200, with
+graphs, the replayed forward of a 1.5B model took 42% of the HBM roofline's time and the whole step
+24% (docs/performance.md). Here the device thread runs the steps back to back, and the host work of
+step N + 1 overlaps the forward of step N. The price is one row per request per finish thrown away
+(a request whose EOS arrives in step N was scheduled in N + 1 already) and nothing else: a pending
+token never reaches a block hash, a prefill or a sampler that reads history (scheduler.advance).
+
+Steps overlap only while every request is a plain one: no speculation, and no request whose sampling
+reads its own history on the host (penalties, min_tokens, logit bias, a grammar, seeds, logprobs,
+prompt logprobs; `sampler.needs_python`). Otherwise the engine drains the running step and steps
+synchronously, still on the device thread.
+
+Every step runs on the device thread, overlapped or not, so one thread owns the compute threads'
+OpenMP team: two live teams on a small CPU made each parallel region wake a sleeping worker (the
+server's 52 vs 45 ms decode step, docs/performance.md "One OpenMP team in the server"). The thread
+that built the engine gives its team back once the device thread exists (`release_openmp_team`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from tokenmill.engine.interfaces import RunnerOutput, SchedulerOutput
+from tokenmill.engine.request import Request
+from tokenmill.engine.sampler import needs_python
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
+
+
+def async_scheduling_enabled(mode: str, device: torch.device, speculative: bool) -> bool:
+    """`auto`: on CUDA, where the device waits for the host between steps; off on CPU, where the host's
+    work would take a core from the compute threads (measured in docs/performance.md)."""
+    if mode == "off" or speculative:
+        return False
+    return mode == "on" or device.type == "cuda"
+
+
+def overlappable(request: Request) -> bool:
+    """A request whose next step may be built before its last token is known on the host."""
+    return not needs_python(request) and request.params.prompt_logprobs is None
+
+
+@dataclass(slots=True)
+class InFlight:
+    scheduled: SchedulerOutput
+    result: Future[tuple[RunnerOutput, float]]  # the runner's output and the step's seconds on the device thread
+
+
+class StepPipeline:
+    """The device thread and the step running on it (at most one)."""
+
+    def __init__(self, num_threads: int) -> None:
+        # A new thread starts with OpenMP's default team size, not the one torch was given.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-device",
+                                            initializer=torch.set_num_threads, initargs=(num_threads,))
+        self.in_flight: InFlight | None = None
+
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        return self._executor.submit(fn, *args)
+
+    def call(self, fn: Callable[..., T], *args: object) -> T:
+        return self._executor.submit(fn, *args).result()
+
+    def timed(self, fn: Callable[..., T], *args: object) -> Future[tuple[T, float]]:
+        def run() -> tuple[T, float]:
+            started = time.monotonic()
+            value = fn(*args)
+            return value, time.monotonic() - started
+        return self._executor.submit(run)
+
+    def take(self) -> InFlight | None:
+        in_flight, self.in_flight = self.in_flight, None
+        return in_flight
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+def release_openmp_team() -> None:
+    """Free the calling thread's idle OpenMP team (libgomp keeps one per thread that ran a parallel
+    region, until the thread exits). Best effort: a runtime without OpenMP 5.0's pause keeps it."""
+    path = _loaded_libgomp()
+    if path is None:
+        return
+    try:
+        pause = ctypes.CDLL(path, mode=os.RTLD_NOLOAD).omp_pause_resource_all
+    except (OSError, AttributeError):
+        return
+    if pause(1) != 0:  # omp_pause_soft
+        log.debug("omp_pause_resource_all failed: the engine thread keeps its OpenMP team")
+
+
+def _loaded_libgomp() -> str | None:
+    """The OpenMP runtime this process runs (torch's own copy, in a wheel), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1]
+                if "libgomp" in os.path.basename(path):
+                    return path
+    except OSError:
+        pass
+    return None
