@@ -129,9 +129,9 @@ def test_every_step_runs_on_the_device_thread() -> None:
     threads: set[str] = set()
     inner = core.runner.run
 
-    def recorded(prepared):  # type: ignore[no-untyped-def]
+    def recorded(prepared, *args):  # type: ignore[no-untyped-def]
         threads.add(threading.current_thread().name)
-        return inner(prepared)
+        return inner(prepared, *args)
 
     core.runner.run = recorded  # type: ignore[method-assign]
     params = [greedy(5), SamplingParams(max_tokens=5, temperature=0.0, logprobs=1)]  # overlapped and not
@@ -197,3 +197,41 @@ def test_auto_is_off_on_cpu_and_on_does_not_combine_with_speculation() -> None:
                      speculative=SpeculativeConfig("ngram"))
     with pytest.raises(TokenmillError, match="async_scheduling"):
         SchedulerConfig(async_scheduling="yes")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_graph_staged_steps_take_their_pending_tokens(arch: ArchName) -> None:
+    """With decode graphs (their CPU stand-in: the static buffers run eagerly), a step is staged on the
+    device thread after its pending tokens are in: plain decodes, and short prompts arriving beside
+    decodes (host-built rows)."""
+    from tests.engine.test_cuda_graphs import _graph_core
+
+    model = tiny_model(arch)
+    prompts = random_prompts([3, 9, 2, 5, 7, 4], seed=7)
+    params = [greedy(n) for n in (12, 5, 9, 3, 7, 14)]
+    expected = run_to_completion(make_core(model), prompts, params)
+    core = _graph_core(model, async_scheduling="on")  # type: ignore[arg-type]
+    graphs = core.runner.graphs
+    assert graphs is not None
+    staged = {"plain": 0, "rows": 0}
+    stage, stage_rows = graphs.stage, graphs.stage_rows
+
+    def counted(kind, inner):  # type: ignore[no-untyped-def]
+        def call(arg):  # type: ignore[no-untyped-def]
+            staged[kind] += 1
+            return inner(arg)
+        return call
+
+    graphs.stage, graphs.stage_rows = counted("plain", stage), counted("rows", stage_rows)  # type: ignore[method-assign]
+    overlapped = _overlapped_steps(core)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    for step in range(200):
+        if step < len(prompts):  # one arrival per step: each prompt lands beside running decodes
+            core.add_request(str(step), prompts[step], params[step], ())
+        elif not core.has_unfinished:
+            break
+        for out in core.step().outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert [tokens[str(i)] for i in range(len(prompts))] == expected
+    assert staged["plain"] > 5 and staged["rows"] > 2 and overlapped[0] > 10
+    assert_all_free(core)

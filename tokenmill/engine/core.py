@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -201,24 +202,33 @@ class EngineCore:
             return StepResult(outputs, self._stats(0, 0, started, self.scheduler.step_stats))
         prepared = self.runner.prepare(scheduled)
         previous = pipeline.take()
-        pipeline.in_flight = InFlight(scheduled, pipeline.timed(self._run, prepared))
-        outputs = self._complete(previous)
+        forwarding = threading.Event()
+        pipeline.in_flight = InFlight(scheduled, pipeline.timed(self._run, prepared, forwarding))
+        result = previous.result.result() if previous is not None else None
+        # The host work below waits until step N + 1 is inside its forward, which runs without the GIL:
+        # started at once, it took the GIL from the device thread's prologue (each torch call there
+        # releases it and then waits for it), which made the device's step longer by the host work.
+        forwarding.wait()
+        outputs = self._apply(previous, *result) if previous is not None and result is not None else []
         self.scheduler.advance(scheduled)
         if not self.scheduler.has_work:  # all ended: the running step's rows are thrown away
             self._complete(pipeline.take())
         return StepResult(outputs, self._stats(scheduled.num_tokens, scheduled.num_preempted, started,
                                                 self.scheduler.step_stats))
 
-    def _run(self, prepared: PreparedStep) -> RunnerOutput:
-        if self.governor is not None:
-            self.governor.tick()
-        return self.runner.run(prepared)
+    def _run(self, prepared: PreparedStep, forwarding: threading.Event) -> RunnerOutput:
+        try:
+            if self.governor is not None:
+                self.governor.tick()
+            return self.runner.run(prepared, forwarding.set)
+        finally:
+            forwarding.set()  # also when the step failed before its forward
 
     def _complete(self, in_flight: InFlight | None) -> list[EngineOutput]:
         """Wait for a running step and apply its samples to the requests it advanced."""
-        if in_flight is None:
-            return []
-        result, step_time_s = in_flight.result.result()
+        return [] if in_flight is None else self._apply(in_flight, *in_flight.result.result())
+
+    def _apply(self, in_flight: InFlight, result: RunnerOutput, step_time_s: float) -> list[EngineOutput]:
         outputs = self.scheduler.update(in_flight.scheduled, result, advanced=True)
         self._forget_finished(outputs)
         self.scheduler.observe_step(in_flight.scheduled, step_time_s)

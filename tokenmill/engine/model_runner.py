@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -159,9 +159,13 @@ class ModelRunner:
         inp = p.rows if p.rows is not None else p.inp
         assert inp is not None
         if inp.pending_rows:
-            rows = torch.tensor([row for row, _ in inp.pending_rows], device=inp.input_ids.device)
-            inp.input_ids[rows] = torch.tensor([self.last_tokens[rid] for _, rid in inp.pending_rows],
-                                               dtype=inp.input_ids.dtype, device=inp.input_ids.device)
+            rows = [row for row, _ in inp.pending_rows]
+            tokens = [self.last_tokens[rid] for _, rid in inp.pending_rows]
+            if inp.input_ids.device.type == "cpu":
+                inp.input_ids.numpy()[rows] = tokens  # a torch index_put is ~80 µs of small-op overhead
+            else:
+                inp.input_ids[torch.tensor(rows)] = torch.tensor(tokens, dtype=inp.input_ids.dtype).to(
+                    inp.input_ids.device, non_blocking=True)
         if p.rows is not None:
             assert self.graphs is not None
             staged = self.graphs.stage_rows(p.rows)
@@ -206,6 +210,23 @@ class ModelRunner:
             return self.graphs.replay(inp)
         return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
 
+    def _forward_announced(self, inp: ModelInput, on_forward: Callable[[], None] | None) -> torch.Tensor:
+        """The forward, with `on_forward` called as it starts: from inside the native decoder stack where
+        it runs (after the embedding and RoPE tables, whose torch calls each hand the GIL over: host work
+        started before them held it through them), else before the forward (a prefill's Python layers
+        release the GIL op by op anyway)."""
+        stack = self.model.native_stack
+        if on_forward is not None and stack is None:
+            on_forward()
+        elif stack is not None:
+            stack.on_enter = on_forward
+        try:
+            with self.timer.phase("forward"):
+                return self._forward(inp)
+        finally:
+            if stack is not None:
+                stack.on_enter = None
+
     def _allocate_kv(self, num_blocks: int) -> list[LayerKVCache]:
         return [self.kv_spec.allocate(num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim,
                                       self.device) for _ in range(self.arch.num_layers)]
@@ -221,9 +242,10 @@ class ModelRunner:
         return self.run(prepared)
 
     @torch.inference_mode()
-    def run(self, prepared: PreparedStep) -> RunnerOutput:
+    def run(self, prepared: PreparedStep, on_forward: Callable[[], None] | None = None) -> RunnerOutput:
         """Execute a prepared step: the device work (forward, logits, sampling). Steps run in the order
-        they were prepared, each after the one before it ended (its samples fill the pending tokens)."""
+        they were prepared, each after the one before it ended (its samples fill the pending tokens).
+        `on_forward` is called as the forward starts (asynchronous scheduling times its host work by it)."""
         timer = self.timer
         with timer.phase("build_input"):
             inp = self._device_input(prepared)
@@ -232,8 +254,7 @@ class ModelRunner:
         with timer.phase("sample"):
             if inp.sampled and not any(s.spec_token_ids for s in inp.sampled):
                 self.sampler.prepare([s.request for s in inp.sampled])  # grammar masks overlap the forward
-        with timer.phase("forward"):
-            hidden = self._forward(inp)
+        hidden = self._forward_announced(inp, on_forward)
         with timer.phase("logits"):
             result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, inp))
             rows = hidden if inp.every_row_sampled else hidden[inp.sample_indices]

@@ -96,27 +96,27 @@ class StepPipeline:
 
 
 def release_openmp_team() -> None:
-    """Free the calling thread's idle OpenMP team (libgomp keeps one per thread that ran a parallel
-    region, until the thread exits). Best effort: a runtime without OpenMP 5.0's pause keeps it."""
-    path = _loaded_libgomp()
-    if path is None:
-        return
-    try:
-        pause = ctypes.CDLL(path, mode=os.RTLD_NOLOAD).omp_pause_resource_all
-    except (OSError, AttributeError):
-        return
-    if pause(1) != 0:  # omp_pause_soft
-        log.debug("omp_pause_resource_all failed: the engine thread keeps its OpenMP team")
+    """Free the calling thread's idle OpenMP teams (libgomp keeps one per thread that ran a parallel
+    region, until the thread exits). Every libgomp loaded: wheels bundle their own copies (torch's, and
+    e.g. sentencepiece's). Best effort: a runtime without OpenMP 5.0's pause keeps its team."""
+    for path in _loaded_libgomps():
+        try:
+            pause = ctypes.CDLL(path, mode=os.RTLD_NOLOAD).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        if pause(1) != 0:  # omp_pause_soft
+            log.debug("omp_pause_resource_all failed in %s: the thread keeps its OpenMP team", path)
 
 
-def _loaded_libgomp() -> str | None:
-    """The OpenMP runtime this process runs (torch's own copy, in a wheel), or None."""
+def _loaded_libgomps() -> list[str]:
+    """The OpenMP runtimes mapped into this process."""
+    paths: list[str] = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 path = line.rsplit(None, 1)[-1]
-                if "libgomp" in os.path.basename(path):
-                    return path
+                if "libgomp" in os.path.basename(path) and path not in paths:
+                    paths.append(path)
     except OSError:
         pass
-    return None
+    return paths

@@ -49,6 +49,9 @@ class NativeDecodeStack:
         self.enabled = True  # benchmarks switch it off to A/B against the Python layers
         self.max_rows = max_rows  # dense weights: the skinny kernel's row limit (None: any)
         self._bound: list[LayerKVCache] | None = None
+        # Called just before the native call, which holds no GIL (the engine's asynchronous scheduling
+        # starts its host work there: engine/pipeline.py); None: nothing to tell.
+        self.on_enter: Callable[[], None] | None = None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKVCache],
                  meta: AttentionMetadata) -> torch.Tensor | None:
@@ -60,7 +63,10 @@ class NativeDecodeStack:
         if self._bound is not kv_caches and not self._bind(kv_caches):
             return None
         cos, sin = self.model.rope_global.tables(positions)
-        return self.stack(x.contiguous(), cos, sin, meta.slot_mapping, group.block_table, group.seq_lens)
+        x = x.contiguous()
+        if self.on_enter is not None:
+            self.on_enter()
+        return self.stack(x, cos, sin, meta.slot_mapping, group.block_table, group.seq_lens)
 
     def unbind(self) -> None:
         """The caches' key smoothing changed (engine/kv_calibration.py): bind them again on the next step."""
