@@ -12,7 +12,8 @@
 4. Decode attention: the Triton paged kernel against gather + SDPA (the path without it), Qwen2.5-1.5B
    heads (12 q / 2 kv x 128, bf16), batch 1 / 32 / 128 at 512 / 2048 / 8192 tokens of context.
 5. Decode speed: a random Qwen2.5-1.5B-shaped Qwen2 model in bf16. Decode tokens/s at batch 1, 8, 32
-   and 128 for tokenmill with CUDA graphs, tokenmill eager, and transformers `generate` (the same
+   and 128 for tokenmill with CUDA graphs (asynchronous scheduling on, as `auto` is on CUDA, and off),
+   tokenmill eager, and transformers `generate` (the same
    prompts; decode time = time(1 + D tokens) - time(1 token), prefix caching off); the fraction of
    the HBM roofline = weight bytes per step x steps per second / measured copy bandwidth; and the
    forward alone (one graph replay, no host work) per batch.
@@ -21,6 +22,7 @@ Writes gpu_check.json to OUT_DIR after every section (a timeout keeps what finis
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -229,11 +231,13 @@ def _decode_rate(generate: Callable[[int], Any], batch: int) -> float:
     return batch * DECODE / (times[1 + DECODE] - times[1])
 
 
-def tokenmill_speed(path: Path, copy_bw: float, eager: bool, glue: bool = True) -> dict[str, Any]:
-    """`glue` False: the ATen glue ops instead of kernels/triton_glue.py (TOKENMILL_TRITON_GLUE=0)."""
+def tokenmill_speed(path: Path, copy_bw: float, eager: bool, glue: bool = True,
+                    async_scheduling: str = "auto") -> dict[str, Any]:
+    """`glue` False: the ATen glue ops instead of kernels/triton_glue.py (TOKENMILL_TRITON_GLUE=0).
+    `async_scheduling`: "auto" is on for CUDA (engine/pipeline.py); "off" steps synchronously."""
     os.environ["TOKENMILL_TRITON_GLUE"] = "1" if glue else "0"
     llm = LLM(str(path), dtype=DTYPE, device=DEVICE, max_num_seqs=max(BATCHES), max_model_len=512,
-              enable_prefix_caching=False, enforce_eager=eager)
+              enable_prefix_caching=False, enforce_eager=eager, async_scheduling=async_scheduling)
     os.environ.pop("TOKENMILL_TRITON_GLUE")
     runner = llm.core.runner
     weight_bytes = runner.model.weight_bytes()
@@ -262,7 +266,8 @@ def tokenmill_speed(path: Path, copy_bw: float, eager: bool, glue: bool = True) 
             outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
             entry["greedy_tokens"] = [o.outputs[0].token_ids for o in outs]
         results[f"b{batch}"] = entry
-        print(f"tokenmill {'eager' if eager else 'graphs'} glue={glue} batch {batch}: {entry}", flush=True)
+        print(f"tokenmill {'eager' if eager else 'graphs'} glue={glue} async={async_scheduling} batch {batch}: "
+              f"{entry}", flush=True)
     return results
 
 
@@ -303,6 +308,7 @@ def main() -> None:
         section("parity", lambda: parity(root))
         path = random_qwen_1p5b(root)
         section("tokenmill_graphs", lambda: tokenmill_speed(path, copy_bw, eager=False))
+        section("tokenmill_graphs_sync", lambda: tokenmill_speed(path, copy_bw, eager=False, async_scheduling="off"))
         section("tokenmill_graphs_aten_glue", lambda: tokenmill_speed(path, copy_bw, eager=False, glue=False))
         section("tokenmill_eager", lambda: tokenmill_speed(path, copy_bw, eager=True))
         section("transformers", lambda: transformers_speed(path))
@@ -316,8 +322,8 @@ def main() -> None:
             graphs = REPORT["tokenmill_graphs"][key]["tok_s"]
             summary[key] = {"graphs_tok_s": graphs,
                             "roofline_fraction": REPORT["tokenmill_graphs"][key]["roofline_fraction"]}
-            for name, peer in (("glue_vs_aten_glue", "tokenmill_graphs_aten_glue"),
-                               ("graphs_vs_eager", "tokenmill_eager"), ("graphs_vs_transformers", "transformers")):
+            for name, peer in (("async_vs_sync", "tokenmill_graphs_sync"),
+                               ("glue_vs_aten_glue", "tokenmill_graphs_aten_glue"), ("graphs_vs_eager", "tokenmill_eager"), ("graphs_vs_transformers", "transformers")):
                 if isinstance(REPORT.get(peer), dict) and key in REPORT[peer]:
                     summary[key][name] = graphs / REPORT[peer][key]["tok_s"]
         except (KeyError, TypeError):
@@ -329,6 +335,9 @@ def main() -> None:
         summary["glue_vs_aten_common_prefix_of_32"] = same
     except (KeyError, TypeError):
         pass
+    with contextlib.suppress(KeyError, TypeError):  # same kernels, same batches: no token may move
+        summary["async_vs_sync_same_tokens"] = (REPORT["tokenmill_graphs"]["b8"]["greedy_tokens"]
+                                                == REPORT["tokenmill_graphs_sync"]["b8"]["greedy_tokens"])
     REPORT["summary"] = summary
     print("== summary\n" + json.dumps(summary, indent=1), flush=True)
     _save()
