@@ -323,7 +323,8 @@ def main() -> None:
             summary[key] = {"graphs_tok_s": graphs,
                             "roofline_fraction": REPORT["tokenmill_graphs"][key]["roofline_fraction"]}
             for name, peer in (("async_vs_sync", "tokenmill_graphs_sync"),
-                               ("glue_vs_aten_glue", "tokenmill_graphs_aten_glue"), ("graphs_vs_eager", "tokenmill_eager"), ("graphs_vs_transformers", "transformers")):
+                               ("glue_vs_aten_glue", "tokenmill_graphs_aten_glue"),
+                               ("graphs_vs_eager", "tokenmill_eager"), ("graphs_vs_transformers", "transformers")):
                 if isinstance(REPORT.get(peer), dict) and key in REPORT[peer]:
                     summary[key][name] = graphs / REPORT[peer][key]["tok_s"]
         except (KeyError, TypeError):
