@@ -11,6 +11,7 @@ import random
 import threading
 
 import pytest
+import torch
 
 from tests.engine.test_engine_invariants import PARAMS, PROMPTS, _check_pool, _random_params
 from tests.engine.tiny import (
@@ -26,6 +27,7 @@ from tests.engine.tiny import (
 from tokenmill.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.engine.block_hash import update_block_hashes
 from tokenmill.engine.core import EngineCore
+from tokenmill.engine.pipeline import async_scheduling_enabled
 from tokenmill.engine.request import PLACEHOLDER, Request, SamplingParams
 from tokenmill.errors import TokenmillError
 
@@ -124,6 +126,42 @@ def test_requests_that_read_their_history_step_synchronously_beside_plain_ones()
     assert_all_free(core)
 
 
+def _run_with_logprobs(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> list[object]:
+    """Per request: its tokens, each token's logprob and top ids, and its prompt logprobs."""
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        core.add_request(str(i), prompt, p, ())
+    got: dict[str, list[object]] = {str(i): [] for i in range(len(prompts))}
+    while core.has_unfinished:
+        for out in core.step().outputs:
+            got[out.request_id] += [(t, None if lp is None else (lp.logprob, sorted(lp.top)))
+                                    for t, lp in zip(out.new_token_ids, out.new_logprobs or [None] * 99, strict=False)]
+            if out.prompt_logprobs:
+                got[out.request_id].append([(e.token_id, e.logprob) for e in out.prompt_logprobs])
+    return [got[str(i)] for i in range(len(prompts))]
+
+
+def test_seeds_logprobs_prompt_logprobs_and_bias_overlap_with_the_same_results() -> None:
+    """Their sampling reads no history: their steps overlap, seeded draws and logprobs equal the
+    synchronous engine's, and a finished request's generator is dropped on the device thread."""
+    model = tiny_model("llama")
+    params = []
+    for i in range(len(PROMPTS)):
+        kind = i % 4
+        params.append(SamplingParams(max_tokens=10, temperature=1.0, seed=i) if kind == 0 else
+                      SamplingParams(max_tokens=8, temperature=0.0, logprobs=3) if kind == 1 else
+                      SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=2, logit_bias={5: -3.0, 7: 2.0})
+                      if kind == 2 else greedy(4 + i % 9))
+    expected = _run_with_logprobs(make_core(model, async_scheduling="off", max_num_batched_tokens=24), PROMPTS, params)
+    core = make_core(model, async_scheduling="on", max_num_batched_tokens=24)
+    overlapped = _overlapped_steps(core)
+    assert _run_with_logprobs(core, PROMPTS, params) == expected
+    assert overlapped[0] > 10
+    assert core.pipeline is not None
+    core.pipeline.call(lambda: None)  # the forget tasks queued behind the last step
+    assert core.runner.sampler._request_generators == {}
+    assert_all_free(core)
+
+
 def test_every_step_runs_on_the_device_thread() -> None:
     core = make_core(tiny_model("llama"), async_scheduling="on")
     threads: set[str] = set()
@@ -189,8 +227,15 @@ def test_a_request_preempted_with_a_pending_token_waits_for_it() -> None:
     assert core.scheduler._first_chunk(request, 100) is None
 
 
-def test_auto_is_off_on_cpu_and_on_does_not_combine_with_speculation() -> None:
-    assert make_core(tiny_model("llama")).pipeline is None
+def test_auto_is_on_for_cuda_and_a_cpu_with_one_free_and_never_with_speculation() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert async_scheduling_enabled("auto", cuda, speculative=False, spare_cpu=False)
+    assert not async_scheduling_enabled("auto", cpu, speculative=False, spare_cpu=False)
+    assert async_scheduling_enabled("auto", cpu, speculative=False, spare_cpu=True)
+    assert async_scheduling_enabled("on", cpu, speculative=False, spare_cpu=False)
+    assert not async_scheduling_enabled("off", cuda, speculative=False, spare_cpu=True)
+    assert not async_scheduling_enabled("auto", cuda, speculative=True, spare_cpu=True)
+    assert make_core(tiny_model("llama")).pipeline is None  # every CPU computes: off
     assert make_core(tiny_model("llama"), async_scheduling="on").pipeline is not None
     with pytest.raises(TokenmillError, match="speculative"):
         EngineConfig(ModelConfig("tiny"), scheduler=SchedulerConfig(async_scheduling="on"),

@@ -1,6 +1,6 @@
 """A server with asynchronous scheduling on (engine/pipeline.py), through the official `openai` client:
-concurrent streams, stop strings that end a request whose next step was already scheduled, and
-requests that force synchronous steps (logprobs, penalties) give what the synchronous server gives."""
+concurrent streams, stop strings that end a request whose next step was already scheduled, logprobs,
+and penalties (which force synchronous steps) give what the synchronous server gives."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ def _params(i: int, stop: str | None = None) -> dict[str, Any]:
     if stop is not None:
         params["stop"] = [stop]  # text-level: the output processor aborts the request mid-pipeline
     if i % 8 == 2:
-        params["logprobs"] = 2  # needs its tokens on the host: the engine steps synchronously meanwhile
+        params["logprobs"] = 2  # reads no history: overlaps
     if i % 8 == 6:
-        params["frequency_penalty"] = 1.5
+        params["frequency_penalty"] = 1.5  # needs its tokens on the host: the engine steps synchronously meanwhile
     return params
 
 

@@ -34,7 +34,7 @@ from tokenmill.engine.stats import StepStats
 from tokenmill.errors import RequestValidationError
 from tokenmill.layers.kv_cache import kv_cache_spec
 from tokenmill.models.arch import ArchConfig
-from tokenmill.platform import cpu_quota_cores, default_num_threads
+from tokenmill.platform import cpu_quota_cores, default_num_threads, usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,8 @@ class EngineCore:
         # Asynchronous scheduling: every step runs on a device thread, the next one scheduled meanwhile.
         self.pipeline: StepPipeline | None = None
         self.overlap_steps = True  # False: every step synchronous on the device thread (benchmarks' A/B)
-        if async_scheduling_enabled(config.scheduler.async_scheduling, device, self.speculator is not None):
+        if async_scheduling_enabled(config.scheduler.async_scheduling, device, self.speculator is not None,
+                                    spare_cpu=config.num_threads is not None and config.num_threads < usable_cpus()):
             self.pipeline = StepPipeline(torch.get_num_threads())
             release_openmp_team()
             log.info("asynchronous scheduling: step N + 1 is scheduled while step N runs")
@@ -129,9 +130,7 @@ class EngineCore:
 
     def abort(self, request_id: str) -> EngineOutput | None:
         request = self.scheduler.abort(request_id)
-        self.runner.forget(request_id)
-        if self.speculator is not None:
-            self.speculator.forget(request_id)
+        self._forget(request_id)
         if request is None:
             return None
         return EngineOutput(request_id, [], [], FinishReason.ABORT, request.num_prompt_tokens,
@@ -237,9 +236,15 @@ class EngineCore:
     def _forget_finished(self, outputs: list[EngineOutput]) -> None:
         for o in outputs:
             if o.finished:
-                self.runner.forget(o.request_id)
-                if self.speculator is not None:
-                    self.speculator.forget(o.request_id)
+                self._forget(o.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        pipeline = self.pipeline
+        self.runner.forget(request_id, sampler=pipeline is None)
+        if pipeline is not None:  # the sampler belongs to the device thread
+            pipeline.submit(self.runner.sampler.forget, request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     def stats(self) -> StepStats:
         """The gauges as they stand, outside any step (after aborts, or while idle)."""

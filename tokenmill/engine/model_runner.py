@@ -112,9 +112,12 @@ class ModelRunner:
                 and self.model.attn.decode_kernel is not None):
             self._graph_mode = "cuda"
 
-    def forget(self, request_id: str) -> None:
-        """A request ended (finished or aborted): free its row and its sampler state."""
-        self.sampler.forget(request_id)
+    def forget(self, request_id: str, sampler: bool = True) -> None:
+        """A request ended (finished or aborted): free its row and (`sampler`) its sampler state. With
+        asynchronous scheduling the sampler's part goes to the device thread, after the running step
+        (which may still sample a row of the request: engine/pipeline.py)."""
+        if sampler:
+            self.sampler.forget(request_id)
         if self.tables is not None:
             self.tables.forget(request_id)
 

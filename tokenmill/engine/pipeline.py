@@ -11,10 +11,11 @@ step N + 1 overlaps the forward of step N. The price is one row per request per 
 (a request whose EOS arrives in step N was scheduled in N + 1 already) and nothing else: a pending
 token never reaches a block hash, a prefill or a sampler that reads history (scheduler.advance).
 
-Steps overlap only while every request is a plain one: no speculation, and no request whose sampling
-reads its own history on the host (penalties, min_tokens, logit bias, a grammar, seeds, logprobs,
-prompt logprobs; `sampler.needs_python`). Otherwise the engine drains the running step and steps
-synchronously, still on the device thread.
+Steps overlap only while no request's sampling reads its own tokens on the host (penalties, min_tokens,
+a grammar: `overlappable`), and never with speculation. Otherwise the engine drains the running step and
+steps synchronously, still on the device thread. The sampler's per-request state (seeds' generators)
+belongs to the device thread: a finished request's is dropped there, after the step that may still
+sample a row of it.
 
 Every step runs on the device thread, overlapped or not, so one thread owns the compute threads'
 OpenMP team: two live teams on a small CPU made each parallel region wake a sleeping worker (the
@@ -37,7 +38,6 @@ import torch
 
 from tokenmill.engine.interfaces import RunnerOutput, SchedulerOutput
 from tokenmill.engine.request import Request
-from tokenmill.engine.sampler import needs_python
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +46,22 @@ T = TypeVar("T")
 ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
 
 
-def async_scheduling_enabled(mode: str, device: torch.device, speculative: bool) -> bool:
-    """`auto`: on CUDA, where the device waits for the host between steps; off on CPU, where the host's
-    work would take a core from the compute threads (measured in docs/performance.md)."""
+def async_scheduling_enabled(mode: str, device: torch.device, speculative: bool, spare_cpu: bool) -> bool:
+    """`auto`: on CUDA, where the device waits for the host between steps, and on a CPU where the user's
+    thread count leaves a CPU free (`spare_cpu`) for the host work; not where the compute threads take
+    every CPU (the default), since the host work would then take one from them (docs/performance.md:
+    0.96-1.03x there, 1.05x at batch 1 with a CPU free)."""
     if mode == "off" or speculative:
         return False
-    return mode == "on" or device.type == "cuda"
+    return mode == "on" or device.type == "cuda" or spare_cpu
 
 
 def overlappable(request: Request) -> bool:
-    """A request whose next step may be built before its last token is known on the host."""
-    return not needs_python(request) and request.params.prompt_logprobs is None
+    """A request whose next step may be built before its last token is known on the host: its sampling
+    does not read its own tokens (penalties, min_tokens' count, a grammar's state do). Seeds, logprobs,
+    prompt logprobs and logit bias are fine: their state lives on the device thread or is static."""
+    p = request.params
+    return not (p.uses_penalties or p.min_tokens or p.structured is not None)
 
 
 @dataclass(slots=True)
