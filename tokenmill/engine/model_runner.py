@@ -216,8 +216,8 @@ class ModelRunner:
     def _forward_announced(self, inp: ModelInput, on_forward: Callable[[], None] | None) -> torch.Tensor:
         """The forward, with `on_forward` called as it starts: from inside the native decoder stack where
         it runs (after the embedding and RoPE tables, whose torch calls each hand the GIL over: host work
-        started before them held it through them), else before the forward (a prefill's Python layers
-        release the GIL op by op anyway)."""
+        started before them held it through them), as the stack declines a step (a prefill's Python layers
+        release the GIL op by op anyway), or before the forward where there is no stack."""
         stack = self.model.native_stack
         if on_forward is not None and stack is None:
             on_forward()

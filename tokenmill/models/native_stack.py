@@ -58,15 +58,18 @@ class NativeDecodeStack:
         group = meta.decode
         if (not self.enabled or meta.prefill is not None or group is None or group.max_query_len != 1
                 or x.dim() != 2 or x.dtype != torch.float32 or group.num_tokens != x.shape[0]
-                or (self.max_rows is not None and x.shape[0] > self.max_rows)):
-            return None
-        if self._bound is not kv_caches and not self._bind(kv_caches):
+                or (self.max_rows is not None and x.shape[0] > self.max_rows)
+                or (self._bound is not kv_caches and not self._bind(kv_caches))):
+            self._enter()  # the Python layers run: they release the GIL op by op anyway
             return None
         cos, sin = self.model.rope_global.tables(positions)
         x = x.contiguous()
+        self._enter()
+        return self.stack(x, cos, sin, meta.slot_mapping, group.block_table, group.seq_lens)
+
+    def _enter(self) -> None:
         if self.on_enter is not None:
             self.on_enter()
-        return self.stack(x, cos, sin, meta.slot_mapping, group.block_table, group.seq_lens)
 
     def unbind(self) -> None:
         """The caches' key smoothing changed (engine/kv_calibration.py): bind them again on the next step."""
