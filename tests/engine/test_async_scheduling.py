@@ -162,6 +162,25 @@ def test_seeds_logprobs_prompt_logprobs_and_bias_overlap_with_the_same_results()
     assert_all_free(core)
 
 
+def test_no_step_is_scheduled_while_a_prefill_runs() -> None:
+    """Requests arriving during a step with a prefill chunk make the next step: it is scheduled after."""
+    core = make_core(tiny_model("llama"), async_scheduling="on", max_num_batched_tokens=24)
+    pipeline = core.pipeline
+    assert pipeline is not None
+    seen: list[bool] = []
+    inner = core.scheduler.schedule
+
+    def schedule():  # type: ignore[no-untyped-def]
+        in_flight = pipeline.in_flight
+        seen.append(in_flight is not None and in_flight.is_long)
+        return inner()
+
+    core.scheduler.schedule = schedule  # type: ignore[method-assign]
+    expected = run_to_completion(make_core(tiny_model("llama"), max_num_batched_tokens=24), PROMPTS, PARAMS)
+    assert _run(core, PROMPTS, PARAMS) == expected
+    assert len(seen) > 20 and not any(seen)
+
+
 def test_every_step_runs_on_the_device_thread() -> None:
     core = make_core(tiny_model("llama"), async_scheduling="on")
     threads: set[str] = set()

@@ -161,7 +161,13 @@ class EngineCore:
             return self._step(self._execute)
         if self.overlap_steps and not self.timer.enabled and all(
                 overlappable(r) for r in self.scheduler.requests.values()):
-            return self._step_overlapped(pipeline)
+            in_flight = pipeline.in_flight
+            if in_flight is None or not in_flight.is_long:
+                return self._step_overlapped(pipeline)
+            drained = self._complete(pipeline.take())  # then schedule with what arrived meanwhile
+            result = self._step_overlapped(pipeline)
+            result.outputs[:0] = drained
+            return result
         drained = self._complete(pipeline.take())  # a request that needs its history: one step at a time
         result = self._step(lambda scheduled: pipeline.call(self._execute, scheduled))
         result.outputs[:0] = drained

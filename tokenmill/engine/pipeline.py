@@ -37,6 +37,7 @@ from typing import TypeVar
 import torch
 
 from tokenmill.engine.interfaces import RunnerOutput, SchedulerOutput
+from tokenmill.engine.model_input import MAX_DECODE_QUERY
 from tokenmill.engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,14 @@ def overlappable(request: Request) -> bool:
 class InFlight:
     scheduled: SchedulerOutput
     result: Future[tuple[RunnerOutput, float]]  # the runner's output and the step's seconds on the device thread
+
+    @property
+    def is_long(self) -> bool:
+        """A step with a prefill chunk (beyond the decode group's rows): the next one is scheduled after it
+        ends. Scheduled at its start, the next step would miss every request arriving meanwhile, which then
+        waited for that step too: with a batch job's 2,048-token prefill steps, a chat's first token came
+        2.3-2.7x later at P99 (docs/performance.md); the host work such a step could hide is ~1% of it."""
+        return any(s.num_new_tokens > MAX_DECODE_QUERY for s in self.scheduled.scheduled)
 
 
 class StepPipeline:
