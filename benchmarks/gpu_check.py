@@ -12,7 +12,7 @@
 4. Decode attention: the Triton paged kernel against gather + SDPA (the path without it), Qwen2.5-1.5B
    heads (12 q / 2 kv x 128, bf16), batch 1 / 32 / 128 at 512 / 2048 / 8192 tokens of context.
 5. Decode speed: a random Qwen2.5-1.5B-shaped Qwen2 model in bf16. Decode tokens/s at batch 1, 8, 32
-   and 128 for tokenmill with CUDA graphs (asynchronous scheduling on, as `auto` is on CUDA, and off),
+   and 128 for tokenmill with CUDA graphs (asynchronous scheduling on, and off as by default),
    tokenmill eager, and transformers `generate` (the same
    prompts; decode time = time(1 + D tokens) - time(1 token), prefix caching off); the fraction of
    the HBM roofline = weight bytes per step x steps per second / measured copy bandwidth; and the
@@ -234,7 +234,8 @@ def _decode_rate(generate: Callable[[int], Any], batch: int) -> float:
 def tokenmill_speed(path: Path, copy_bw: float, eager: bool, glue: bool = True,
                     async_scheduling: str = "auto") -> dict[str, Any]:
     """`glue` False: the ATen glue ops instead of kernels/triton_glue.py (TOKENMILL_TRITON_GLUE=0).
-    `async_scheduling`: "auto" is on for CUDA (engine/pipeline.py); "off" steps synchronously."""
+    `async_scheduling`: "on" schedules step N + 1 while N runs (engine/pipeline.py); "off" (as "auto" now)
+    steps synchronously."""
     os.environ["TOKENMILL_TRITON_GLUE"] = "1" if glue else "0"
     llm = LLM(str(path), dtype=DTYPE, device=DEVICE, max_num_seqs=max(BATCHES), max_model_len=512,
               enable_prefix_caching=False, enforce_eager=eager, async_scheduling=async_scheduling)
@@ -307,7 +308,7 @@ def main() -> None:
         root = Path(tmp)
         section("parity", lambda: parity(root))
         path = random_qwen_1p5b(root)
-        section("tokenmill_graphs", lambda: tokenmill_speed(path, copy_bw, eager=False))
+        section("tokenmill_graphs", lambda: tokenmill_speed(path, copy_bw, eager=False, async_scheduling="on"))
         section("tokenmill_graphs_sync", lambda: tokenmill_speed(path, copy_bw, eager=False, async_scheduling="off"))
         section("tokenmill_graphs_aten_glue", lambda: tokenmill_speed(path, copy_bw, eager=False, glue=False))
         section("tokenmill_eager", lambda: tokenmill_speed(path, copy_bw, eager=True))

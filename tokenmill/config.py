@@ -186,8 +186,7 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" or "priority" (orders requests within a service class)
     enable_chunked_prefill: bool = True
     service_classes: ServiceClassConfig = field(default_factory=ServiceClassConfig)
-    # Schedule step N + 1 while step N runs (engine/pipeline.py): "auto" (on CUDA, and on a CPU where
-    # num_threads leaves a CPU free), "on" or "off".
+    # Schedule step N + 1 while step N runs (engine/pipeline.py): "on", "off", or "auto" (off for now).
     async_scheduling: str = "auto"
 
     def __post_init__(self) -> None:

@@ -47,8 +47,7 @@ class LLM:
         """`profile`: N steps (or a ProfileConfig) to profile, written to ./tokenmill-profile (docs/performance.md).
         `compile`: "auto", "on"/True, "off"/False: torch.compile of the decoder stack (models/compiled.py).
         `adapt_threads`: run fewer compute threads while other processes take some of the CPUs (engine/cpu_share.py).
-        `async_scheduling`: "auto" (CUDA, or num_threads below the CPUs), "on", "off": schedule step N + 1
-        while N runs (engine/pipeline.py)."""
+        `async_scheduling`: "on" schedules step N + 1 while N runs (engine/pipeline.py); "auto" is off for now."""
         self.config = EngineConfig(
             ModelConfig(model, dtype, device, max_model_len, seed, gemm_backend, attention_backend, quantization,
                         amx_bf16, enforce_eager, compile_mode(compile)),

@@ -6,7 +6,6 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
@@ -143,9 +142,3 @@ def default_num_threads(quota: float | None) -> int:
     threads = torch.get_num_threads()
     return threads if quota is None else max(1, min(threads, int(quota)))
 
-
-def usable_cpus() -> int:
-    """CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota (floor, at least 1)."""
-    cpus = len(os.sched_getaffinity(0))
-    quota = cpu_quota_cores()
-    return cpus if quota is None else max(1, min(cpus, int(quota)))

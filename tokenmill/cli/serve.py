@@ -116,9 +116,9 @@ def add_quantization_argument(parser: Any) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="CUDA: no CUDA graphs; every decode step launches its kernels from Python")
     parser.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
-                        help="schedule and build step N+1 while step N runs on a device thread; auto: on CUDA, "
-                             "and on a CPU where --threads leaves a CPU free (where every CPU computes, the host "
-                             "work would take one from them; docs/performance.md)")
+                        help="on: schedule and build step N+1 while step N runs on a device thread (faster "
+                             "steps where the host's work is a visible share of one); auto: off for now "
+                             "(docs/performance.md, \"Asynchronous scheduling\")")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="CPU: torch.compile the decoder stack's glue around the native GEMM and attention "
                              "ops (steps the native decode stack does not take); default: where it measured "

@@ -34,7 +34,7 @@ from tokenmill.engine.stats import StepStats
 from tokenmill.errors import RequestValidationError
 from tokenmill.layers.kv_cache import kv_cache_spec
 from tokenmill.models.arch import ArchConfig
-from tokenmill.platform import cpu_quota_cores, default_num_threads, usable_cpus
+from tokenmill.platform import cpu_quota_cores, default_num_threads
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,7 @@ class EngineCore:
         # Asynchronous scheduling: every step runs on a device thread, the next one scheduled meanwhile.
         self.pipeline: StepPipeline | None = None
         self.overlap_steps = True  # False: every step synchronous on the device thread (benchmarks' A/B)
-        if async_scheduling_enabled(config.scheduler.async_scheduling, device, self.speculator is not None,
-                                    spare_cpu=config.num_threads is not None and config.num_threads < usable_cpus()):
+        if async_scheduling_enabled(config.scheduler.async_scheduling, self.speculator is not None):
             self.pipeline = StepPipeline(torch.get_num_threads())
             release_openmp_team()
             log.info("asynchronous scheduling: step N + 1 is scheduled while step N runs")
@@ -201,6 +200,10 @@ class EngineCore:
     def _step_overlapped(self, pipeline: StepPipeline) -> StepResult:
         """Schedule and build step N + 1 while step N runs; return step N's outputs (pipeline.py)."""
         started = time.monotonic()
+        if pipeline.in_flight is not None and (fit := self.scheduler.step_time.fit()) is not None:
+            running = pipeline.in_flight.scheduled
+            pipeline.wait_until_due(fit.predict(running.num_tokens, len(running.scheduled)))
+        scheduling = time.monotonic()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             outputs = self._complete(pipeline.take())
@@ -208,7 +211,10 @@ class EngineCore:
         prepared = self.runner.prepare(scheduled)
         previous = pipeline.take()
         forwarding = threading.Event()
-        pipeline.in_flight = InFlight(scheduled, pipeline.timed(self._run, prepared, forwarding))
+        pipeline.launch(scheduled, self._run, prepared, forwarding)
+        assert pipeline.in_flight is not None
+        pipeline.in_flight.host_s = time.monotonic() - scheduling
+        pipeline.note_scheduling(pipeline.in_flight.host_s)
         result = previous.result.result() if previous is not None else None
         # The host work below waits until step N + 1 is inside its forward, which runs without the GIL:
         # started at once, it took the GIL from the device thread's prologue (each torch call there
@@ -234,9 +240,15 @@ class EngineCore:
         return [] if in_flight is None else self._apply(in_flight, *in_flight.result.result())
 
     def _apply(self, in_flight: InFlight, result: RunnerOutput, step_time_s: float) -> list[EngineOutput]:
+        started = time.monotonic()
         outputs = self.scheduler.update(in_flight.scheduled, result, advanced=True)
         self._forget_finished(outputs)
-        self.scheduler.observe_step(in_flight.scheduled, step_time_s)
+        # The step-time model hears what the step would take synchronously (device + host work), the
+        # time it predicts for the steps the class scheduler sizes (those run synchronously). Fed device
+        # times alone, its fit under-priced each sequence's host work: after a batch job's overlapped
+        # steps, chats beside it got slower steps than their targets allowed.
+        host_s = in_flight.host_s + time.monotonic() - started
+        self.scheduler.observe_step(in_flight.scheduled, step_time_s + host_s)
         return outputs
 
     def _forget_finished(self, outputs: list[EngineOutput]) -> None:

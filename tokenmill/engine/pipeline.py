@@ -30,8 +30,8 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -44,17 +44,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-ASYNC_SCHEDULING_MODES = ("auto", "on", "off")
 
-
-def async_scheduling_enabled(mode: str, device: torch.device, speculative: bool, spare_cpu: bool) -> bool:
-    """`auto`: on CUDA, where the device waits for the host between steps, and on a CPU where the user's
-    thread count leaves a CPU free (`spare_cpu`) for the host work; not where the compute threads take
-    every CPU (the default), since the host work would then take one from them (docs/performance.md:
-    0.96-1.03x there, 1.05x at batch 1 with a CPU free)."""
-    if mode == "off" or speculative:
-        return False
-    return mode == "on" or device.type == "cuda" or spare_cpu
+def async_scheduling_enabled(mode: str, speculative: bool) -> bool:
+    """`auto` is off for now, on every device: measured on CPU only, where a server with service classes
+    gave chats 1.3-2x the TTFT with it (docs/performance.md); "on" turns it on, except with speculation."""
+    return mode == "on" and not speculative
 
 
 def overlappable(request: Request) -> bool:
@@ -65,10 +59,19 @@ def overlappable(request: Request) -> bool:
     return not (p.uses_penalties or p.min_tokens or p.structured is not None)
 
 
+# Scheduling of step N + 1 starts this long, plus twice the recent time it took, before step N is
+# predicted to end: late enough that requests arriving during step N make step N + 1 (scheduled at N's
+# start, they waited for N + 1 too), early enough that N + 1 is submitted before N ends.
+LEAD_MARGIN_S = 0.0005
+
+
 @dataclass(slots=True)
 class InFlight:
     scheduled: SchedulerOutput
-    result: Future[tuple[RunnerOutput, float]]  # the runner's output and the step's seconds on the device thread
+    # The runner's output and the step's seconds on the device thread.
+    result: Future[tuple[RunnerOutput, float]] = field(default_factory=Future)
+    started: float | None = None  # when the device thread began it (monotonic)
+    host_s: float = 0.0  # the engine thread's time scheduling and preparing it
 
     @property
     def is_long(self) -> bool:
@@ -87,6 +90,7 @@ class StepPipeline:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-device",
                                             initializer=torch.set_num_threads, initargs=(num_threads,))
         self.in_flight: InFlight | None = None
+        self.scheduling_s = 0.0  # recent time from scheduling a step to submitting it (decayed mean)
 
     def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
         return self._executor.submit(fn, *args)
@@ -94,12 +98,29 @@ class StepPipeline:
     def call(self, fn: Callable[..., T], *args: object) -> T:
         return self._executor.submit(fn, *args).result()
 
-    def timed(self, fn: Callable[..., T], *args: object) -> Future[tuple[T, float]]:
-        def run() -> tuple[T, float]:
-            started = time.monotonic()
+    def launch(self, scheduled: SchedulerOutput, fn: Callable[..., RunnerOutput], *args: object) -> None:
+        """Submit a step; it becomes `in_flight` (the caller took the previous one)."""
+        in_flight = InFlight(scheduled)
+
+        def run() -> tuple[RunnerOutput, float]:
+            in_flight.started = started = time.monotonic()
             value = fn(*args)
             return value, time.monotonic() - started
-        return self._executor.submit(run)
+
+        in_flight.result = self._executor.submit(run)
+        self.in_flight = in_flight
+
+    def wait_until_due(self, predicted_s: float | None) -> None:
+        """Until the running step is predicted to end within the time scheduling takes (or it ends)."""
+        in_flight = self.in_flight
+        if in_flight is None or in_flight.started is None or predicted_s is None:
+            return
+        delay = in_flight.started + predicted_s - 2 * self.scheduling_s - LEAD_MARGIN_S - time.monotonic()
+        if delay > 0:
+            wait([in_flight.result], timeout=delay)
+
+    def note_scheduling(self, seconds: float) -> None:
+        self.scheduling_s = 0.8 * self.scheduling_s + 0.2 * seconds
 
     def take(self) -> InFlight | None:
         in_flight, self.in_flight = self.in_flight, None
