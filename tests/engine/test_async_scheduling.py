@@ -12,7 +12,13 @@ import threading
 
 import pytest
 
-from tests.engine.test_engine_invariants import PARAMS, PROMPTS, _check_pool, _random_params
+from tests.engine.test_engine_invariants import (
+    PARAMS,
+    PROMPTS,
+    _check_pool,
+    _random_params,
+    run_random_requests_with_aborts,
+)
 from tests.engine.tiny import (
     ARCH_NAMES,
     ArchName,
@@ -196,31 +202,12 @@ def test_every_step_runs_on_the_device_thread() -> None:
 
 
 def test_no_block_leaks_after_random_requests_with_aborts() -> None:
-    rng = random.Random(1)
     core = make_core(tiny_model("llama"), num_blocks=24, max_num_batched_tokens=40, max_num_seqs=16,
                      policy="priority", async_scheduling="on")
-    prefixes = random_prompts([8, 12, 20], seed=17)
-    num_added = num_aborted = num_finished = 0
-    live: set[str] = set()
-    while num_added < 400 or core.has_unfinished:
-        while num_added < 400 and len(live) < 20:
-            length = rng.randint(1, 40)
-            prompt = (rng.choice([[], *prefixes]) + [rng.randint(0, 299) for _ in range(length)])[:max(1, length)]
-            params = greedy(rng.randint(1, 8)) if rng.random() < 0.7 else _random_params(rng)
-            rid = f"r{num_added}"
-            core.add_request(rid, prompt, params, (rng.randint(0, 299),), priority=rng.randint(0, 2))
-            live.add(rid)
-            num_added += 1
-        if live and rng.random() < 0.15:
-            victim = rng.choice(sorted(live))
-            if core.abort(victim) is not None:
-                num_aborted += 1
-            live.discard(victim)
-        for out in core.step().outputs:
-            if out.finished:
-                live.discard(out.request_id)
-                num_finished += 1
-        _check_pool(core)
+    def params(rng: random.Random) -> SamplingParams:  # mostly plain (overlapping), some reading history
+        return greedy(rng.randint(1, 8)) if rng.random() < 0.7 else _random_params(rng)
+
+    num_aborted, num_finished = run_random_requests_with_aborts(core, random.Random(1), 400, params)
     assert num_aborted > 20 and num_finished + num_aborted == 400
     assert core.scheduler.stats.num_preemptions > 0
     assert_all_free(core)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -303,20 +304,20 @@ def _random_params(rng: random.Random) -> SamplingParams:
                           stop_token_ids=[rng.randint(0, 299)], repetition_penalty=1.2, presence_penalty=0.5)
 
 
-def test_no_block_leaks_after_1000_random_requests_with_aborts() -> None:
-    rng = random.Random(0)
-    core = make_core(tiny_model("llama"), num_blocks=24, max_num_batched_tokens=40, max_num_seqs=16,
-                     policy="priority")
+def run_random_requests_with_aborts(core: EngineCore, rng: random.Random, total: int,
+                                    make_params: Callable[[random.Random], SamplingParams]) -> tuple[int, int]:
+    """`total` random requests (some sharing prefixes, 20 live at once, 15% of steps abort one), the pool
+    checked after every step; (aborted, finished)."""
     prefixes = random_prompts([8, 12, 20], seed=17)
     num_added = num_aborted = num_finished = 0
     live: set[str] = set()
-    while num_added < 1000 or core.has_unfinished:
-        while num_added < 1000 and len(live) < 20:
+    while num_added < total or core.has_unfinished:
+        while num_added < total and len(live) < 20:
             length = rng.randint(1, 40)
             prefix = rng.choice([[], *prefixes])
             prompt = (prefix + [rng.randint(0, 299) for _ in range(length)])[:max(1, length)]
             rid = f"r{num_added}"
-            core.add_request(rid, prompt, _random_params(rng), (rng.randint(0, 299),), priority=rng.randint(0, 2))
+            core.add_request(rid, prompt, make_params(rng), (rng.randint(0, 299),), priority=rng.randint(0, 2))
             live.add(rid)
             num_added += 1
         if live and rng.random() < 0.15:
@@ -329,6 +330,13 @@ def test_no_block_leaks_after_1000_random_requests_with_aborts() -> None:
                 live.discard(out.request_id)
                 num_finished += 1
         _check_pool(core)
+    return num_aborted, num_finished
+
+
+def test_no_block_leaks_after_1000_random_requests_with_aborts() -> None:
+    core = make_core(tiny_model("llama"), num_blocks=24, max_num_batched_tokens=40, max_num_seqs=16,
+                     policy="priority")
+    num_aborted, num_finished = run_random_requests_with_aborts(core, random.Random(0), 1000, _random_params)
     assert num_aborted > 50 and num_finished + num_aborted == 1000
     assert core.scheduler.stats.num_preemptions > 0
     assert core.kv.pool.stats.hits > 0 and core.kv.pool.stats.evictions > 0
