@@ -141,4 +141,3 @@ def default_num_threads(quota: float | None) -> int:
     floor(quota), at least 1."""
     threads = torch.get_num_threads()
     return threads if quota is None else max(1, min(threads, int(quota)))
-

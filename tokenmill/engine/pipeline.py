@@ -7,9 +7,14 @@ Synchronously, the host work of a step (schedule, build the inputs, apply the sa
 hand outputs over) sits between two forwards, and the device idles through it: on the H200, with
 graphs, the replayed forward of a 1.5B model took 42% of the HBM roofline's time and the whole step
 24% (docs/performance.md). Here the device thread runs the steps back to back, and the host work of
-step N + 1 overlaps the forward of step N. The price is one row per request per finish thrown away
-(a request whose EOS arrives in step N was scheduled in N + 1 already) and nothing else: a pending
-token never reaches a block hash, a prefill or a sampler that reads history (scheduler.advance).
+step N + 1 overlaps the forward of step N. Tokens are those of synchronous steps: a pending token never
+reaches a block hash, a prefill or a sampler that reads history (scheduler.advance). The price is one
+row per request per finish thrown away (a request whose EOS arrives in step N was scheduled in N + 1
+already). Step N + 1 is scheduled just in time: when N is predicted to end within the time scheduling
+takes (`wait_until_due`), and after a step with a prefill ends, so requests arriving during N make N + 1.
+
+Off by default ("auto" is off): through a CPU server with service classes, chats beside a batch job got
+their first token 1.3-2.4x later with it, not yet understood (docs/performance.md); "on" turns it on.
 
 Steps overlap only while no request's sampling reads its own tokens on the host (penalties, min_tokens,
 a grammar: `overlappable`), and never with speculation. Otherwise the engine drains the running step and
