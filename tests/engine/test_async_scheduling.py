@@ -186,6 +186,33 @@ def test_no_step_is_scheduled_while_a_prefill_runs() -> None:
     assert len(seen) > 20 and not any(seen)
 
 
+def test_requests_added_before_schedule_make_the_next_step() -> None:
+    """`before_schedule` runs in an overlapped step just before scheduling (the server adds what arrived
+    while the running step ran): a request it adds is scheduled in that very step."""
+    model = tiny_model("llama")
+    core = make_core(model, async_scheduling="on")
+    core.add_request("first", PROMPTS[5], greedy(12), ())
+    for _ in range(4):
+        core.step()
+    added: list[str] = []
+
+    def arrive() -> None:
+        if not added:
+            core.add_request("late", PROMPTS[3], greedy(5), ())
+            added.append("late")
+
+    core.before_schedule = arrive
+    core.step()
+    late = core.scheduler.requests["late"]
+    assert late.times.first_scheduled is not None  # in the step that step() just submitted
+    tokens: dict[str, list[int]] = {"first": [], "late": []}
+    while core.has_unfinished:
+        for out in core.step().outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert tokens["late"] == run_to_completion(make_core(model), [PROMPTS[3]], greedy(5))[0]
+    assert_all_free(core)
+
+
 def test_every_step_runs_on_the_device_thread() -> None:
     core = make_core(tiny_model("llama"), async_scheduling="on")
     threads: set[str] = set()

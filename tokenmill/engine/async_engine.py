@@ -140,6 +140,8 @@ class AsyncEngine:
         # The step-time fit, from synthetic steps while the fresh engine idles (engine/calibration.py).
         self.calibration = (IdleCalibration(self.engine.core, classes.calibration_steps)
                             if classes.enabled and classes.calibration_steps else None)
+        self._ingested_aborts: list[RequestOutput] = []
+        self.engine.core.before_schedule = self._ingest
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
 
@@ -242,6 +244,14 @@ class AsyncEngine:
             except Exception as exc:  # any failure must reach every waiting client
                 self._recover(exc)
 
+    def _ingest(self) -> None:
+        """Inside an overlapped step, just before the next one is scheduled: the requests that arrived
+        while the running step ran (engine/pipeline.py). Not during calibration, whose steps' outputs
+        go to nobody."""
+        if self.calibration is not None and self.calibration.active:
+            return
+        self._ingested_aborts += self._drain_commands()
+
     def _drain_commands(self) -> list[RequestOutput]:
         """Apply every queued command; the final outputs of the requests it aborted."""
         aborted: list[RequestOutput] = []
@@ -288,6 +298,9 @@ class AsyncEngine:
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_put_all, items)
         self._publish(step.stats, step.finished)
+        if self._ingested_aborts:
+            aborted, self._ingested_aborts = self._ingested_aborts, []
+            self._publish(self.engine.stats(), aborted)
 
     def _deliver(self, output: RequestOutput) -> None:
         stream = self._streams.get(output.request_id)

@@ -90,6 +90,9 @@ class EngineCore:
         # Asynchronous scheduling: every step runs on a device thread, the next one scheduled meanwhile.
         self.pipeline: StepPipeline | None = None
         self.overlap_steps = True  # False: every step synchronous on the device thread (benchmarks' A/B)
+        # Called just before an overlapped step is scheduled: a server adds the requests that arrived while
+        # the running step ran, so they make the next step (between step() calls they would wait for it).
+        self.before_schedule: Callable[[], None] | None = None
         if async_scheduling_enabled(config.scheduler.async_scheduling, self.speculator is not None):
             self.pipeline = StepPipeline(torch.get_num_threads())
             release_openmp_team()
@@ -203,6 +206,8 @@ class EngineCore:
         if pipeline.in_flight is not None and (fit := self.scheduler.step_time.fit()) is not None:
             running = pipeline.in_flight.scheduled
             pipeline.wait_until_due(fit.predict(running.num_tokens, len(running.scheduled)))
+        if self.before_schedule is not None:
+            self.before_schedule()
         scheduling = time.monotonic()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
