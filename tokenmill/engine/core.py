@@ -16,6 +16,7 @@ from tokenmill.engine.cpu_share import build_governor
 from tokenmill.engine.inputs import RequestLimits
 from tokenmill.engine.interfaces import RunnerOutput, SchedulerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.model_input import MAX_DECODE_QUERY
 from tokenmill.engine.model_runner import ModelRunner, PreparedStep, kv_bytes_per_block, num_kv_blocks
 from tokenmill.engine.pipeline import (
     InFlight,
@@ -164,7 +165,7 @@ class EngineCore:
         if self.overlap_steps and not self.timer.enabled and all(
                 overlappable(r) for r in self.scheduler.requests.values()):
             in_flight = pipeline.in_flight
-            if in_flight is None or not in_flight.is_long:
+            if in_flight is None or not (in_flight.is_long or self._may_prefill()):
                 return self._step_overlapped(pipeline)
             drained = self._complete(pipeline.take())  # then schedule with what arrived meanwhile
             result = self._step_overlapped(pipeline)
@@ -174,6 +175,14 @@ class EngineCore:
         result = self._step(lambda scheduled: pipeline.call(self._execute, scheduled))
         result.outputs[:0] = drained
         return result
+
+    def _may_prefill(self) -> bool:
+        """The next step may hold a prefill chunk (a request waits, or one has prompt left): it is scheduled
+        after the running step ends, with whatever arrived meanwhile. Scheduled early, a long prefill step
+        could shut out a chat that arrived in the last milliseconds of the running one until it ended."""
+        scheduler = self.scheduler
+        return bool(scheduler.waiting) or any(
+            r.num_tokens - r.num_computed_tokens > MAX_DECODE_QUERY for r in scheduler.running)
 
     def _execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         """One step's device work, on the thread that owns the compute threads."""

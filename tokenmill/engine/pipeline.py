@@ -13,10 +13,11 @@ row per request per finish thrown away (a request whose EOS arrives in step N wa
 already). Step N + 1 is scheduled just in time: when N is predicted to end within the time scheduling
 takes (`wait_until_due`), and after a step with a prefill ends, so requests arriving during N make N + 1.
 
-A server adds the requests that arrived during step N just before step N + 1 is scheduled
-(`EngineCore.before_schedule`); added between `step()` calls they waited for the step already running.
-Off by default ("auto" is off): through a CPU server with service classes, the slowest chat's first token
-beside a batch job still came 1.7-1.9x later with it, not yet explained (docs/performance.md); "on" turns it on.
+A step that may hold a prefill chunk is scheduled only after the running one ends. A server adds the
+requests that arrived during step N just before step N + 1 is scheduled (`EngineCore.before_schedule`);
+added between `step()` calls they waited for the step already running.
+Off by default ("auto" is off): measured on CPU only, where it needs a CPU the compute threads leave free
+(docs/performance.md); "on" turns it on.
 
 Steps overlap only while no request's sampling reads its own tokens on the host (penalties, min_tokens,
 a grammar: `overlappable`), and never with speculation. Otherwise the engine drains the running step and
@@ -53,9 +54,8 @@ T = TypeVar("T")
 
 
 def async_scheduling_enabled(mode: str, speculative: bool) -> bool:
-    """`auto` is off for now, on every device: measured on CPU only, where a server with service classes
-    gave its slowest chat 1.7-1.9x the TTFT with it (docs/performance.md); "on" turns it on, except with
-    speculation."""
+    """`auto` is off for now, on every device: measured on CPU only, where it pays only with a CPU the
+    compute threads leave free (docs/performance.md); "on" turns it on, except with speculation."""
     return mode == "on" and not speculative
 
 
