@@ -162,17 +162,18 @@ class EngineCore:
         pipeline = self.pipeline
         if pipeline is None:
             return self._step(self._execute)
-        if self.overlap_steps and not self.timer.enabled and all(
-                overlappable(r) for r in self.scheduler.requests.values()):
-            in_flight = pipeline.in_flight
-            if in_flight is None or not (in_flight.is_long or self._may_prefill()):
-                return self._step_overlapped(pipeline)
-            drained = self._complete(pipeline.take())  # then schedule with what arrived meanwhile
+        overlap = self.overlap_steps and not self.timer.enabled and all(
+            overlappable(r) for r in self.scheduler.requests.values())
+        in_flight = pipeline.in_flight
+        drained: list[EngineOutput] = []
+        # A request that needs its history steps one at a time; after (or before) a prefill chunk the
+        # next step is scheduled with whatever arrived meanwhile.
+        if in_flight is not None and (not overlap or in_flight.is_long or self._may_prefill()):
+            drained = self._complete(pipeline.take())
+        if overlap:
             result = self._step_overlapped(pipeline)
-            result.outputs[:0] = drained
-            return result
-        drained = self._complete(pipeline.take())  # a request that needs its history: one step at a time
-        result = self._step(lambda scheduled: pipeline.call(self._execute, scheduled))
+        else:
+            result = self._step(lambda scheduled: pipeline.call(self._execute, scheduled))
         result.outputs[:0] = drained
         return result
 

@@ -163,12 +163,13 @@ class DecodeGraphs:
         self._write(key, a.input_ids, a.positions, a.slots, a.seq_lens, a.table)
         return self._staged_input(key, a.num_rows, *a.sampling(self.device))
 
-    def fits_rows(self, host: ModelInput) -> bool:
-        """Whether `stage_rows` takes this host-built step: decode rows only, in a captured bucket."""
+    def rows_key(self, host: ModelInput) -> tuple[int, int] | None:
+        """The graph `stage_rows` stages this host-built step into (decode rows only, in a captured
+        bucket), or None."""
         meta, decode = host.meta, host.meta.decode
         if meta.prefill is not None or decode is None or decode.max_query_len != 1 or decode.has_mask:
-            return False
-        return self.key_for(host.input_ids.shape[0], decode.block_table.shape[1]) is not None
+            return None
+        return self.key_for(host.input_ids.shape[0], decode.block_table.shape[1])
 
     def stage_rows(self, host: ModelInput) -> ModelInput | None:
         """A step built on the host (CPU tensors) whose tokens are all decode-group rows: speculative
@@ -176,13 +177,12 @@ class DecodeGraphs:
         Each row is a one-token decode at its own position over its request's table, the same shape
         as a plain decode, so the same graphs serve it. None where it has a prefill group or no
         graph fits."""
-        if not self.fits_rows(host):
+        key = self.rows_key(host)
+        if key is None:
             return None
         meta, decode = host.meta, host.meta.decode
         assert decode is not None
         n = host.input_ids.shape[0]
-        key = self.key_for(n, decode.block_table.shape[1])
-        assert key is not None
         self._write(key, host.input_ids.numpy(), host.positions.numpy(), meta.slot_mapping.numpy(),
                     decode.seq_lens.numpy(), decode.block_table.numpy())
         return self._staged_input(key, n, host.sample_indices.to(self.device), host.sampled,

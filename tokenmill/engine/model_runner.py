@@ -36,7 +36,6 @@ class PreparedStep:
     """A step's inputs built on the host (`ModelRunner.prepare`), in one of three forms: `inp`, device
     tensors to run eagerly; `plain` or `rows`, host arrays to stage into a CUDA graph's buffers."""
 
-    out: SchedulerOutput
     inp: ModelInput | None = None
     plain: PlainDecodeArrays | None = None
     rows: ModelInput | None = None
@@ -139,14 +138,14 @@ class ModelRunner:
             if is_plain_decode(out.scheduled):
                 arrays = plain_decode_arrays(out.scheduled, self.block_size, self.tables)
                 if self.graphs.key_for(arrays.num_rows, arrays.table.shape[1]) is not None:
-                    return PreparedStep(out, plain=arrays)
+                    return PreparedStep(plain=arrays)
             elif all(s.num_new_tokens <= MAX_DECODE_QUERY for s in out.scheduled):
                 host = build_model_input(out.scheduled, self.block_size, self.arch.sliding_window,
                                          torch.device("cpu"), self.tables, decode_mask=False)
-                if self.graphs.fits_rows(host):
-                    return PreparedStep(out, rows=host)
+                if self.graphs.rows_key(host) is not None:
+                    return PreparedStep(rows=host)
             # No graph fits: eager. Building updated the persistent tables idempotently; build again.
-        return PreparedStep(out, inp=build_model_input(
+        return PreparedStep(inp=build_model_input(
             out.scheduled, self.block_size, self.arch.sliding_window, self.device, self.tables if fast else None,
             decode_mask=not fast or self.model.attn.decode_kernel is None))
 

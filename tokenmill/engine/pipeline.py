@@ -134,9 +134,6 @@ class StepPipeline:
         in_flight, self.in_flight = self.in_flight, None
         return in_flight
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
-
 
 def release_openmp_team() -> None:
     """Free the calling thread's idle OpenMP teams (libgomp keeps one per thread that ran a parallel

@@ -40,7 +40,7 @@ from tokenmill.engine.request import PLACEHOLDER, EngineOutput, FinishReason, Re
 from tokenmill.engine.service_class import ServiceClass
 from tokenmill.engine.stats import ClassStepStats
 from tokenmill.engine.step_time import OnlineStepTimeModel, StepTimeModel
-from tokenmill.engine.stop import check_stop
+from tokenmill.engine.stop import check_stop, length_reached
 
 
 @dataclass(slots=True)
@@ -136,7 +136,7 @@ class Scheduler(ClassScheduling):
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if request.has_pending_token and self._ends_with_pending(request):
+            if request.has_pending_token and length_reached(request, self.max_model_len):
                 continue  # its running step is its last: a row for it now would be thrown away
             allowed = budget
             if cap is not None:
@@ -161,12 +161,6 @@ class Scheduler(ClassScheduling):
             scheduled_ids.add(request.request_id)
             budget -= num_new
         return budget
-
-    def _ends_with_pending(self, request: Request) -> bool:
-        """The pending token ends the request whatever it is (max_tokens or the context)."""
-        max_tokens = request.params.max_tokens
-        return ((max_tokens is not None and request.num_output_tokens >= max_tokens)
-                or request.num_tokens >= self.max_model_len)
 
     def _spec_tokens(self, request: Request, remaining: int, budget: int) -> list[int]:
         """The request's proposals that fit: the budget after its known tokens, the context, and

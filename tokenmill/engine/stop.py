@@ -15,8 +15,12 @@ def check_stop(request: Request, max_model_len: int) -> FinishReason | None:
             return FinishReason.STOP
         if last in params.stop_token_ids:
             return FinishReason.STOP
-    if params.max_tokens is not None and num_output >= params.max_tokens:
-        return FinishReason.LENGTH
-    if request.num_tokens >= max_model_len:
+    if length_reached(request, max_model_len):
         return FinishReason.LENGTH
     return None
+
+
+def length_reached(request: Request, max_model_len: int) -> bool:
+    """max_tokens or the context is used up: the request ends whatever its last token is."""
+    max_tokens = request.params.max_tokens
+    return (max_tokens is not None and request.num_output_tokens >= max_tokens) or request.num_tokens >= max_model_len
