@@ -196,13 +196,14 @@ class SchedulerConfig:
         _require(self.policy in ("fcfs", "priority"), "policy must be 'fcfs' or 'priority'")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft", "ngram-draft")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft", "ngram-draft")
 # ngram: 7 (was 5) since the Zen 5 duo tiles made an 8-row verification ~2.2x a decode: a copied span's
 # 8-token steps then beat 6-token ones, and the controller still picks k <= 7 by measured step times
 # (batch-1 code edits 1.83-1.88x against 1.74-1.84x with 5, equal at 32 requests; docs/speculative.md).
 # 15 (16-row verifications at ~3.2x a decode) measured the same as 7 on the three edits (1.009x, two
 # engines in one process, 5 rounds), and 11 0.966x: the spans' ends cost what their longer steps save.
-DEFAULT_SPECULATIVE_TOKENS = {"ngram": 7, "draft": 3, "ngram-draft": 5}
+# suffix: as ngram (its guesses are lookups too, priced by the same controller).
+DEFAULT_SPECULATIVE_TOKENS = {"ngram": 7, "suffix": 7, "draft": 3, "ngram-draft": 5}
 
 
 # A draft's default weights: q4 blocks, the fewest bytes a draft forward streams. Measured on the Zen 3
@@ -215,8 +216,9 @@ DRAFT_QUANTIZATION = "q4"
 class SpeculativeConfig:
     """Speculative decoding (engine/spec/). Off unless `method` is set."""
 
-    # None: off; "ngram" (prompt lookup), "draft" (a smaller model) or "ngram-draft" (lookup where the
-    # context repeats, the draft elsewhere: engine/spec/hybrid.py)
+    # None: off; "ngram" (prompt lookup), "suffix" (prompt lookup and a cache of recent outputs:
+    # engine/spec/suffix.py), "draft" (a smaller model) or "ngram-draft" (lookup where the context
+    # repeats, the draft elsewhere: engine/spec/hybrid.py)
     method: str | None = None
     # K: at most this many proposals per request per step (the controller picks k <= K each step).
     # 0 = the method's default: n-gram 5 (the controller gives rows only to likely proposals, and
@@ -239,6 +241,9 @@ class SpeculativeConfig:
     # draft's bytes (Qwen2.5-0.5B: 136 M of 494 M weights). The draft cannot guess a token past the
     # cut; verification is unchanged, so output is exact either way (docs/speculative.md).
     draft_vocab: int | None = None
+    # suffix: the recent outputs the cross-request cache keeps, in tokens (oldest evicted first; ~300
+    # bytes a token of index: engine/spec/output_cache.py).
+    suffix_cache_tokens: int = 65536
     # Controller (spec/controller.py): requests below this recent acceptance stop proposing and
     # probe again every probe_interval steps; until step times have been measured over a spread of
     # batch sizes, steps with more than max_batch_size decoding requests do not speculate.
@@ -265,6 +270,7 @@ class SpeculativeConfig:
         _require(self.draft_quantization is None or self.draft_quantization in QUANTIZATIONS,
                  f"draft quantization '{self.draft_quantization}' is not supported: use {', '.join(QUANTIZATIONS)}")
         _require(self.draft_vocab is None or self.draft_vocab >= 1, "draft_vocab must be a positive token count")
+        _require(self.suffix_cache_tokens >= 0, "suffix_cache_tokens must be >= 0")
         _require(0.0 <= self.min_acceptance <= 1.0, "min_acceptance must be in [0, 1]")
         _require(self.probe_interval >= 1, "probe_interval must be positive")
         _require(self.max_batch_size >= 1, "max_batch_size must be positive")

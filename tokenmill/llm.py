@@ -43,6 +43,7 @@ class LLM:
                  speculative: str | None = None,
                  draft_model: str | None = None, draft_quantization: str | None = None, draft_vocab: int | None = None,
                  num_speculative_tokens: int = 0, ngram_min: int = 1, ngram_max: int = 4,
+                 suffix_cache_tokens: int = 65536,
                  profile: int | ProfileConfig | None = None, adapt_threads: bool = True) -> None:
         """`profile`: N steps (or a ProfileConfig) to profile, written to ./tokenmill-profile (docs/performance.md).
         `compile`: "auto", "on"/True, "off"/False: torch.compile of the decoder stack (models/compiled.py).
@@ -57,7 +58,8 @@ class LLM:
                             async_scheduling=async_scheduling),
             num_threads,
             SpeculativeConfig(speculative, num_speculative_tokens, ngram_min, ngram_max, draft_model,
-                              draft_quantization, draft_vocab=draft_vocab),
+                              draft_quantization, draft_vocab=draft_vocab,
+                              suffix_cache_tokens=suffix_cache_tokens),
             _profile_config(profile),
             adapt_threads=adapt_threads,
         )

@@ -52,7 +52,8 @@ def add_speculative_arguments(parser: Any) -> None:
     from tokenmill.kernels import QUANTIZATIONS
 
     parser.add_argument("--speculative", default=None, choices=list(SPECULATIVE_METHODS),
-                        help="speculative decoding: ngram = prompt lookup, draft = a smaller model (--draft-model), "
+                        help="speculative decoding: ngram = prompt lookup, suffix = prompt lookup and a cache of "
+                             "recent outputs (agents, JSON, tool calls), draft = a smaller model (--draft-model), "
                              "ngram-draft = lookup where the context repeats, the draft elsewhere")
     parser.add_argument("--draft-model", default=None,
                         help="draft model sharing the target's tokenizer (catalog name or path)")
@@ -65,6 +66,8 @@ def add_speculative_arguments(parser: Any) -> None:
                         help="most tokens proposed per request per step (default: ngram 7, draft 3, ngram-draft 5)")
     parser.add_argument("--ngram-min", type=int, default=1, help="shortest suffix the n-gram lookup matches")
     parser.add_argument("--ngram-max", type=int, default=4, help="longest suffix the n-gram lookup matches")
+    parser.add_argument("--suffix-cache-tokens", type=int, default=65536,
+                        help="suffix: output tokens of recent requests the lookup cache keeps")
 
 
 def speculative_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -72,7 +75,7 @@ def speculative_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {"speculative": args.speculative, "draft_model": args.draft_model,
             "draft_quantization": args.draft_quantization, "draft_vocab": args.draft_vocab,
             "num_speculative_tokens": args.num_speculative_tokens, "ngram_min": args.ngram_min,
-            "ngram_max": args.ngram_max}
+            "ngram_max": args.ngram_max, "suffix_cache_tokens": args.suffix_cache_tokens}
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:

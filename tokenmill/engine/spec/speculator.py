@@ -14,6 +14,7 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.spec import draft as _draft  # noqa: F401 - registers "draft"
 from tokenmill.engine.spec import hybrid as _hybrid  # noqa: F401 - registers "ngram-draft"
 from tokenmill.engine.spec import ngram as _ngram  # noqa: F401 - registers "ngram"
+from tokenmill.engine.spec import suffix as _suffix  # noqa: F401 - registers "suffix"
 from tokenmill.engine.spec.base import PROPOSERS, Proposer
 from tokenmill.engine.spec.controller import SpecController
 from tokenmill.errors import TokenmillError
@@ -132,6 +133,10 @@ def build_speculator(config: SpeculativeConfig, model_config: ModelConfig, targe
     proposer: Proposer
     if config.method == "ngram":
         proposer = PROPOSERS["ngram"](config.ngram_min, config.ngram_max)  # type: ignore[call-arg]
+        return Speculator(config, proposer, max_model_len)
+    if config.method == "suffix":
+        proposer = PROPOSERS["suffix"](config.ngram_min, config.ngram_max,  # type: ignore[call-arg]
+                                       config.suffix_cache_tokens)
         return Speculator(config, proposer, max_model_len)
     arch, tensors = draft if draft is not None else load_draft(config)
     if arch.vocab_size != target_arch.vocab_size:
