@@ -100,14 +100,14 @@ def test_draft_model_greedy_is_token_identical(arch: ArchName) -> None:
     _assert_greedy_identical(spec_core(tiny_model(arch), "draft", other), arch)  # mostly rejected
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 @pytest.mark.parametrize("budget", [2, 5, 64])
 def test_greedy_identical_with_chunked_prefill(method: str, budget: int) -> None:
     draft: ArchName | None = "llama" if method == "draft" else None
     _assert_greedy_identical(spec_core(tiny_model("llama"), method, draft, max_num_batched_tokens=budget), "llama")
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 @pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "no-prefix"])
 def test_greedy_identical_under_forced_preemption(method: str, prefix: bool) -> None:
     draft: ArchName | None = "gemma3" if method == "draft" else None
@@ -116,7 +116,7 @@ def test_greedy_identical_under_forced_preemption(method: str, prefix: bool) -> 
     assert core.scheduler.stats.num_preemptions > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 def test_greedy_identical_with_prefix_cache_hits(method: str) -> None:
     """Second-round prompts reuse blocks the first round published, including blocks of generated
     tokens that were accepted proposals: their KV must be the target's."""
@@ -230,7 +230,8 @@ SEEDED = [SamplingParams(max_tokens=6 + (5 * i) % 17, temperature=(0.001, 0.3, 2
                          top_k=0 if i % 2 else 40) for i in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize(("method", "adaptive"), [("ngram", False), ("ngram", True), ("draft", False)])
+@pytest.mark.parametrize(("method", "adaptive"), [("ngram", False), ("ngram", True), ("suffix", True),
+                                                  ("draft", False)])
 def test_seeded_sampled_requests_emit_the_tokens_they_emit_without_speculation(method: str, adaptive: bool) -> None:
     """Point-mass proposals (lookups, a seeded request's argmax guesses) are verified by the plain sampler's
     own draw, one noise row of the request's stream per emitted token: whatever k the controller picks,

@@ -16,7 +16,9 @@ def test_flags_parse_on_generate_and_serve() -> None:
                               "--ngram-min", "2", "--ngram-max", "5"])
     assert speculative_kwargs(args) == {"speculative": "ngram", "draft_model": None, "draft_quantization": None,
                                         "draft_vocab": None, "num_speculative_tokens": 6, "ngram_min": 2,
-                                        "ngram_max": 5}
+                                        "ngram_max": 5, "suffix_cache_tokens": 65536}
+    args = parser.parse_args(["serve", "m", "--speculative", "suffix", "--suffix-cache-tokens", "4096"])
+    assert speculative_config(args) == SpeculativeConfig("suffix", suffix_cache_tokens=4096)
     args = parser.parse_args(["serve", "m", "--speculative", "draft", "--draft-model", "d"])
     assert (args.speculative, args.draft_model, args.num_speculative_tokens) == ("draft", "d", 0)  # the method's
     assert args.draft_quantization is None  # the target's
@@ -38,6 +40,7 @@ def test_flags_parse_on_generate_and_serve() -> None:
     ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, "ngram_min"),
     ({"method": "draft", "draft_model": "d", "draft_quantization": "q3"}, "draft quantization 'q3'"),
     ({"method": "draft", "draft_model": "d", "draft_vocab": 0}, "draft_vocab"),
+    ({"method": "suffix", "suffix_cache_tokens": -1}, "suffix_cache_tokens"),
 ])
 def test_config_rejects_bad_settings(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(TokenmillError, match=message):
@@ -49,6 +52,7 @@ def test_the_default_k_is_the_methods() -> None:
     assert SpeculativeConfig("draft", draft_model="d").num_speculative_tokens == 3
     assert SpeculativeConfig("ngram-draft", draft_model="d").num_speculative_tokens == 5
     assert SpeculativeConfig("ngram", 2).num_speculative_tokens == 2
+    assert SpeculativeConfig("suffix").num_speculative_tokens == 7
 
 
 def test_draft_without_a_model_is_a_one_line_cli_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -83,7 +83,8 @@ class SuffixProposer(NgramProposer):
         """The request finished or was aborted: what it generated joins the cache."""
         request = self._live.pop(request_id, None)
         if request is not None:
-            self.cache.add([t for t in request.output_token_ids if t != PLACEHOLDER])
+            lead_in = request.prompt_token_ids[-self.cache.max_n:]
+            self.cache.add([*lead_in, *(t for t in request.output_token_ids if t != PLACEHOLDER)], len(lead_in))
         self._choices.pop(request_id, None)
         super().forget(request_id)
 

@@ -1,0 +1,61 @@
+"""`--speculative suffix` in the engine: outputs of finished requests make the guesses of later ones,
+and the tokens stay exactly those of the engine without speculation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.engine.test_speculative import PARAMS, PROMPTS, _run_counting, plain, spec_core
+from tests.engine.tiny import ARCH_NAMES, VOCAB_SIZE, ArchName, assert_all_free, greedy, random_prompts, tiny_model
+from tokenmill.engine.spec.suffix import SuffixProposer
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_suffix_greedy_is_token_identical(arch: ArchName) -> None:
+    core = spec_core(tiny_model(arch), "suffix")
+    outputs, drafts, _ = _run_counting(core, PROMPTS, PARAMS)
+    assert [tuple(o) for o in outputs] == list(plain(arch))
+    assert drafts > 0
+    assert_all_free(core)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_a_later_request_draws_on_an_earlier_ones_output(method: str) -> None:
+    """The same random prompt twice, one after the other: its own context repeats nothing the output
+    will say, so prompt lookup finds little; the cache holds the first answer, which the second repeats."""
+    model = tiny_model("llama")
+    prompt = random_prompts([12], seed=77)[0]
+    core = spec_core(model, method, k=4)  # every decoding request proposes up to 4
+    first, _, _ = _run_counting(core, [prompt], [greedy(24)])
+    second, drafts, accepted = _run_counting(core, [prompt], [greedy(24)])
+    assert second == first
+    if method == "suffix":  # 23 tokens after the first in 5 steps of 4 guesses + 1, from the first decode
+        assert (drafts, accepted) == (5, 18)  # on (the prompt's end is the cached answer's lead-in)
+    else:
+        assert accepted <= 2
+    assert_all_free(core)
+
+
+def test_no_block_leak_and_a_bounded_cache_after_random_requests_with_aborts() -> None:
+    rng = random.Random(9)
+    core = spec_core(tiny_model("qwen2"), "suffix", num_blocks=48, adaptive=True)
+    assert core.speculator is not None
+    proposer = core.speculator.proposer
+    assert isinstance(proposer, SuffixProposer)
+    proposer.cache.max_tokens = 200
+    for i in range(400):
+        length = rng.randrange(1, 24)
+        prompt = [3, 4, 5] * (length // 3 + 1) if rng.random() < 0.3 else \
+            [rng.randrange(VOCAB_SIZE) for _ in range(length)]
+        core.add_request(f"r{i}", prompt, greedy(rng.randrange(1, 20)), ())
+        for _ in range(rng.randrange(0, 3)):
+            core.step()
+        if rng.random() < 0.2 and core.scheduler.requests:
+            core.abort(rng.choice(sorted(core.scheduler.requests)))
+    while core.has_unfinished:
+        core.step()
+    assert_all_free(core)
+    assert 0 < proposer.cache.num_tokens <= 200
+    assert not proposer._live and not proposer._choices  # nothing kept of finished requests
