@@ -241,8 +241,8 @@ class SpeculativeConfig:
     # draft's bytes (Qwen2.5-0.5B: 136 M of 494 M weights). The draft cannot guess a token past the
     # cut; verification is unchanged, so output is exact either way (docs/speculative.md).
     draft_vocab: int | None = None
-    # suffix: the recent outputs the cross-request cache keeps, in tokens (oldest evicted first; ~300
-    # bytes a token of index: engine/spec/output_cache.py).
+    # suffix: the recent outputs the cross-request cache keeps, in tokens (oldest evicted first; ~0.45 KB
+    # a token of index: engine/spec/output_cache.py).
     suffix_cache_tokens: int = 65536
     # Controller (spec/controller.py): requests below this recent acceptance stop proposing and
     # probe again every probe_interval steps; until step times have been measured over a spread of

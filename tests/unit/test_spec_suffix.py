@@ -77,9 +77,9 @@ def test_memory_stays_bounded_by_the_token_budget() -> None:
     for _ in range(200):
         cache.add([rng.randrange(50) for _ in range(rng.randrange(3, 60))])
     assert cache.num_tokens <= 500
-    assert len(cache._index) <= 3 * cache.num_tokens  # entries of evicted outputs were removed
+    assert cache.num_entries <= 3 * cache.num_tokens  # entries of evicted outputs were removed
     cache.clear()
-    assert cache.num_tokens == 0 and not cache._index and cache.match([1, 2, 3]) == (0, -1)
+    assert cache.num_tokens == 0 and cache.num_entries == 0 and cache.match([1, 2, 3]) == (0, -1)
 
 
 def test_a_finished_requests_output_joins_the_cache_after_its_prompts_end() -> None:
@@ -137,3 +137,20 @@ def test_cache_buckets_have_their_own_priors() -> None:
     assert proposer.bucket_prior(-2) == 0.6 and proposer.bucket_prior(-4) == 0.85
     assert proposer.bucket_prior(4) == 0.9 and proposer.bucket_prior(1) == 0.4  # the prompt lookup's
     assert proposer.cache.min_n == 2  # a cached 1-token match is noise: never proposed
+
+
+def test_the_vectorised_keys_are_the_ngrams_own_keys() -> None:
+    """_keys computes every n-gram's key at once with wrapping int64 arithmetic; match() computes a
+    context's one by one in Python: both must be key_of's, or a cached n-gram could never be found."""
+    from tokenmill.engine.spec.output_cache import key_of
+
+    rng = random.Random(3)
+    tokens = [rng.randrange(200_000) for _ in range(40)]
+    cache = OutputCache(1, 5, max_tokens=100)
+    for n, keys, entries in cache._keys(0, tokens, first=2):
+        assert keys == [key_of(tokens[e - n:e]) for e in entries]
+        assert entries[0] == max(2, n)
+    cache.add(tokens, lead_in=2)
+    for end in range(6, 40):
+        n, entry = cache.match([7, *tokens[end - 5:end]])
+        assert (n, entry & 0xFFFFFFFF) == (5, end)

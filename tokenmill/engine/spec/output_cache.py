@@ -9,15 +9,16 @@ is an n-gram index like the per-request one, over the outputs of the last reques
 each with the last max_n tokens of its prompt as lead-in: a chat template's assistant header ends every
 prompt, so the first tokens of an answer (`{"name": "`, a tool call's envelope) are guessed too.
 
-    index[hash(tokens[i - n:i])] = (sequence, i)    for n in [min_n, max_n], the latest i wins
+    index[n][key(tokens[i - n:i])] = (sequence, i)    for n in [min_n, max_n], the latest i wins
 
-Keys are hashes of the n-gram, not the n-gram: a collision only makes a wrong guess, which verification
-rejects (output never depends on a guess), and an int key is a fraction of a tuple's memory. Eviction is
-oldest-sequence-first once more than `max_tokens` output tokens are held; an evicted sequence's entries
-are removed where they still point at it (a later sequence may have taken the key over).
+key() is a polynomial hash of the n tokens mod 2**64, computed for a whole output at once with numpy's
+wrapping int64 arithmetic (adding an output and evicting one: ~0.6 µs a token on the engine thread,
+against 1.6 µs with a tuple per n-gram and position; a lookup ~1 µs). A collision only makes a wrong
+guess, which verification rejects: output never depends on a guess. Eviction is oldest-sequence-first
+once more than `max_tokens` tokens are held; an evicted sequence's entries are removed where they still
+point at it (a later sequence may have taken the key over).
 
-Memory: about (max_n - min_n + 1) dict entries per cached token, ~100 bytes each: 64 Ki tokens with
-n in 2..4 take ~20 MB.
+Memory: ~0.45 KB a cached token with n in 2..4 (three dict entries and the token): 64 Ki tokens ~30 MB.
 """
 
 from __future__ import annotations
@@ -25,8 +26,25 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
+
 _SEQ_SHIFT = 32  # an entry packs (sequence id << 32) | position: outputs are far shorter than 2**32 tokens
 _POS_MASK = (1 << _SEQ_SHIFT) - 1
+_MULTIPLIER = 0x9E3779B97F4A7C15 - (1 << 64)  # odd (a bijection mod 2**64), as a signed int64
+_U64 = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    x &= _U64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def key_of(tokens: Sequence[int]) -> int:
+    """key() of one n-gram, the same int that _keys computes with numpy for every position."""
+    h = 0
+    for t in tokens:
+        h = _signed(h * _MULTIPLIER + t)
+    return h
 
 
 class OutputCache:
@@ -35,12 +53,17 @@ class OutputCache:
         self.min_n, self.max_n, self.max_tokens = min_n, max_n, max_tokens
         # id → (first continuation start, lead-in + output tokens), oldest first
         self._sequences: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
-        self._index: dict[int, int] = {}
+        self._index: dict[int, dict[int, int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self._powers = [_signed(_MULTIPLIER ** j) for j in range(max_n)]  # M**j mod 2**64
         self._next_id = 0
         self.num_tokens = 0
 
     def __len__(self) -> int:
         return len(self._sequences)
+
+    @property
+    def num_entries(self) -> int:
+        return sum(len(table) for table in self._index.values())
 
     def add(self, tokens: Sequence[int], lead_in: int = 0) -> None:
         """Cache one finished output, `tokens` = its first `lead_in` tokens of context (the prompt's end,
@@ -57,17 +80,21 @@ class OutputCache:
         seq_id, self._next_id = self._next_id, self._next_id + 1
         self._sequences[seq_id] = (first, tokens)
         self.num_tokens += len(tokens)
-        for i, key in self._keys(tokens, first):
-            self._index[key] = (seq_id << _SEQ_SHIFT) | i
+        for n, keys, entries in self._keys(seq_id, tokens, first):
+            self._index[n].update(zip(keys, entries, strict=True))
         while self.num_tokens > self.max_tokens:
             self._evict_oldest()
 
     def match(self, context: Sequence[int]) -> tuple[int, int]:
         """(n, entry) of the longest suffix of `context` (n in max_n..min_n) that some cached output had,
         where entry names what followed its latest occurrence; (0, -1) when none did."""
-        end = len(context)
-        for n in range(min(self.max_n, end), self.min_n - 1, -1):
-            entry = self._index.get(hash(tuple(context[end - n:])))
+        end, top = len(context), min(self.max_n, len(context))
+        keys, h = [0], 0
+        for n in range(1, top + 1):  # key_of(suffix of n) = context[end - n] * M**(n - 1) + key_of(suffix of n - 1)
+            h = _signed(context[end - n] * self._powers[n - 1] + h)
+            keys.append(h)
+        for n in range(top, self.min_n - 1, -1):
+            entry = self._index[n].get(keys[n])
             if entry is not None:
                 return n, entry
         return 0, -1
@@ -77,26 +104,38 @@ class OutputCache:
         held = self._sequences.get(entry >> _SEQ_SHIFT)
         if held is None:  # evicted since match()
             return []
-        tokens = held[1]
         start = entry & _POS_MASK
-        return tokens[start:start + k]
+        return held[1][start:start + k]
 
     def clear(self) -> None:
         self._sequences.clear()
-        self._index.clear()
+        for table in self._index.values():
+            table.clear()
         self.num_tokens = 0
 
-    def _keys(self, tokens: list[int], first: int) -> list[tuple[int, int]]:
-        """(i, key) of every n-gram ending just before position i >= first (its continuation starts at i)."""
+    def _keys(self, seq_id: int, tokens: list[int], first: int) -> list[tuple[int, list[int], list[int]]]:
+        """Per n, the keys of the n-grams ending just before each position i >= max(first, n) (where their
+        continuation starts) and their entries. With K_0 = 0, K_n(i) = K_{n-1}(i - 1) * M + tokens[i - 1]
+        is key_of(tokens[i - n:i]); numpy's int64 arithmetic wraps mod 2**64 as key_of does."""
+        t = np.asarray(tokens, dtype=np.int64)
+        length = len(t)
+        base = seq_id << _SEQ_SHIFT
+        previous = np.zeros(length, dtype=np.int64)  # K_{n-1}
         out = []
-        for i in range(first, len(tokens)):
-            for n in range(self.min_n, min(self.max_n, i) + 1):
-                out.append((i, hash(tuple(tokens[i - n:i]))))
+        for n in range(1, self.max_n + 1):
+            current = np.zeros(length, dtype=np.int64)
+            current[n:] = previous[n - 1:length - 1] * _MULTIPLIER + t[n - 1:length - 1]
+            low = max(first, n)
+            if n >= self.min_n and low < length:
+                out.append((n, current[low:].tolist(), list(range(base + low, base + length))))
+            previous = current
         return out
 
     def _evict_oldest(self) -> None:
         seq_id, (first, tokens) = self._sequences.popitem(last=False)
         self.num_tokens -= len(tokens)
-        for i, key in self._keys(tokens, first):
-            if self._index.get(key) == (seq_id << _SEQ_SHIFT) | i:
-                del self._index[key]
+        for n, keys, entries in self._keys(seq_id, tokens, first):
+            table = self._index[n]
+            for key, entry in zip(keys, entries, strict=True):
+                if table.get(key) == entry:
+                    del table[key]
