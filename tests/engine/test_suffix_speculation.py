@@ -58,4 +58,5 @@ def test_no_block_leak_and_a_bounded_cache_after_random_requests_with_aborts() -
         core.step()
     assert_all_free(core)
     assert 0 < proposer.cache.num_tokens <= 200
+    assert core.stats().spec_cached_tokens == proposer.cache.num_tokens  # the metrics' gauge
     assert not proposer._live and not proposer._choices  # nothing kept of finished requests

@@ -301,6 +301,7 @@ class EngineCore:
             spec_accepted_per_position=tokens.accepted_per_position,
             spec_is_on=None if self.speculator is None else self.speculator.is_on,
             spec_num_gated_tokens=0 if self.speculator is None else self.speculator.last_gated,
+            spec_cached_tokens=0 if self.speculator is None else self.speculator.proposer.cached_tokens,
             classes=tokens.classes, class_ttfts_s=tokens.ttfts_s_by_class,
             class_inter_token_latencies_s=tokens.inter_token_latencies_s_by_class,
             class_num_running=class_running, class_num_waiting=class_waiting)

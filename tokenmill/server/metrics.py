@@ -192,6 +192,8 @@ class ServerMetrics:
             "spec_decode_num_gated_tokens", "Draft tokens the confidence gate dropped before verification.")
         self.spec_enabled = self._gauge(
             "spec_decode_enabled", "1 while the speculation controller lets requests propose, else 0.")
+        self.spec_cached_tokens = self._gauge(
+            "spec_decode_suffix_cache_tokens", "Output tokens of finished requests the suffix proposer guesses from.")
 
     # ---------------------------------------------------------------- recording
 
@@ -233,6 +235,7 @@ class ServerMetrics:
             return  # speculation not configured: the series stay at zero
         model = self.model_name
         self.spec_enabled.labels(model).set(1.0 if stats.spec_is_on else 0.0)
+        self.spec_cached_tokens.labels(model).set(stats.spec_cached_tokens)
         self.spec_num_drafts.labels(model).inc(stats.spec_num_drafts)
         self.spec_num_draft_tokens.labels(model).inc(stats.spec_num_draft_tokens)
         self.spec_num_accepted_tokens.labels(model).inc(stats.spec_num_accepted_tokens)

@@ -66,6 +66,11 @@ class Proposer(abc.ABC):
         """Drop state of every request not in `request_ids` (those the engine still holds)."""
 
     @property
+    def cached_tokens(self) -> int:
+        """Tokens of finished requests' outputs kept to guess from for others (suffix.py); 0 for the rest."""
+        return 0
+
+    @property
     def kv_bytes_per_block(self) -> int:
         """Bytes of KV cache the proposer keeps per block of the target's (a draft model's own pool)."""
         return 0

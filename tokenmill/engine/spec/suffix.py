@@ -74,6 +74,10 @@ class SuffixProposer(NgramProposer):
         self._choices[request.request_id] = (len(request.token_ids), entry if use_cache else -1)
         return -n if use_cache else own_n
 
+    @property
+    def cached_tokens(self) -> int:
+        return self.cache.num_tokens
+
     def bucket_prior(self, bucket: int) -> float | None:
         if bucket < 0:
             return _CACHE_PRIORS.get(-bucket, _LONG_CACHE_PRIOR)
