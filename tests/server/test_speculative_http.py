@@ -76,3 +76,40 @@ def _num_drafts(server: LiveServer) -> float:
     metrics = httpx.get(f"{server.url}/metrics").text
     return float(next(line for line in metrics.splitlines()
                       if line.startswith("tokenmill:spec_decode_num_drafts_total")).split()[-1])
+
+
+@pytest.fixture(scope="module")
+def suffix_live(tiny_model_dir: Path) -> Iterator[LiveServer]:
+    config = replace(tiny_engine_config(tiny_model_dir), speculative=SpeculativeConfig("suffix", 4, adaptive=False))
+    engine = AsyncEngine.from_config(config)
+    server = start_server(engine, ServerConfig(served_model_name=MODEL))
+    yield server
+    server.stop()
+    engine.shutdown()
+
+
+def test_suffix_guesses_a_second_request_from_the_first_ones_answer(
+        suffix_live: LiveServer, client: openai.OpenAI) -> None:
+    """The same prompt twice: the second answer is guessed from the cached first one (the tiny model's
+    answer also repeats itself, so the first is partly guessed too; tests/engine/test_suffix_speculation.py
+    separates the two). The text is the plain server's both times; /metrics shows the cache filling."""
+    spec_client = suffix_live.client()
+    prompt = "zebra quantum violin oak"
+
+    def ask(c: openai.OpenAI) -> str:
+        return c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0.0,
+                                    extra_body={"ignore_eos": True}).choices[0].text
+
+    expected = ask(client)
+    accepted = []
+    for _ in range(2):
+        before = _metric(suffix_live, "tokenmill:spec_decode_num_accepted_tokens_total")
+        assert ask(spec_client) == expected
+        accepted.append(_metric(suffix_live, "tokenmill:spec_decode_num_accepted_tokens_total") - before)
+    assert accepted[1] >= max(accepted[0], 15)
+    assert _metric(suffix_live, "tokenmill:spec_decode_suffix_cache_tokens") >= 24
+
+
+def _metric(server: LiveServer, name: str) -> float:
+    metrics = httpx.get(f"{server.url}/metrics").text
+    return float(next(line for line in metrics.splitlines() if line.startswith(name)).split()[-1])
