@@ -9,7 +9,8 @@ from tokenmill.server.metrics import ServerMetrics
 def test_spec_counters_add_each_steps_drafts_and_per_position_acceptance() -> None:
     metrics = ServerMetrics(MODEL)
     metrics.on_step(_stats(spec_num_drafts=2, spec_num_draft_tokens=8, spec_num_accepted_tokens=5,
-                           spec_accepted_per_position=[2, 2, 1], spec_is_on=True, spec_num_gated_tokens=3), [])
+                           spec_accepted_per_position=[2, 2, 1], spec_is_on=True, spec_num_gated_tokens=3,
+                           spec_num_forced_tokens=5), [])
     metrics.on_step(_stats(spec_num_drafts=1, spec_num_draft_tokens=4, spec_num_accepted_tokens=1,
                            spec_accepted_per_position=[1], spec_is_on=False, spec_cached_tokens=4096), [])
     samples = _samples(metrics)
@@ -17,6 +18,7 @@ def test_spec_counters_add_each_steps_drafts_and_per_position_acceptance() -> No
     assert _value(samples, "tokenmill:spec_decode_num_draft_tokens_total") == 12
     assert _value(samples, "tokenmill:spec_decode_num_accepted_tokens_total") == 6
     assert _value(samples, "tokenmill:spec_decode_num_gated_tokens_total") == 3
+    assert _value(samples, "tokenmill:spec_decode_num_forced_tokens_total") == 5
     assert _value(samples, "tokenmill:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 3
     assert _value(samples, "tokenmill:spec_decode_num_accepted_tokens_per_pos_total", position="2") == 1
     assert _value(samples, "tokenmill:spec_decode_enabled") == 0

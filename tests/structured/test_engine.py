@@ -15,7 +15,7 @@ import torch
 from tests.server.conftest import flattened_copy
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.request import FinishReason, SamplingParams
+from tokenmill.engine.request import FinishReason, Request, SamplingParams
 from tokenmill.engine.structured import GrammarError, StructuredOutputParams
 
 SCHEMA = {
@@ -55,6 +55,7 @@ def _run(engine: LLMEngine, jobs: dict[str, SamplingParams], prompt: str = "hell
         if counts is not None:
             counts["drafted"] = counts.get("drafted", 0) + step.stats.spec_num_draft_tokens
             counts["accepted"] = counts.get("accepted", 0) + step.stats.spec_num_accepted_tokens
+            counts["forced"] = counts.get("forced", 0) + step.stats.spec_num_forced_tokens
         for output in step.outputs:
             if output.finished:
                 done[output.request_id] = (output.outputs[0].text, output.outputs[0].finish_reason)
@@ -200,4 +201,59 @@ def test_ignore_eos_after_a_complete_grammar_pads_with_stop_tokens(engine: LLMEn
             for seed in range(3)}
     for text, reason in _run(engine, jobs).values():
         assert reason is FinishReason.LENGTH
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_a_grammars_forced_tokens_are_what_it_allows_next(engine: LLMEngine) -> None:
+    """At the start of SCHEMA's object the grammar forces `{"name":"` (compact JSON, required keys in
+    order); inside the free-form name it forces nothing; a request without a grammar has none."""
+    structured = StructuredOutputParams.json(SCHEMA)
+    ids = engine.tokenizer.encode
+    request = Request("f", ids("hello"), SamplingParams(max_tokens=8, structured=structured))
+    forced = engine.structured.forced_tokens(request)
+    assert forced and '{"name":"'.startswith(engine.tokenizer.decode(forced))
+    request.token_ids.extend(ids('{"name":"'))
+    assert engine.structured.forced_tokens(request) == []
+    request.token_ids.extend(ids('ab","ok":true'))
+    assert engine.tokenizer.decode(engine.structured.forced_tokens(request)).startswith(',"kind":"')
+    assert engine.structured.forced_tokens(Request("g", [1, 2], SamplingParams(max_tokens=8))) == []
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_forced_tokens_are_proposed_and_accepted_and_the_output_is_unchanged(
+        engine: LLMEngine, model_dir: Path, method: str) -> None:
+    """Lookups of 8 tokens find nothing here, so every draft is a grammar's forced run: the keys and
+    punctuation of SCHEMA. The model picks the grammar's tokenization of them (accepted), and greedy and
+    seeded outputs are the engine's without speculation."""
+    config = EngineConfig(ModelConfig(str(model_dir), dtype="float32", device="cpu"),
+                          CacheConfig(block_size=4, num_blocks=512),
+                          speculative=SpeculativeConfig(method=method, adaptive=False, ngram_min=8, ngram_max=8))
+    spec = LLMEngine.from_config(config)
+    structured = StructuredOutputParams.json(SCHEMA)
+    jobs = {"greedy": SamplingParams(max_tokens=120, temperature=0.0, structured=structured),
+            **{f"s{i}": SamplingParams(max_tokens=120, seed=i, structured=structured) for i in range(3)}}
+    counts: dict[str, int] = {}
+    with_spec = _run(spec, jobs, "hello there", counts)
+    assert with_spec == _run(engine, jobs, "hello there")
+    assert counts["forced"] == counts["drafted"] >= 4 * 8  # keys and punctuation of four objects
+    assert counts["accepted"] >= 0.9 * counts["drafted"], counts
+
+
+def test_forced_runs_between_draft_guesses_keep_the_output(engine: LLMEngine, model_dir: Path) -> None:
+    """A draft model proposes where the grammar forces nothing and sits out where it does, catching up
+    over the forced tokens when it next drafts; unseeded sampled requests mix in (a forced run is a point
+    mass, never the draft's q of an earlier step)."""
+    config = EngineConfig(ModelConfig(str(model_dir), dtype="float32", device="cpu"),
+                          CacheConfig(block_size=4, num_blocks=512),
+                          speculative=SpeculativeConfig(method="draft", adaptive=False, draft_model=str(model_dir),
+                                                        draft_quantization="none"))
+    spec = LLMEngine.from_config(config)
+    structured = StructuredOutputParams.json(SCHEMA)
+    greedy = {f"g{i}": SamplingParams(max_tokens=120, temperature=0.0, structured=structured) for i in range(2)}
+    sampled = {f"s{i}": SamplingParams(max_tokens=120, temperature=1.0, structured=structured) for i in range(3)}
+    counts: dict[str, int] = {}
+    with_spec = _run(spec, {**greedy, **sampled}, "hello there", counts)
+    assert {k: with_spec[k] for k in greedy} == _run(engine, greedy, "hello there")
+    assert counts["forced"] >= 2 * 8 and counts["drafted"] > counts["forced"]
+    for text, _ in with_spec.values():
         jsonschema.validate(json.loads(text), SCHEMA)

@@ -73,6 +73,8 @@ class EngineCore:
                                            draft, enable_prefix_caching=config.cache.enable_prefix_caching,
                                            max_num_seqs=config.scheduler.max_num_seqs)
         self.runner.track_confidence = self.speculator is not None and self.speculator.wants_target_confidence
+        if self.speculator is not None:
+            self.speculator.forced_tokens = self._forced_tokens
         num_blocks = num_kv_blocks(arch, config.cache, kv_spec, device)
         if self.speculator is not None and config.cache.num_blocks is None:
             num_blocks = self.speculator.share_kv_budget(num_blocks, kv_bytes_per_block(arch, block_size, kv_spec))
@@ -266,6 +268,11 @@ class EngineCore:
         self.scheduler.observe_step(in_flight.scheduled, step_time_s + host_s)
         return outputs
 
+    def _forced_tokens(self, request: Request) -> list[int]:
+        """What the request's grammar forces next (the sampler's logits processor holds the grammars)."""
+        processor = self.runner.sampler.logits_processor
+        return [] if processor is None else processor.forced_tokens(request)
+
     def _forget_finished(self, outputs: list[EngineOutput]) -> None:
         for o in outputs:
             if o.finished:
@@ -302,6 +309,7 @@ class EngineCore:
             spec_is_on=None if self.speculator is None else self.speculator.is_on,
             spec_num_gated_tokens=0 if self.speculator is None else self.speculator.last_gated,
             spec_cached_tokens=0 if self.speculator is None else self.speculator.proposer.cached_tokens,
+            spec_num_forced_tokens=0 if self.speculator is None else self.speculator.last_forced,
             classes=tokens.classes, class_ttfts_s=tokens.ttfts_s_by_class,
             class_inter_token_latencies_s=tokens.inter_token_latencies_s_by_class,
             class_num_running=class_running, class_num_waiting=class_waiting)

@@ -57,6 +57,9 @@ class LogitsProcessor(Protocol):
     def prepare(self, requests: Sequence[Request]) -> None:
         """Before the forward, the rows this step will sample (so masks can be built meanwhile)."""
 
+    def forced_tokens(self, request: Request) -> list[int]:
+        """Tokens the request's constraint forces next ([] where none): speculative proposals."""
+
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:

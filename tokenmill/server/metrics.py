@@ -192,6 +192,8 @@ class ServerMetrics:
             "spec_decode_num_gated_tokens", "Draft tokens the confidence gate dropped before verification.")
         self.spec_enabled = self._gauge(
             "spec_decode_enabled", "1 while the speculation controller lets requests propose, else 0.")
+        self.spec_num_forced_tokens = self._counter(
+            "spec_decode_num_forced_tokens", "Draft tokens a request's grammar forced (structured outputs).")
         self.spec_cached_tokens = self._gauge(
             "spec_decode_suffix_cache_tokens", "Output tokens of finished requests the suffix proposer guesses from.")
 
@@ -240,6 +242,7 @@ class ServerMetrics:
         self.spec_num_draft_tokens.labels(model).inc(stats.spec_num_draft_tokens)
         self.spec_num_accepted_tokens.labels(model).inc(stats.spec_num_accepted_tokens)
         self.spec_num_gated_tokens.labels(model).inc(stats.spec_num_gated_tokens)
+        self.spec_num_forced_tokens.labels(model).inc(stats.spec_num_forced_tokens)
         for position, count in enumerate(stats.spec_accepted_per_position):
             self.spec_accepted_per_pos.labels(model, str(position)).inc(count)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 
 import torch
@@ -20,16 +20,30 @@ from tokenmill.engine.spec.controller import SpecController
 from tokenmill.errors import TokenmillError
 from tokenmill.models.arch import ArchConfig
 
+# The bucket of a proposal the request's grammar forces (structured outputs): certain unless the model
+# picks another tokenization of the same bytes, so its prior is near 1.
+FORCED_BUCKET = 1 << 20
+FORCED_PRIOR = 0.98
+
+ForcedTokens = Callable[[Request], list[int]]
+
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
         self.config = config
         self.proposer = proposer
-        self.controller = SpecController(config, proposer.bucket_prior)
+        self.controller = SpecController(config, self._bucket_prior)
         self.max_model_len = max_model_len
         self._decode_tokens = 0  # tokens the last step needed for its decoding requests and proposals
         self._propose_s = 0.0  # time the last propose() spent in the proposer (draft forwards)
         self.last_gated = 0  # guesses the last propose()'s gate dropped
+        self.last_forced = 0  # tokens the last propose() took from grammars (forced_tokens)
+        # Where a request's grammar forces its next tokens, they are its proposal, whatever the method
+        # (SGLang's jump-forward, verified like any guess); the engine core sets it. None: never.
+        self.forced_tokens: ForcedTokens | None = None
+
+    def _bucket_prior(self, bucket: int) -> float | None:
+        return FORCED_PRIOR if bucket == FORCED_BUCKET else self.proposer.bucket_prior(bucket)
 
     def propose(self, running: Iterable[Request]) -> None:
         """Proposals for every running request about to decode (its next step scores one token)."""
@@ -39,34 +53,52 @@ class Speculator:
                     if r.status is RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1]
         self._decode_tokens = len(decoding)
         self._propose_s = 0.0
-        self.last_gated = 0
+        self.last_gated = self.last_forced = 0
         for request in decoding:  # a request the budget skipped last step keeps no stale guesses
             request.spec_token_ids, request.spec_draft_probs = [], None
         if not decoding:
             return
-        buckets = self.proposer.buckets(decoding)
-        plan = self.controller.plan(decoding, buckets, self.proposer.catch_up_tokens(decoding))
+        forced = self._forced(decoding)
+        buckets = [FORCED_BUCKET if r.request_id in forced else b
+                   for r, b in zip(decoding, self.proposer.buckets(decoding), strict=True)]
+        catch_up = [0 if r.request_id in forced else c
+                    for r, c in zip(decoding, self.proposer.catch_up_tokens(decoding), strict=True)]
+        plan = self.controller.plan(decoding, buckets, catch_up)
         ks = [min(k, self._room(r)) for r, k in zip(decoding, plan, strict=True)]
         chosen = [(r, k, b) for r, k, b in zip(decoding, ks, buckets, strict=True) if k > 0]
         if not chosen:
             return
+        asked = [(r, k) for r, k, _ in chosen if r.request_id not in forced]
         gate = self.controller.gate(len(decoding)) if self.config.adaptive and self.proposer.takes_gate else None
         started = time.monotonic()
-        proposals = self.proposer.propose([r for r, _, _ in chosen], [k for _, k, _ in chosen], gate)
+        guesses = iter(self.proposer.propose([r for r, _ in asked], [k for _, k in asked], gate) if asked else [])
+        proposals = [forced[r.request_id] if r.request_id in forced else next(guesses) for r, _, _ in chosen]
+        self.last_forced = sum(min(k, len(forced[r.request_id])) for r, k, _ in chosen if r.request_id in forced)
         self._propose_s = time.monotonic() - started
         self.last_gated = gate.dropped if gate is not None else 0
-        for seconds in self.proposer.last_decode_forward_s:
+        # The proposer's last_* describe its last propose(): this step's only if it was asked.
+        draft_probs: Mapping[str, torch.Tensor] = self.proposer.last_draft_probs if asked else {}
+        for seconds in self.proposer.last_decode_forward_s if asked else ():
             self.controller.observe_draft(seconds)
-        for extra, seconds in self.proposer.last_catch_ups:
+        for extra, seconds in self.proposer.last_catch_ups if asked else ():
             self.controller.observe_catch_up(extra, seconds)
-        draft_probs = self.proposer.last_draft_probs
         for (request, k, bucket), tokens in zip(chosen, proposals, strict=True):
             request.spec_token_ids = tokens[:k]
-            q = draft_probs.get(request.request_id)
+            q = None if request.request_id in forced else draft_probs.get(request.request_id)  # forced: point masses
             request.spec_draft_probs = q[:len(request.spec_token_ids)] if q is not None and tokens else None
             self._decode_tokens += len(request.spec_token_ids)
             if gate is not None and bucket is None:  # how often drafting for it gets past the gate (κ)
                 request.spec_stats.note_kept(bool(tokens))
+
+    def _forced(self, decoding: list[Request]) -> dict[str, list[int]]:
+        """Per request whose grammar forces its next tokens, those tokens."""
+        if self.forced_tokens is None:
+            return {}
+        out = {}
+        for request in decoding:
+            if request.params.structured is not None and (tokens := self.forced_tokens(request)):
+                out[request.request_id] = tokens
+        return out
 
     def _room(self, request: Request) -> int:
         """Proposals that could still be used: the step emits up to k + 1 tokens."""
@@ -89,7 +121,7 @@ class Speculator:
     def reset(self) -> None:
         """Forget every request (the engine dropped them all)."""
         self.proposer.retain(())
-        self.controller = SpecController(self.config, self.proposer.bucket_prior)
+        self.controller = SpecController(self.config, self._bucket_prior)
 
     @property
     def is_on(self) -> bool:

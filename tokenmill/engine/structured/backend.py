@@ -60,6 +60,11 @@ class GrammarMatcher(abc.ABC):
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into row `row` of `bitmask`."""
 
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces from here whatever the model says (a JSON schema's keys and
+        punctuation), without advancing; [] where the library cannot tell (the state is unchanged)."""
+        return []
+
     @property
     @abc.abstractmethod
     def is_terminated(self) -> bool:

@@ -41,6 +41,11 @@ class LLGuidanceMatcher(GrammarMatcher):
         if num_tokens:
             self.matcher.rollback(num_tokens)
 
+    def forced_tokens(self) -> list[int]:
+        # llguidance's fast-forward tokens: the forced bytes, tokenized so that they can be appended
+        # (it holds back a last token a longer one could still replace).
+        return list(self.matcher.compute_ff_tokens())
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         v = bitmask[row]
         self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())

@@ -16,6 +16,9 @@ proposals, so the matcher accepts those j proposals tentatively, fills the row a
 proposal the grammar refuses is masked out of the row before it, so verification rejects it there
 (greedy: it is not the argmax; sampled: p(d) = 0); later rows are then never reached.
 
+Forced tokens (`forced_tokens`): where the grammar allows one continuation only (a schema's keys and
+punctuation), the speculator proposes it; verification then accepts it like any proposal.
+
 Overlap (`prepare`): a step's masks need only the tokens of earlier steps, so the runner hands the
 rows to `prepare` before the forward and a worker thread advances the matchers, fills the bitmask
 and unpacks it while the forward runs; `__call__` joins it and only writes -inf. The worker owns the
@@ -114,6 +117,18 @@ class StructuredOutputs:
     def forget(self, request_id: str) -> None:
         self._join()
         self._states.pop(request_id, None)
+
+    def forced_tokens(self, request: Request) -> list[int]:
+        """The tokens the request's grammar forces after its output so far (speculative decoding
+        proposes them: spec/speculator.py); [] without a grammar, once it is complete or broken."""
+        structured = request.params.structured
+        if structured is None:
+            return []
+        self._join()
+        state = self._state(request, structured)
+        if state.broken or state.matcher.is_terminated:
+            return []
+        return state.matcher.forced_tokens()
 
     def reset(self) -> None:
         """Drop every request's matcher (the engine dropped its requests); compiled grammars stay."""
