@@ -257,3 +257,29 @@ def test_forced_runs_between_draft_guesses_keep_the_output(engine: LLMEngine, mo
     assert counts["forced"] >= 2 * 8 and counts["drafted"] > counts["forced"]
     for text, _ in with_spec.values():
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_verifying_proposals_that_end_the_grammar_leaves_its_state_intact(engine: LLMEngine) -> None:
+    """A proposal run that completes the object and proposes the stop token after it: the grammar
+    library cannot roll back over an accepted stop, so a verification that accepted it tentatively left
+    the matcher refusing the request's real next token (found on Qwen2.5 with suffix lookups: "token
+    'playing' is outside its grammar; it is no longer constrained"). Rows after a proposed stop allow
+    only stops (reached only under ignore_eos, once the stop was accepted)."""
+    structured = StructuredOutputParams.json(SCHEMA)
+    ids = engine.tokenizer.encode
+    eos = engine.eos_token_ids[0]
+    request = Request("v", ids("hi"), SamplingParams(max_tokens=64, structured=structured),
+                      eos_token_ids=tuple(engine.eos_token_ids))
+    head, tail = ids('{"name":"ab","ok":true,"kind":"cat","inner":{"n":'), ids('5}}')
+    request.token_ids.extend(head)
+    proposals = [*tail, eos]
+    extra = [proposals[:j] for j in range(len(proposals) + 1)]
+    rows = [request] * len(extra)
+    logits = torch.zeros(len(rows), engine.core.arch.vocab_size)
+    engine.structured(logits, rows, extra)
+    after_stop = logits[-1]
+    assert torch.isinf(after_stop).sum() == after_stop.numel() - len(set(engine.eos_token_ids))
+    assert logits[len(tail)][eos] == 0  # the completed object allows the stop
+    request.token_ids.extend(tail)  # verification accepted the tail, the model then stopped: the real tokens
+    state = engine.structured._state(request, structured)
+    assert not state.broken and state.matcher.is_terminated  # the object is complete: only stops follow

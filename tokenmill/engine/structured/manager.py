@@ -227,12 +227,17 @@ class StructuredOutputs:
             # Verification: a request owns several rows, each after a different number of its
             # proposals, so each row is filled at once and the proposals rolled back. A proposal the
             # grammar refuses is masked out of the row before it, so rows after it are never reached.
+            # A proposed stop token is never accepted tentatively: the library cannot roll back over
+            # it (the matcher then refused the request's real tokens). A row after one is only reached
+            # if the stop was accepted, which ends the request unless ignore_eos, and a stopped grammar
+            # allows only stops: that row's mask. The row before the stop masks it as it masks any token.
             more = extra[row]
-            valid = state.matcher.count_valid(more) if more else 0
+            stop = next((i for i, token in enumerate(more) if token in request.eos_token_ids), len(more))
+            valid = state.matcher.count_valid(more[:stop]) if stop else 0
             for token in more[:valid]:
                 state.matcher.accept(token)
-            if valid == len(more):
-                if state.matcher.is_terminated:
+            if valid == stop:
+                if stop < len(more) or state.matcher.is_terminated:
                     _allow_only(bitmask, row, request.eos_token_ids)
                 else:
                     state.matcher.fill_bitmask(bitmask, row)
