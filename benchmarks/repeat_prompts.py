@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Any
 
 Messages = list[dict[str, str]]
 
@@ -61,3 +62,17 @@ def code_function(i: int) -> Messages:
 # name → (prompt i, max_tokens)
 WORKLOADS: dict[str, tuple[Callable[[int], Messages], int]] = {
     "extraction": (extraction, 96), "tool-call": (tool_call, 64), "code-function": (code_function, 160)}
+
+# --schema: the JSON schema each workload's answers are constrained to (structured outputs), where it has one.
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "extraction": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "occupation": {"type": "string"},
+                       "city": {"type": "string"}, "hobbies": {"type": "array", "items": {"type": "string"}}},
+        "required": ["name", "age", "occupation", "city", "hobbies"], "additionalProperties": False},
+    "tool-call": {
+        "type": "object",
+        "properties": {"tool": {"enum": ["get_weather", "search_flights", "send_email"]},
+                       "arguments": {"type": "object", "additionalProperties": {"type": "string"}}},
+        "required": ["tool", "arguments"], "additionalProperties": False},
+}

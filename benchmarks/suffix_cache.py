@@ -8,7 +8,11 @@ outputs); the suffix cache is emptied before each of its runs, so it only ever h
 same run (never the answer being generated: no two prompts of a run are equal). A deployment's cache
 is warm from earlier traffic: this measures a cold one. Prefixes are warmed for every mode alike first.
 Reported per workload: output tokens/s of each mode (median over rounds), the ratios, acceptance and
-mean accepted length, and whether the greedy tokens of all three matched.
+mean accepted length, and whether the greedy tokens of all modes matched.
+
+--schema constrains the answers to each workload's JSON schema (structured outputs; workloads without one
+are skipped) and adds a fourth mode, suffix without the grammar's forced tokens (`suffix-nf`), so the
+gain of proposing what the grammar forces is measured apart.
 
     flock /tmp/tokenmill-bench.lock python benchmarks/suffix_cache.py
 """
@@ -21,10 +25,10 @@ import time
 from typing import Any
 
 import common  # type: ignore[import-not-found]
-from repeat_prompts import WORKLOADS  # type: ignore[import-not-found]
+from repeat_prompts import SCHEMAS, WORKLOADS  # type: ignore[import-not-found]
 from spec_measure import StepCounter  # type: ignore[import-not-found]
 
-MODES = ("plain", "ngram", "suffix")
+BASE_MODES = ("plain", "ngram", "suffix")
 
 
 def parse_args() -> argparse.Namespace:
@@ -36,28 +40,36 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=24, help="prompts a workload runs each round (at most 24 distinct)")
     p.add_argument("--concurrency", type=int, default=1, help="requests at once (a wave)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--schema", action="store_true", help="answers constrained to the workload's JSON schema")
     p.add_argument("--tag", default="")
     return p.parse_args()
 
 
 def run_workload(llm: Any, speculators: dict[str, Any], name: str, args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill import SamplingParams
+    from tokenmill.engine.structured import StructuredOutputParams
 
     prompt, max_tokens = WORKLOADS[name]
     messages = [prompt(i) for i in range(args.requests)]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    structured = StructuredOutputParams.json(SCHEMAS[name]) if args.schema else None
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=structured)
+    modes = (*BASE_MODES, "suffix-nf") if args.schema else BASE_MODES
+    suffix = speculators["suffix"]
+    forced = suffix.forced_tokens
     llm.core.speculator = None
-    llm.chat(messages, SamplingParams(max_tokens=1, temperature=0.0))  # every prefix cached for every mode
+    # every prefix cached for every mode, and the grammar compiled
+    llm.chat(messages, SamplingParams(max_tokens=1, temperature=0.0, structured=structured))
     counter = StepCounter(llm.core)
-    rates: dict[str, list[float]] = {m: [] for m in MODES}
+    rates: dict[str, list[float]] = {m: [] for m in modes}
     tokens: dict[str, list[list[int]]] = {}
-    stats = {m: {"drafts": 0, "draft_tokens": 0, "accepted": 0} for m in MODES}
+    stats = {m: {"drafts": 0, "draft_tokens": 0, "accepted": 0} for m in modes}
     for round_index in range(args.rounds):
-        shift = round_index % len(MODES)
-        for mode in MODES[shift:] + MODES[:shift]:
-            llm.core.speculator = speculators.get(mode)
-            if mode == "suffix":
-                speculators[mode].proposer.cache.clear()
+        shift = round_index % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            llm.core.speculator = speculators.get(mode.removesuffix("-nf"))
+            suffix.forced_tokens = None if mode == "suffix-nf" else forced
+            if mode.startswith("suffix"):
+                suffix.proposer.cache.clear()
             counter.reset()
             outs, start = [], time.perf_counter()
             for w in range(0, len(messages), args.concurrency):
@@ -69,13 +81,14 @@ def run_workload(llm: Any, speculators: dict[str, Any], name: str, args: argpars
             stats[mode]["draft_tokens"] += counter.draft_tokens
             stats[mode]["accepted"] += counter.accepted
     llm.core.step = counter.inner
+    suffix.forced_tokens = forced
     median = {m: statistics.median(r) for m, r in rates.items()}
     row: dict[str, Any] = {"workload": name, "requests": args.requests, "concurrency": args.concurrency,
-                           "tokens": sum(len(t) for t in tokens["plain"]), "rates": rates,
-                           "greedy_identical": tokens["ngram"] == tokens["plain"] == tokens["suffix"]}
-    for mode in MODES:
+                           "schema": args.schema, "tokens": sum(len(t) for t in tokens["plain"]), "rates": rates,
+                           "greedy_identical": all(tokens[m] == tokens["plain"] for m in modes)}
+    for mode in modes:
         row[f"{mode}_tok_s"] = median[mode]
-    for mode in ("ngram", "suffix"):
+    for mode in modes[1:]:
         s = stats[mode]
         row[mode] = {"ratio": median[mode] / median["plain"],
                      "acceptance_rate": s["accepted"] / max(s["draft_tokens"], 1),
@@ -84,9 +97,9 @@ def run_workload(llm: Any, speculators: dict[str, Any], name: str, args: argpars
     controller = speculators["suffix"].controller
     row["suffix_acceptance_by_bucket"] = {str(b): r for b, r in controller.acceptance.rates(
         controller.bucket_prior).items()}
-    print(f"{name}: plain {median['plain']:.1f}, ngram {median['ngram']:.1f} ({row['ngram']['ratio']:.2f}x), "
-          f"suffix {median['suffix']:.1f} tok/s ({row['suffix']['ratio']:.2f}x), same tokens: "
-          f"{row['greedy_identical']}", flush=True)
+    print(f"{name}: plain {median['plain']:.1f} tok/s, " + ", ".join(
+        f"{m} {median[m]:.1f} ({row[m]['ratio']:.2f}x)" for m in modes[1:])
+        + f", same tokens: {row['greedy_identical']}", flush=True)
     return row
 
 
@@ -104,14 +117,18 @@ def main() -> None:
     assert suffix is not None
     ngram = Speculator(SpeculativeConfig("ngram"), NgramProposer(suffix.config.ngram_min, suffix.config.ngram_max),
                        suffix.max_model_len)
+    ngram.forced_tokens = suffix.forced_tokens  # a grammar's forced tokens (--schema) go to both alike
     speculators = {"ngram": ngram, "suffix": suffix}
-    rows = [run_workload(llm, speculators, name, args) for name in args.workloads]
+    rows = [run_workload(llm, speculators, name, args) for name in args.workloads
+            if not args.schema or name in SCHEMAS]
     common.print_table(
-        ["workload", "conc", "plain tok/s", "ngram", "suffix", "suffix/ngram", "accept", "mean len", "same"],
+        ["workload", "conc", "plain tok/s", "ngram", "suffix", "suffix/ngram", "suffix-nf", "accept", "mean len",
+         "same"],
         [[r["workload"], r["concurrency"], r["plain_tok_s"], r["ngram"]["ratio"], r["suffix"]["ratio"],
-          r["suffix_over_ngram"], r["suffix"]["acceptance_rate"], r["suffix"]["mean_accepted_length"],
-          r["greedy_identical"]] for r in rows])
-    name = f"{args.model}_c{args.concurrency}" + (f"_{args.tag}" if args.tag else "")
+          r["suffix_over_ngram"], r["suffix-nf"]["ratio"] if "suffix-nf" in r else "-",
+          r["suffix"]["acceptance_rate"], r["suffix"]["mean_accepted_length"], r["greedy_identical"]] for r in rows])
+    name = f"{args.model}_c{args.concurrency}" + ("_schema" if args.schema else "")
+    name += f"_{args.tag}" if args.tag else ""
     common.save_json("suffix_cache", name, {"args": vars(args), "results": rows})
 
 

@@ -59,8 +59,9 @@ class Speculator:
         if not decoding:
             return
         forced = self._forced(decoding)
-        buckets = [FORCED_BUCKET if r.request_id in forced else b
-                   for r, b in zip(decoding, self.proposer.buckets(decoding), strict=True)]
+        buckets = self.proposer.buckets(decoding)
+        looked_up = self._lookups_past_forced(decoding, buckets, forced)
+        buckets = [FORCED_BUCKET if r.request_id in forced else b for r, b in zip(decoding, buckets, strict=True)]
         catch_up = [0 if r.request_id in forced else c
                     for r, c in zip(decoding, self.proposer.catch_up_tokens(decoding), strict=True)]
         plan = self.controller.plan(decoding, buckets, catch_up)
@@ -68,11 +69,12 @@ class Speculator:
         chosen = [(r, k, b) for r, k, b in zip(decoding, ks, buckets, strict=True) if k > 0]
         if not chosen:
             return
-        asked = [(r, k) for r, k, _ in chosen if r.request_id not in forced]
+        asked = [(r, k) for r, k, _ in chosen if r.request_id not in forced and r.request_id not in looked_up]
         gate = self.controller.gate(len(decoding)) if self.config.adaptive and self.proposer.takes_gate else None
         started = time.monotonic()
         guesses = iter(self.proposer.propose([r for r, _ in asked], [k for _, k in asked], gate) if asked else [])
-        proposals = [forced[r.request_id] if r.request_id in forced else next(guesses) for r, _, _ in chosen]
+        proposals = [forced[r.request_id] if r.request_id in forced else
+                     looked_up[r.request_id] if r.request_id in looked_up else next(guesses) for r, _, _ in chosen]
         self.last_forced = sum(min(k, len(forced[r.request_id])) for r, k, _ in chosen if r.request_id in forced)
         self._propose_s = time.monotonic() - started
         self.last_gated = gate.dropped if gate is not None else 0
@@ -98,6 +100,26 @@ class Speculator:
         for request in decoding:
             if request.params.structured is not None and (tokens := self.forced_tokens(request)):
                 out[request.request_id] = tokens
+        return out
+
+    def _lookups_past_forced(self, decoding: list[Request], buckets: list[int | None],
+                             forced: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Of the requests with forced tokens and a lookup match (a cheap proposer: no gate, int
+        bucket), those whose lookup guess starts with the forced tokens and runs on past them: the
+        guess goes on where the grammar stops forcing (a cached `","age":3` past the forced `","age":`),
+        so it is their proposal, under its own bucket, and they leave `forced`. Returns their guesses."""
+        if not forced or self.proposer.takes_gate:
+            return {}
+        candidates = [r for r, b in zip(decoding, buckets, strict=True) if b and r.request_id in forced]
+        if not candidates:
+            return {}
+        k = self.config.num_speculative_tokens
+        out = {}
+        for request, guess in zip(candidates, self.proposer.propose(candidates, [k] * len(candidates)), strict=True):
+            tokens = forced[request.request_id]
+            if len(guess) > len(tokens) and guess[:len(tokens)] == tokens:
+                out[request.request_id] = guess
+                del forced[request.request_id]
         return out
 
     def _room(self, request: Request) -> int:
