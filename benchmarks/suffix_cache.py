@@ -11,8 +11,8 @@ Reported per workload: output tokens/s of each mode (median over rounds), the ra
 mean accepted length, and whether the greedy tokens of all modes matched.
 
 --schema constrains the answers to each workload's JSON schema (structured outputs; workloads without one
-are skipped) and adds a fourth mode, suffix without the grammar's forced tokens (`suffix-nf`), so the
-gain of proposing what the grammar forces is measured apart.
+are skipped) and adds ngram and suffix without the grammar's forced tokens (`ngram-nf`, `suffix-nf`),
+so the gain of proposing what the grammar forces is measured apart.
 
     flock /tmp/tokenmill-bench.lock python benchmarks/suffix_cache.py
 """
@@ -53,9 +53,9 @@ def run_workload(llm: Any, speculators: dict[str, Any], name: str, args: argpars
     messages = [prompt(i) for i in range(args.requests)]
     structured = StructuredOutputParams.json(SCHEMAS[name]) if args.schema else None
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=structured)
-    modes = (*BASE_MODES, "suffix-nf") if args.schema else BASE_MODES
+    modes = (*BASE_MODES, "ngram-nf", "suffix-nf") if args.schema else BASE_MODES
     suffix = speculators["suffix"]
-    forced = suffix.forced_tokens
+    grammar = suffix.grammar
     llm.core.speculator = None
     # every prefix cached for every mode, and the grammar compiled
     llm.chat(messages, SamplingParams(max_tokens=1, temperature=0.0, structured=structured))
@@ -67,7 +67,8 @@ def run_workload(llm: Any, speculators: dict[str, Any], name: str, args: argpars
         shift = round_index % len(modes)
         for mode in modes[shift:] + modes[:shift]:
             llm.core.speculator = speculators.get(mode.removesuffix("-nf"))
-            suffix.forced_tokens = None if mode == "suffix-nf" else forced
+            for speculator in speculators.values():
+                speculator.grammar = None if mode.endswith("-nf") else grammar
             if mode.startswith("suffix"):
                 suffix.proposer.cache.clear()
             counter.reset()
@@ -81,7 +82,8 @@ def run_workload(llm: Any, speculators: dict[str, Any], name: str, args: argpars
             stats[mode]["draft_tokens"] += counter.draft_tokens
             stats[mode]["accepted"] += counter.accepted
     llm.core.step = counter.inner
-    suffix.forced_tokens = forced
+    for speculator in speculators.values():
+        speculator.grammar = grammar
     median = {m: statistics.median(r) for m, r in rates.items()}
     row: dict[str, Any] = {"workload": name, "requests": args.requests, "concurrency": args.concurrency,
                            "schema": args.schema, "tokens": sum(len(t) for t in tokens["plain"]), "rates": rates,
@@ -117,15 +119,15 @@ def main() -> None:
     assert suffix is not None
     ngram = Speculator(SpeculativeConfig("ngram"), NgramProposer(suffix.config.ngram_min, suffix.config.ngram_max),
                        suffix.max_model_len)
-    ngram.forced_tokens = suffix.forced_tokens  # a grammar's forced tokens (--schema) go to both alike
+    ngram.grammar = suffix.grammar  # a grammar's forced tokens (--schema) go to both alike
     speculators = {"ngram": ngram, "suffix": suffix}
     rows = [run_workload(llm, speculators, name, args) for name in args.workloads
             if not args.schema or name in SCHEMAS]
     common.print_table(
-        ["workload", "conc", "plain tok/s", "ngram", "suffix", "suffix/ngram", "suffix-nf", "accept", "mean len",
-         "same"],
+        ["workload", "conc", "plain tok/s", "ngram", "suffix", "suffix/ngram", "ngram-nf", "suffix-nf", "accept",
+         "mean len", "same"],
         [[r["workload"], r["concurrency"], r["plain_tok_s"], r["ngram"]["ratio"], r["suffix"]["ratio"],
-          r["suffix_over_ngram"], r["suffix-nf"]["ratio"] if "suffix-nf" in r else "-",
+          r["suffix_over_ngram"], *(r[m]["ratio"] if m in r else "-" for m in ("ngram-nf", "suffix-nf")),
           r["suffix"]["acceptance_rate"], r["suffix"]["mean_accepted_length"], r["greedy_identical"]] for r in rows])
     name = f"{args.model}_c{args.concurrency}" + ("_schema" if args.schema else "")
     name += f"_{args.tag}" if args.tag else ""

@@ -7,8 +7,9 @@ import random
 
 import pytest
 
+from tests.engine.test_engine_invariants import run_random_requests_with_aborts
 from tests.engine.test_speculative import PARAMS, PROMPTS, _run_counting, plain, spec_core
-from tests.engine.tiny import ARCH_NAMES, VOCAB_SIZE, ArchName, assert_all_free, greedy, random_prompts, tiny_model
+from tests.engine.tiny import ARCH_NAMES, ArchName, assert_all_free, greedy, random_prompts, tiny_model
 from tokenmill.engine.spec.suffix import SuffixProposer
 
 
@@ -39,23 +40,14 @@ def test_a_later_request_draws_on_an_earlier_ones_output(method: str) -> None:
 
 
 def test_no_block_leak_and_a_bounded_cache_after_random_requests_with_aborts() -> None:
-    rng = random.Random(9)
     core = spec_core(tiny_model("qwen2"), "suffix", num_blocks=48, adaptive=True)
     assert core.speculator is not None
     proposer = core.speculator.proposer
     assert isinstance(proposer, SuffixProposer)
     proposer.cache.max_tokens = 200
-    for i in range(400):
-        length = rng.randrange(1, 24)
-        prompt = [3, 4, 5] * (length // 3 + 1) if rng.random() < 0.3 else \
-            [rng.randrange(VOCAB_SIZE) for _ in range(length)]
-        core.add_request(f"r{i}", prompt, greedy(rng.randrange(1, 20)), ())
-        for _ in range(rng.randrange(0, 3)):
-            core.step()
-        if rng.random() < 0.2 and core.scheduler.requests:
-            core.abort(rng.choice(sorted(core.scheduler.requests)))
-    while core.has_unfinished:
-        core.step()
+    aborted, finished = run_random_requests_with_aborts(core, random.Random(9), 400,
+                                                        lambda rng: greedy(rng.randrange(1, 20)))
+    assert aborted > 20 and finished > 300
     assert_all_free(core)
     assert 0 < proposer.cache.num_tokens <= 200
     assert core.stats().spec_cached_tokens == proposer.cache.num_tokens  # the metrics' gauge

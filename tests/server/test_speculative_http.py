@@ -18,14 +18,17 @@ from tokenmill.engine.async_engine import AsyncEngine
 PROMPTS = ["the the the the the the", "abc abc abc abc", "hello world, hello world, hello"]
 
 
-@pytest.fixture(scope="module")
-def spec_live(tiny_model_dir: Path) -> Iterator[LiveServer]:
-    config = replace(tiny_engine_config(tiny_model_dir), speculative=SpeculativeConfig("ngram", 3, adaptive=False))
-    engine = AsyncEngine.from_config(config)
+def _serve(model_dir: Path, spec: SpeculativeConfig) -> Iterator[LiveServer]:
+    engine = AsyncEngine.from_config(replace(tiny_engine_config(model_dir), speculative=spec))
     server = start_server(engine, ServerConfig(served_model_name=MODEL))
     yield server
     server.stop()
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def spec_live(tiny_model_dir: Path) -> Iterator[LiveServer]:
+    yield from _serve(tiny_model_dir, SpeculativeConfig("ngram", 3, adaptive=False))
 
 
 def _completions(client: openai.OpenAI, **kwargs: object) -> list[str]:
@@ -50,12 +53,8 @@ def test_greedy_completions_match_the_plain_server_and_drafts_are_counted(
 @pytest.fixture(scope="module")
 def hybrid_live(tiny_model_dir: Path) -> Iterator[LiveServer]:
     """--speculative ngram-draft with the tiny model as its own draft (lookups and draft guesses)."""
-    spec = SpeculativeConfig("ngram-draft", 3, draft_model=str(tiny_model_dir), draft_quantization="none")
-    engine = AsyncEngine.from_config(replace(tiny_engine_config(tiny_model_dir), speculative=spec))
-    server = start_server(engine, ServerConfig(served_model_name=MODEL))
-    yield server
-    server.stop()
-    engine.shutdown()
+    yield from _serve(tiny_model_dir, SpeculativeConfig("ngram-draft", 3, draft_model=str(tiny_model_dir),
+                                                        draft_quantization="none"))
 
 
 def test_lookup_then_draft_serves_greedy_and_sampled_requests(hybrid_live: LiveServer, client: openai.OpenAI) -> None:
@@ -73,19 +72,12 @@ def test_lookup_then_draft_serves_greedy_and_sampled_requests(hybrid_live: LiveS
 
 
 def _num_drafts(server: LiveServer) -> float:
-    metrics = httpx.get(f"{server.url}/metrics").text
-    return float(next(line for line in metrics.splitlines()
-                      if line.startswith("tokenmill:spec_decode_num_drafts_total")).split()[-1])
+    return _metric(server, "tokenmill:spec_decode_num_drafts_total")
 
 
 @pytest.fixture(scope="module")
 def suffix_live(tiny_model_dir: Path) -> Iterator[LiveServer]:
-    config = replace(tiny_engine_config(tiny_model_dir), speculative=SpeculativeConfig("suffix", 4, adaptive=False))
-    engine = AsyncEngine.from_config(config)
-    server = start_server(engine, ServerConfig(served_model_name=MODEL))
-    yield server
-    server.stop()
-    engine.shutdown()
+    yield from _serve(tiny_model_dir, SpeculativeConfig("suffix", 4, adaptive=False))
 
 
 def test_suffix_guesses_a_second_request_from_the_first_ones_answer(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.request import Request, RequestStatus, SamplingParams
 from tokenmill.engine.spec.ngram import NgramProposer
@@ -19,26 +21,46 @@ def _decoding(rid: str, tokens: list[int], structured: bool = True) -> Request:
     return r
 
 
-def _speculator(forced: dict[str, list[int]]) -> Speculator:
+class _Grammar:
+    """Forced tokens per request id; a request's guess is valid up to its first token in invalid[id]."""
+
+    def __init__(self, forced: dict[str, list[int]], invalid: dict[str, set[int]]) -> None:
+        self.forced, self.invalid = forced, invalid
+
+    def forced_tokens(self, request: Request) -> list[int]:
+        return list(self.forced.get(request.request_id, []))
+
+    def count_valid(self, request: Request, tokens: Sequence[int]) -> int:
+        bad = self.invalid.get(request.request_id, set())
+        return next((i for i, t in enumerate(tokens) if t in bad), len(tokens))
+
+
+def _speculator(forced: dict[str, list[int]], invalid: dict[str, set[int]] | None = None) -> Speculator:
     speculator = Speculator(SpeculativeConfig("ngram", 7, adaptive=False), NgramProposer(1, 4), max_model_len=1000)
-    speculator.forced_tokens = lambda r: list(forced.get(r.request_id, []))
+    speculator.grammar = _Grammar(forced, invalid or {})
     return speculator
 
 
 def test_forced_tokens_are_the_proposal_where_a_lookup_has_nothing_better() -> None:
+    """A lookup the grammar allows for at least as many tokens as it forces is the proposal (it holds
+    the forced bytes in the model's own split and goes on); otherwise the forced tokens are."""
+    lookup = [5, 6, 7, 8, 9, 5, 6]  # a lookup of 5 6 proposes 7 8 9 5 6 7 8
     requests = [
         _decoding("none", [1, 2, 3]),  # no lookup match: the forced tokens
-        _decoding("longer", [5, 6, 7, 8, 9, 5, 6]),  # lookup 7 8 9 5 6 ... starts with the forced 7 8
-        _decoding("disagrees", [5, 6, 7, 8, 9, 5, 6]),  # lookup 7 8 9 ... against the forced 4
-        _decoding("plain", [5, 6, 7, 8, 9, 5, 6], structured=False),  # no grammar: the lookup
+        _decoding("valid", lookup),  # the whole guess valid: the guess
+        _decoding("other-split", lookup),  # valid for 3 tokens (9 is not), forced 2 other tokens: the guess
+        _decoding("invalid", lookup),  # valid for 2 tokens only (8 is not), forced 3: the forced tokens
+        _decoding("plain", lookup, structured=False),  # no grammar: the lookup
         _decoding("empty", [1, 2, 3]),  # the grammar forces nothing here: nothing (no match either)
     ]
-    speculator = _speculator({"none": [40, 41], "longer": [7, 8], "disagrees": [4], "plain": [99]})
+    speculator = _speculator({"none": [40, 41], "valid": [7, 8], "other-split": [70, 71], "invalid": [4, 4, 4],
+                              "plain": [99]}, {"other-split": {9}, "invalid": {8}})
     speculator.propose(requests)
     proposals = {r.request_id: r.spec_token_ids for r in requests}
-    assert proposals == {"none": [40, 41], "longer": [7, 8, 9, 5, 6, 7, 8], "disagrees": [4],
-                         "plain": [7, 8, 9, 5, 6, 7, 8], "empty": []}
-    assert speculator.last_forced == 3  # "none" and "disagrees"
+    guess = [7, 8, 9, 5, 6, 7, 8]
+    assert proposals == {"none": [40, 41], "valid": guess, "other-split": guess, "invalid": [4, 4, 4],
+                         "plain": guess, "empty": []}
+    assert speculator.last_forced == 5  # "none" and "invalid"
 
 
 def test_forced_proposals_have_their_own_bucket_and_prior() -> None:
@@ -46,7 +68,7 @@ def test_forced_proposals_have_their_own_bucket_and_prior() -> None:
     assert speculator.controller.bucket_prior is not None
     assert speculator.controller.bucket_prior(FORCED_BUCKET) == FORCED_PRIOR
     assert speculator.controller.bucket_prior(4) == 0.9  # the proposer's own priors otherwise
-    speculator.forced_tokens = None
+    speculator.grammar = None
     request = _decoding("a", [1, 2, 3])
     speculator.propose([request])
     assert request.spec_token_ids == [] and speculator.last_forced == 0

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,7 +74,7 @@ class EngineCore:
                                            max_num_seqs=config.scheduler.max_num_seqs)
         self.runner.track_confidence = self.speculator is not None and self.speculator.wants_target_confidence
         if self.speculator is not None:
-            self.speculator.forced_tokens = self._forced_tokens
+            self.speculator.grammar = _SamplerGrammars(self.runner)
         num_blocks = num_kv_blocks(arch, config.cache, kv_spec, device)
         if self.speculator is not None and config.cache.num_blocks is None:
             num_blocks = self.speculator.share_kv_budget(num_blocks, kv_bytes_per_block(arch, block_size, kv_spec))
@@ -268,11 +268,6 @@ class EngineCore:
         self.scheduler.observe_step(in_flight.scheduled, step_time_s + host_s)
         return outputs
 
-    def _forced_tokens(self, request: Request) -> list[int]:
-        """What the request's grammar forces next (the sampler's logits processor holds the grammars)."""
-        processor = self.runner.sampler.logits_processor
-        return [] if processor is None else processor.forced_tokens(request)
-
     def _forget_finished(self, outputs: list[EngineOutput]) -> None:
         for o in outputs:
             if o.finished:
@@ -313,3 +308,19 @@ class EngineCore:
             classes=tokens.classes, class_ttfts_s=tokens.ttfts_s_by_class,
             class_inter_token_latencies_s=tokens.inter_token_latencies_s_by_class,
             class_num_running=class_running, class_num_waiting=class_waiting)
+
+
+class _SamplerGrammars:
+    """The speculator's view of the requests' grammars: the sampler's logits processor holds them, looked
+    up at each call (a reset replaces the sampler, and the engine sets the processor after the core)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def forced_tokens(self, request: Request) -> list[int]:
+        processor = self.runner.sampler.logits_processor
+        return [] if processor is None else processor.forced_tokens(request)
+
+    def count_valid(self, request: Request, tokens: Sequence[int]) -> int:
+        processor = self.runner.sampler.logits_processor
+        return len(tokens) if processor is None else processor.count_valid(request, tokens)

@@ -60,6 +60,9 @@ class LogitsProcessor(Protocol):
     def forced_tokens(self, request: Request) -> list[int]:
         """Tokens the request's constraint forces next ([] where none): speculative proposals."""
 
+    def count_valid(self, request: Request, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order, the request's constraint allows next."""
+
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:

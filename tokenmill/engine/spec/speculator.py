@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 
@@ -25,7 +26,16 @@ from tokenmill.models.arch import ArchConfig
 FORCED_BUCKET = 1 << 20
 FORCED_PRIOR = 0.98
 
-ForcedTokens = Callable[[Request], list[int]]
+
+
+class GrammarView(Protocol):
+    """What the speculator asks of the requests' grammars (structured outputs)."""
+
+    def forced_tokens(self, request: Request) -> list[int]:
+        """The tokens the request's grammar forces next ([] where none)."""
+
+    def count_valid(self, request: Request, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order, the request's grammar allows next."""
 
 
 class Speculator:
@@ -40,7 +50,7 @@ class Speculator:
         self.last_forced = 0  # tokens the last propose() took from grammars (forced_tokens)
         # Where a request's grammar forces its next tokens, they are its proposal, whatever the method
         # (SGLang's jump-forward, verified like any guess); the engine core sets it. None: never.
-        self.forced_tokens: ForcedTokens | None = None
+        self.grammar: GrammarView | None = None
 
     def _bucket_prior(self, bucket: int) -> float | None:
         return FORCED_PRIOR if bucket == FORCED_BUCKET else self.proposer.bucket_prior(bucket)
@@ -94,21 +104,23 @@ class Speculator:
 
     def _forced(self, decoding: list[Request]) -> dict[str, list[int]]:
         """Per request whose grammar forces its next tokens, those tokens."""
-        if self.forced_tokens is None:
+        if self.grammar is None:
             return {}
         out = {}
         for request in decoding:
-            if request.params.structured is not None and (tokens := self.forced_tokens(request)):
+            if request.params.structured is not None and (tokens := self.grammar.forced_tokens(request)):
                 out[request.request_id] = tokens
         return out
 
     def _lookups_past_forced(self, decoding: list[Request], buckets: list[int | None],
                              forced: dict[str, list[int]]) -> dict[str, list[int]]:
         """Of the requests with forced tokens and a lookup match (a cheap proposer: no gate, int
-        bucket), those whose lookup guess starts with the forced tokens and runs on past them: the
-        guess goes on where the grammar stops forcing (a cached `","age":3` past the forced `","age":`),
-        so it is their proposal, under its own bucket, and they leave `forced`. Returns their guesses."""
-        if not forced or self.proposer.takes_gate:
+        bucket), those whose lookup guess the grammar allows for at least as many tokens as it forces:
+        it then holds the forced bytes, tokenized as the model wrote them before (a lookup copies the
+        model's own tokens, where the grammar library picks its own split, which the model may not
+        share: `",` `"age` against `","` `age`), and goes on where the grammar stops forcing (`","age":3`
+        past `","age":`). The guess is their proposal, under its own bucket, and they leave `forced`."""
+        if not forced or self.grammar is None or self.proposer.takes_gate:
             return {}
         candidates = [r for r, b in zip(decoding, buckets, strict=True) if b and r.request_id in forced]
         if not candidates:
@@ -116,8 +128,8 @@ class Speculator:
         k = self.config.num_speculative_tokens
         out = {}
         for request, guess in zip(candidates, self.proposer.propose(candidates, [k] * len(candidates)), strict=True):
-            tokens = forced[request.request_id]
-            if len(guess) > len(tokens) and guess[:len(tokens)] == tokens:
+            if len(guess) >= len(forced[request.request_id]) and \
+                    self.grammar.count_valid(request, guess) >= len(forced[request.request_id]):
                 out[request.request_id] = guess
                 del forced[request.request_id]
         return out

@@ -130,6 +130,16 @@ class StructuredOutputs:
             return []
         return state.matcher.forced_tokens()
 
+    def count_valid(self, request: Request, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order, the request's grammar allows after its output so far (all of
+        them without a grammar, none once it is broken)."""
+        structured = request.params.structured
+        if structured is None:
+            return len(tokens)
+        self._join()
+        state = self._state(request, structured)
+        return 0 if state.broken else state.matcher.count_valid(tokens)
+
     def reset(self) -> None:
         """Drop every request's matcher (the engine dropped its requests); compiled grammars stay."""
         self._join()
