@@ -393,3 +393,19 @@ def test_the_probe_of_every_proposal_is_at_most_twice_the_plans() -> None:
     chosen = sum(plans[0])
     assert 8 <= chosen <= 24 and all(sum(p) == chosen for p in plans[:15])
     assert sum(plans[15]) == max(15, 2 * chosen) and max(plans[15]) <= 15
+
+
+def test_before_the_fit_a_bucket_whose_first_guess_mostly_fails_proposes_nothing() -> None:
+    """Without measured step costs every request proposed K: 8 requests on 1- and 2-token lookup
+    matches (learned 0.04) drafted 7 guesses each for a fresh engine's first 16 steps at ~5x a plain
+    step. Now a bucket proposes only while its position-1 rate (prior, then learned) is at least 0.5."""
+    from tokenmill.engine.spec.ngram import NgramProposer
+
+    controller = SpecController(SpeculativeConfig("ngram", 3, max_batch_size=64), NgramProposer(1, 4).bucket_prior)
+    long_match, short_match, second = spec_requests(3, acceptance=0.6)
+    assert controller.cost_fit() is None
+    assert controller.plan([long_match, short_match], [4, 1]) == [3, 0]  # priors 0.9 and 0.4
+    assert controller.plan([second], [2]) == [3]  # bucket 2, prior 0.55
+    verified(second, 3, 0)  # its first guess failed: learned (0 + 2 x 0.55) / 3 = 0.37
+    assert controller.plan([second], [2]) == [0]
+    assert controller.plan([long_match], [4]) == [3]
