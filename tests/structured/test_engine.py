@@ -280,6 +280,7 @@ def test_verifying_proposals_that_end_the_grammar_leaves_its_state_intact(engine
     after_stop = logits[-1]
     assert torch.isinf(after_stop).sum() == after_stop.numel() - len(set(engine.eos_token_ids))
     assert logits[len(tail)][eos] == 0  # the completed object allows the stop
+    assert engine.structured.count_valid(request, [*tail, eos, *tail]) == len(tail)  # counts up to the stop
     request.token_ids.extend(tail)  # verification accepted the tail, the model then stopped: the real tokens
     state = engine.structured._state(request, structured)
     assert not state.broken and state.matcher.is_terminated  # the object is complete: only stops follow

@@ -27,7 +27,6 @@ FORCED_BUCKET = 1 << 20
 FORCED_PRIOR = 0.98
 
 
-
 class GrammarView(Protocol):
     """What the speculator asks of the requests' grammars (structured outputs)."""
 

@@ -132,13 +132,15 @@ class StructuredOutputs:
 
     def count_valid(self, request: Request, tokens: Sequence[int]) -> int:
         """How many of `tokens`, in order, the request's grammar allows after its output so far (all of
-        them without a grammar, none once it is broken)."""
+        them without a grammar, none once it is broken), counting up to a stop token at most (a
+        matcher may check by accepting and rolling back, which a stop does not survive: `_masks`)."""
         structured = request.params.structured
         if structured is None:
             return len(tokens)
         self._join()
         state = self._state(request, structured)
-        return 0 if state.broken else state.matcher.count_valid(tokens)
+        stop = next((i for i, token in enumerate(tokens) if token in request.eos_token_ids), len(tokens))
+        return 0 if state.broken or not stop else state.matcher.count_valid(tokens[:stop])
 
     def reset(self) -> None:
         """Drop every request's matcher (the engine dropped its requests); compiled grammars stay."""
