@@ -202,3 +202,24 @@ def test_sampling_fields_are_type_checked(llm: LLM) -> None:
         with pytest.raises(BatchLineError) as caught:
             _build(llm, body)
         assert caught.value.param == next(iter(body)), body
+
+
+def test_a_speculative_batch_answers_as_the_plain_one(model_dir: Path, tmp_path: Path) -> None:
+    """`tokenmill batch --speculative suffix`: the flags reach the engine's config, and greedy results
+    are the plain run's, line for line."""
+    from tokenmill.cli.batch import _engine_kwargs
+    from tokenmill.cli.main import build_parser, main
+
+    lines = [_completion(f"s{i}", "the the the the", max_tokens=16, ignore_eos=True) for i in range(6)]
+    input_path = _write_input(tmp_path / "in.jsonl", lines)
+    common = ["batch", str(input_path), "--model", str(model_dir), "--dtype", "float32", "--device", "cpu",
+              "--num-kv-blocks", "64", "--max-in-flight", "2", "--no-progress"]
+    texts = {}
+    for name, extra in (("plain", []), ("suffix", ["--speculative", "suffix", "--suffix-cache-tokens", "512"])):
+        output = tmp_path / f"{name}.jsonl"
+        assert main([*common, "-o", str(output), *extra]) == 0
+        texts[name] = {line["custom_id"]: line["response"]["body"]["choices"][0]["text"]
+                       for line in _read_output(output)}
+    assert texts["suffix"] == texts["plain"] and len(texts["plain"]) == 6
+    kwargs = _engine_kwargs(build_parser().parse_args([*common, "-o", "x", "--speculative", "suffix"]))
+    assert kwargs["speculative"] == "suffix" and kwargs["suffix_cache_tokens"] == 65536

@@ -7,7 +7,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tokenmill.cli.serve import add_kv_cache_argument, add_quantization_argument
+from tokenmill.cli.serve import (
+    add_kv_cache_argument,
+    add_quantization_argument,
+    add_speculative_arguments,
+    speculative_kwargs,
+)
 from tokenmill.config import compile_mode
 from tokenmill.errors import TokenmillError
 from tokenmill.models.catalog import DEFAULT_MODEL
@@ -43,6 +48,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--threads", type=int, default=None,
                         help="compute threads (default: one per CPU, capped by a container's CPU quota)")
+    # Speculation pays at low concurrency (--max-in-flight) and on answers that repeat: `suffix` for
+    # extraction jobs of one shape, and a JSON schema's forced tokens with any method (docs/speculative.md).
+    add_speculative_arguments(engine)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -55,7 +63,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "quantization": args.quantization, "amx_bf16": args.amx_bf16,
             "enforce_eager": args.enforce_eager, "compile": compile_mode(args.compile),
             "async_scheduling": args.async_scheduling,
-            "enable_prefix_caching": not args.no_prefix_caching, **kwargs}
+            "enable_prefix_caching": not args.no_prefix_caching, **speculative_kwargs(args), **kwargs}
 
 
 def run_batch_command(args: argparse.Namespace) -> int:
