@@ -91,11 +91,8 @@ def main() -> None:
     identical = greedy_identical(llm)
     shapes = {}
     for batch in args.batch_sizes:
-        common.wait_for_quiet(args.quiet_wait_s)
-        meter = common.NoiseMeter()
-        result = decode_rounds(llm, batch, args)
-        result["others_cores"] = meter.others_cores()
-        shapes[f"decode batch={batch}"] = result
+        shapes[f"decode batch={batch}"] = common.after_quiet(lambda b=batch: decode_rounds(llm, b, args),
+                                                             args.quiet_wait_s)
     print(f"greedy outputs identical overlapped and synchronous: {identical}")
     cpu = common.environment()["cpu"]
     print(f"{args.model} --quantization {args.quantization}, {args.threads} compute threads, cpu: {cpu}")

@@ -175,6 +175,14 @@ def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.25, window_s: f
         print(f"waiting for a quiet machine: others use {load:.2f} cores")
 
 
+def after_quiet(run: Callable[[], dict[str, Any]], quiet_wait_s: float) -> dict[str, Any]:
+    """Wait for a quiet machine, run one measured shape, and add the cores other processes used
+    meanwhile to its result (`others_cores`)."""
+    wait_for_quiet(quiet_wait_s)
+    meter = NoiseMeter()
+    return {**run(), "others_cores": meter.others_cores()}
+
+
 def quietest(run: Callable[[], T], noise_of: Callable[[T], float], attempts: int, noise_limit: float,
              quiet_wait_s: float) -> tuple[T, list[float]]:
     """Run a timed phase until other processes stayed under `noise_limit` cores during it, at most

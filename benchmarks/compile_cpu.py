@@ -186,15 +186,11 @@ def run_mode(args: argparse.Namespace, quantization: str) -> dict[str, Any]:
     shipped = {"eager": (False, True), "compiled": (True, True)}
     python = {"python/eager": (False, False), "python/compiled": (True, False)}
     if args.prefill_len:
-        common.wait_for_quiet(args.quiet_wait_s)
-        meter = common.NoiseMeter()
-        result[f"prefill {args.prefill_len} ms"] = prefill_shape(llm, args, shipped)
-        result[f"prefill {args.prefill_len} ms"]["others_cores"] = meter.others_cores()
+        result[f"prefill {args.prefill_len} ms"] = common.after_quiet(lambda: prefill_shape(llm, args, shipped),
+                                                                      args.quiet_wait_s)
     for batch in args.batch_sizes:
-        common.wait_for_quiet(args.quiet_wait_s)
-        meter = common.NoiseMeter()
-        result[f"decode batch={batch} tok/s"] = {**decode_shape(llm, batch, args, {**shipped, **python}),
-                                                 "others_cores": meter.others_cores()}
+        result[f"decode batch={batch} tok/s"] = common.after_quiet(
+            lambda b=batch: decode_shape(llm, b, args, {**shipped, **python}), args.quiet_wait_s)
     result["compile_time"] = compile_times(args, quantization)
     return result
 

@@ -197,17 +197,11 @@ def run_model(args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     shapes: dict[str, Any] = {}
     identical = greedy_identical(llm)
     for batch in args.batch_sizes:
-        common.wait_for_quiet(args.quiet_wait_s)
-        meter = common.NoiseMeter()
-        result = decode_shape(llm, batch, args)
-        result["others_cores"] = meter.others_cores()
-        shapes[f"decode batch={batch}"] = result
+        shapes[f"decode batch={batch}"] = common.after_quiet(lambda b=batch: decode_shape(llm, b, args),
+                                                             args.quiet_wait_s)
     if args.prefill_len:
-        common.wait_for_quiet(args.quiet_wait_s)
-        meter = common.NoiseMeter()
-        result = prefill_shape(llm, args)
-        result["others_cores"] = meter.others_cores()
-        shapes[f"prefill {args.prefill_len}"] = result
+        shapes[f"prefill {args.prefill_len}"] = common.after_quiet(lambda: prefill_shape(llm, args),
+                                                                   args.quiet_wait_s)
     return identical, shapes
 
 
