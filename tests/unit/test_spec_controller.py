@@ -7,13 +7,9 @@ import itertools
 
 import pytest
 
-from tests.fixtures.spec import draft_controller, spec_requests, verified
+from tests.fixtures.spec import draft_controller, ngram_controller, spec_requests
 from tokenmill.config import SpeculativeConfig
 from tokenmill.engine.spec.controller import SpecController, geometric_gains, min_gain
-
-
-def _controller(**kwargs: object) -> SpecController:
-    return SpecController(SpeculativeConfig("ngram", 3, **kwargs))  # type: ignore[arg-type]
 
 
 def test_expected_emitted_tokens() -> None:
@@ -26,7 +22,7 @@ def test_expected_emitted_tokens() -> None:
 
 
 def test_a_request_with_collapsed_acceptance_stops_and_probes_every_interval() -> None:
-    controller = _controller(min_acceptance=0.3, probe_interval=3)
+    controller = ngram_controller(min_acceptance=0.3, probe_interval=3)
     [bad] = spec_requests(1, acceptance=0.1, prefix="bad")
     [good] = spec_requests(1, acceptance=0.9, prefix="good")
     plans = [controller.plan([bad, good]) for _ in range(8)]
@@ -36,11 +32,11 @@ def test_a_request_with_collapsed_acceptance_stops_and_probes_every_interval() -
 
 def test_a_new_request_proposes_before_its_acceptance_is_judged() -> None:
     [fresh] = spec_requests(1, acceptance=0.0, drafts=2)
-    assert _controller().plan([fresh]) == [3]
+    assert ngram_controller().plan([fresh]) == [3]
 
 
 def test_without_measurements_large_batches_do_not_speculate() -> None:
-    controller = _controller(max_batch_size=4)
+    controller = ngram_controller(max_batch_size=4)
     assert controller.plan(spec_requests(4)) == [3] * 4 and controller.is_on
     assert controller.plan(spec_requests(5)) == [0] * 5 and not controller.is_on
 
@@ -51,26 +47,26 @@ def _feed(controller: SpecController, a: float, b: float) -> None:
 
 
 def test_memory_bound_steps_speculate_even_in_a_large_batch() -> None:
-    controller = _controller(max_batch_size=4)
+    controller = ngram_controller(max_batch_size=4)
     _feed(controller, a=0.05, b=0.0001)  # weights streamed once per step: tokens nearly free
     assert controller.cost_fit() == pytest.approx((0.05, 0.0001))
     assert controller.plan(spec_requests(32, acceptance=0.5)) == [3] * 32
 
 
 def test_compute_bound_steps_do_not_speculate_at_modest_acceptance() -> None:
-    controller = _controller(max_batch_size=64)
+    controller = ngram_controller(max_batch_size=64)
     _feed(controller, a=0.0, b=0.002)  # time proportional to tokens: 4x the tokens for ~1.9x the output
     assert controller.plan(spec_requests(8, acceptance=0.5)) == [0] * 8
     assert not controller.is_on
 
 
 def test_not_adaptive_always_proposes() -> None:
-    controller = _controller(adaptive=False, max_batch_size=1)
+    controller = ngram_controller(adaptive=False, max_batch_size=1)
     assert controller.plan(spec_requests(10, acceptance=0.0)) == [3] * 10
 
 
 def test_the_k_with_the_most_tokens_per_second_is_chosen() -> None:
-    controller = _controller(max_batch_size=1)
+    controller = ngram_controller(max_batch_size=1)
     for n in (1, 2, 3, 4) * 8:
         controller.observe(n, 0.024 + 0.014 * n)  # rows cost (integer-quantized weights): 38 ms for 1, 80 for 4
     # acceptance 0.68: k=1 → 1.68 / 52 ms, k=2 → 2.14 / 66 ms (best), k=3 → 2.46 / 80 ms, plain → 1 / 38 ms
@@ -98,7 +94,7 @@ def test_only_decode_only_steps_feed_the_cost_fit() -> None:
 
 
 def test_without_a_fit_smaller_k_are_tried_now_and_then_so_step_sizes_spread() -> None:
-    controller = _controller()
+    controller = ngram_controller()
     ks = [controller.plan(spec_requests(1, acceptance=0.9))[0] for _ in range(64)]
     assert sorted(set(ks)) == [0, 1, 2, 3]
     assert ks.count(3) == 60
@@ -109,7 +105,7 @@ def test_measured_step_times_override_the_linear_fit_where_costs_bend() -> None:
     requests speculating (8 rows, 106 ms at k = 3) beat plain (2 rows, 53 ms) at acceptance 0.68
     (2.42 tokens per verification). Measured, 8 rows cost 142 ms and 2 rows 47 (a 2-core CPU, integer weights):
     plain is faster, and the measured counts decide."""
-    controller = _controller(max_batch_size=64)
+    controller = ngram_controller(max_batch_size=64)
     for _ in range(100):
         controller.observe(1, 0.045)
         controller.observe(4, 0.071)
@@ -135,7 +131,7 @@ def test_measured_step_times_override_the_linear_fit_where_costs_bend() -> None:
 def test_the_option_not_chosen_is_measured_again_when_stale() -> None:
     """Speculating, the plain step's token count is re-measured now and then (contexts grow, so an
     old measurement flatters it); with fresh measurements of both, no exploration."""
-    controller = _controller(max_batch_size=64)
+    controller = ngram_controller(max_batch_size=64)
     for n in (1, 4) * 40:
         controller.observe(n, 0.01 + 0.001 * n)  # nearly free rows: speculation wins
     requests = spec_requests(1, acceptance=0.9)
@@ -152,7 +148,7 @@ def test_the_option_not_chosen_is_measured_again_when_stale() -> None:
 def test_not_speculating_the_probe_proposes_one_token() -> None:
     """Compute-bound batch-32 steps (each row costs): the plain step wins, and the occasional probe
     of the other side measures the nearest count above it, one proposal a request, not K."""
-    controller = _controller(max_batch_size=64)
+    controller = ngram_controller(max_batch_size=64)
     for n in (32, 40) * 20:
         controller.observe(n, 0.005 + 0.003 * n)
     requests = spec_requests(32, acceptance=0.6)
@@ -164,64 +160,12 @@ def test_not_speculating_the_probe_proposes_one_token() -> None:
     assert plans.count(0) >= 60 and set(plans) <= {0, 1} and plans.count(1) >= 1
 
 
-def test_the_acceptance_model_learns_position_by_position_with_a_prior() -> None:
-    from tokenmill.engine.spec.acceptance import AcceptanceModel
-
-    model = AcceptanceModel(max_tokens=3, prior=0.7)
-    assert model.gains(4, 2) == pytest.approx([0.7, 0.49])  # unseen: the prior, position after position
-    model.record(4, num_proposed=3, num_accepted=1)  # token 1 accepted, token 2 rejected, token 3 never scored
-    r1 = (1 + 2 * 0.7) / (1 + 2)
-    r2 = (0 + 2 * r1) / (1 + 2)
-    r3 = (0 + 2 * r2) / (0 + 2)  # no counts: the position before it
-    assert model.gains(4, 3) == pytest.approx([r1, r1 * r2, r1 * r2 * r3])
-    assert model.gains(1, 1) == pytest.approx([0.7])  # buckets are independent
-    for _ in range(200):
-        model.record(1, 3, 0)
-    assert model.gains(1, 1)[0] < 0.05 and model.rates()[1][0] < 0.05
-
-
-def _learned(controller: SpecController, bucket: int, accepted: int, drafts: int = 60) -> None:
-    for _ in range(drafts):
-        controller.acceptance.record(bucket, 3, accepted)
-
-
-def test_proposals_go_to_the_buckets_that_pay_and_requests_without_a_match_are_not_counted() -> None:
-    """Two requests at batch 2 on a CPU where rows cost: the one continuing a 4-token match (its
-    proposals accepted) proposes; the one with a 1-token match (its proposals rejected) does not, and
-    one with no match at all neither proposes nor counts towards the step's rows."""
-    controller = _controller(max_batch_size=64)
-    for n in (2, 3, 4, 5, 6, 7, 8) * 4:
-        controller.observe(n, 0.030 + 0.008 * n)
-    _learned(controller, 4, accepted=3)
-    _learned(controller, 1, accepted=0)
-    strong, weak, none = spec_requests(3, acceptance=0.6)
-    assert controller.plan([strong, weak], [4, 1]) == [3, 0]
-    assert controller.plan([weak, strong], [1, 4]) == [0, 3]
-    assert controller.plan([strong, none], [4, 0]) == [3, 0]
-    # Without buckets both requests look alike (recent acceptance 0.6) and get the same k.
-    ks = controller.plan([strong, weak])
-    assert ks[0] == ks[1]
-
-
-def test_a_verified_draft_is_scored_into_its_bucket_from_the_request_counters() -> None:
-    controller = _controller(max_batch_size=64)
-    [r] = spec_requests(1)
-    assert controller.plan([r], [2]) == [3]  # no fit yet: K
-    stats = r.spec_stats  # what Scheduler._record_spec does after verification: 3 proposed, 1 accepted
-    stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens = stats.num_drafts + 1, 3, 1
-    controller.plan([r], [3])
-    assert controller.acceptance.rates()[2][:2] == pytest.approx([(1 + 1.4) / 3, (0 + 2 * 0.8) / 3])
-    # A draft the step skipped (counters unchanged) teaches nothing.
-    controller.plan([r], [3])
-    assert 3 not in controller.acceptance.rates()
-
-
 @pytest.mark.parametrize(("base_s", "speculates"), [(0.005, False), (0.05, True)])
 def test_a_gain_within_the_estimates_noise_does_not_speculate(base_s: float, speculates: bool) -> None:
     """Batch 32, every row costs 3 ms, proposals ~98% accepted: with 5 ms of fixed cost a step the best
     plan (3 proposals each) gains 2.4% by the estimates, inside their noise, so nothing is proposed;
     with 50 ms, 20%."""
-    controller = _controller(max_batch_size=64)
+    controller = ngram_controller(max_batch_size=64)
     for n in (32, 48, 64) * 8:
         controller.observe(n, base_s + 0.003 * n)
     for _ in range(100):
@@ -236,7 +180,7 @@ def test_the_margin_grows_with_the_batch(batch: int, speculates: bool) -> None:
     eight requests' ~8.5%, under batch 8's 12% margin (5% + 1 point a request; at 5% it speculated, and at
     batch 8 on Zen 5 that measured 0.98-1.13x of plain)."""
     assert min_gain(1) == pytest.approx(0.05) and min_gain(8) == pytest.approx(0.12) and min_gain(64) == 0.15
-    controller = _controller(max_batch_size=64)
+    controller = ngram_controller(max_batch_size=64)
     for n in range(1, 33):
         for _ in range(4):
             controller.observe(n, 0.003 + 0.003 * n)
@@ -281,21 +225,6 @@ def test_a_request_whose_guesses_were_all_dropped_is_planned_at_its_kept_rate() 
     assert speculator.controller._gains(r, None, 2) == pytest.approx([0.7 * 0.9, 0.7 * 0.81])
 
 
-def test_a_fresh_controller_takes_the_ngram_proposers_priors_by_match_length() -> None:
-    """Before any draft is verified: a 4-token match is worth proposing on a CPU where rows cost, a
-    1-token match is not (prior 0.4); with one flat prior (0.7) both looked alike and split the rows."""
-    from tokenmill.engine.spec.ngram import NgramProposer
-
-    proposer = NgramProposer(1, 4)
-    assert [proposer.bucket_prior(n) for n in (0, 1, 2, 3, 4, 7)] == [None, 0.4, 0.55, 0.7, 0.9, 0.9]
-    for prior, expected in ((proposer.bucket_prior, [3, 0]), (None, [2, 2])):
-        controller = SpecController(SpeculativeConfig("ngram", 3, max_batch_size=64), prior)
-        for n in (2, 3, 4, 5, 6, 7, 8) * 4:
-            controller.observe(n, 0.030 + 0.008 * n)
-        long_match, short_match = spec_requests(2, acceptance=0.6)
-        assert controller.plan([long_match, short_match], [4, 1]) == expected
-
-
 def test_a_draft_far_behind_pays_its_catch_up_before_it_proposes() -> None:
     """Cheap rows (2 ms on 60 ms), 10 ms draft forwards, acceptance 0.7: a request whose draft is in
     step proposes K; one whose draft sat out 88 tokens (80 beyond a decode-like forward, 5 ms each)
@@ -328,7 +257,7 @@ def test_while_speculating_the_probes_alternate_plain_and_every_proposal() -> No
     4 rows: the 16th plan proposes all K = 3, and once that count measures fast the plan takes it.
     (Probing only plain, the counts above the chosen one were never measured again.) Plain, measured
     recently, is not probed at the 32nd."""
-    controller = _controller(max_batch_size=64)
+    controller = ngram_controller(max_batch_size=64)
     for n in (1, 2) * 8:
         controller.observe(n, 0.05 + 0.001 * n)
     controller.observe(4, 0.5)  # slow samples: 4 rows look ruinous
@@ -345,7 +274,7 @@ def test_while_speculating_the_probes_alternate_plain_and_every_proposal() -> No
 def test_one_slow_step_does_not_reprice_its_token_count() -> None:
     """A 2-row step measured twice at 11 ms, then once at 19 (a pause of the host): the average must stay
     near 11, not jump to 13 (the unclipped moving average), while a lasting slowdown still moves it."""
-    controller = _controller(max_batch_size=64)
+    controller = ngram_controller(max_batch_size=64)
     controller.observe(2, 0.011)
     controller.observe(2, 0.011)
     controller.observe(2, 0.019)
@@ -353,32 +282,6 @@ def test_one_slow_step_does_not_reprice_its_token_count() -> None:
     for _ in range(12):
         controller.observe(2, 0.016)
     assert controller.by_count[2][0] > 0.0155
-
-
-def test_a_bucketed_request_is_judged_against_what_its_buckets_expected() -> None:
-    """A code edit whose 15-guess drafts of long matches failed five times in a row (a type hint broke a
-    copied signature, then the opening lines) has accepted / proposed at 0.17, under min_acceptance, yet
-    keeps proposing: it accepted 32% of the tokens its buckets promised. A request whose long matches
-    keep failing where other requests' succeed falls below it and stops (probing as before)."""
-    controller = SpecController(SpeculativeConfig("ngram", 15, min_acceptance=0.2), lambda b: 0.9)
-    edit, *others = spec_requests(6, acceptance=1.0, drafts=0)
-    for _ in range(6):
-        assert controller.plan([edit], [4]) == [15]
-        verified(edit, 15, 15)
-    for _ in range(5):
-        assert controller.plan([edit], [4]) == [15]
-        verified(edit, 15, 0)
-    assert edit.spec_stats.recent_acceptance < 0.2
-    assert controller.plan([edit], [4]) == [15]
-    assert 0.2 < controller.calibration(edit.request_id) < 0.4
-    # Five requests' drafts of the same bucket succeed while one request's fail: that one is cut off.
-    bad, plans = others[0], []
-    for _ in range(8):
-        plans.append(controller.plan(others, [4] * 5))
-        for r in others:
-            verified(r, 15, 0 if r is bad else 15)
-    assert plans[0] == [15] * 5 and plans[-1] == [0, 15, 15, 15, 15]
-    assert controller.calibration(bad.request_id) < 0.2
 
 
 def test_the_probe_of_every_proposal_is_at_most_twice_the_plans() -> None:
@@ -393,19 +296,3 @@ def test_the_probe_of_every_proposal_is_at_most_twice_the_plans() -> None:
     chosen = sum(plans[0])
     assert 8 <= chosen <= 24 and all(sum(p) == chosen for p in plans[:15])
     assert sum(plans[15]) == max(15, 2 * chosen) and max(plans[15]) <= 15
-
-
-def test_before_the_fit_a_bucket_whose_first_guess_mostly_fails_proposes_nothing() -> None:
-    """Without measured step costs every request proposed K: 8 requests on 1- and 2-token lookup
-    matches (learned 0.04) drafted 7 guesses each for a fresh engine's first 16 steps at ~5x a plain
-    step. Now a bucket proposes only while its position-1 rate (prior, then learned) is at least 0.5."""
-    from tokenmill.engine.spec.ngram import NgramProposer
-
-    controller = SpecController(SpeculativeConfig("ngram", 3, max_batch_size=64), NgramProposer(1, 4).bucket_prior)
-    long_match, short_match, second = spec_requests(3, acceptance=0.6)
-    assert controller.cost_fit() is None
-    assert controller.plan([long_match, short_match], [4, 1]) == [3, 0]  # priors 0.9 and 0.4
-    assert controller.plan([second], [2]) == [3]  # bucket 2, prior 0.55
-    verified(second, 3, 0)  # its first guess failed: learned (0 + 2 x 0.55) / 3 = 0.37
-    assert controller.plan([second], [2]) == [0]
-    assert controller.plan([long_match], [4]) == [3]
