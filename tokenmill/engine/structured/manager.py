@@ -139,7 +139,7 @@ class StructuredOutputs:
             return len(tokens)
         self._join()
         state = self._state(request, structured)
-        stop = next((i for i, token in enumerate(tokens) if token in request.eos_token_ids), len(tokens))
+        stop = _first_stop(tokens, request.eos_token_ids)
         return 0 if state.broken or not stop else state.matcher.count_valid(tokens[:stop])
 
     def reset(self) -> None:
@@ -244,7 +244,7 @@ class StructuredOutputs:
             # if the stop was accepted, which ends the request unless ignore_eos, and a stopped grammar
             # allows only stops: that row's mask. The row before the stop masks it as it masks any token.
             more = extra[row]
-            stop = next((i for i, token in enumerate(more) if token in request.eos_token_ids), len(more))
+            stop = _first_stop(more, request.eos_token_ids)
             valid = state.matcher.count_valid(more[:stop]) if stop else 0
             for token in more[:valid]:
                 state.matcher.accept(token)
@@ -275,6 +275,12 @@ class _Masks:
 def _key(requests: Sequence[Request]) -> tuple[tuple[str, int], ...]:
     """Which step a mask was made for: each row's request and how many tokens it had."""
     return tuple((r.request_id, r.num_output_tokens) for r in requests)
+
+
+def _first_stop(tokens: Sequence[int], stop_ids: Sequence[int]) -> int:
+    """The index of the first stop token in `tokens` (len(tokens) if none): proposals are checked against
+    a grammar only up to it, since a matcher cannot roll back over an accepted stop."""
+    return next((i for i, token in enumerate(tokens) if token in stop_ids), len(tokens))
 
 
 def _allow_only(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
