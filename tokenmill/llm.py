@@ -74,30 +74,35 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None,
                  *, priority: Sequence[int] | None = None, use_tqdm: bool = False,
-                 service_class: ServiceClass | str = ServiceClass.STANDARD) -> list[RequestOutput]:
+                 service_class: ServiceClass | str = ServiceClass.STANDARD,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
         """Run every prompt to completion in one continuous batch; outputs in prompt order.
 
-        `service_class`: interactive, standard or batch (or an OpenAI service_tier value) for all of them."""
+        `service_class`: interactive, standard or batch (or an OpenAI service_tier value) for all of them.
+        `cache_salt`: they share cached prefix blocks and outputs only with requests of the same salt."""
         batch = _as_prompt_list(prompts)
         params = sampling_params or SamplingParams()
         klass = _as_service_class(service_class)
-        order = [self._add(prompt, params, priority[i] if priority else 0, klass) for i, prompt in enumerate(batch)]
+        order = [self._add(prompt, params, priority[i] if priority else 0, klass, cache_salt)
+                 for i, prompt in enumerate(batch)]
         return self._run(order, params.n, use_tqdm)
 
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
              *, use_tqdm: bool = False, service_class: ServiceClass | str = ServiceClass.STANDARD,
-             ) -> list[RequestOutput]:
+             cache_salt: str | None = None) -> list[RequestOutput]:
         conversations = _as_conversations(messages)
         prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=True) for conv in conversations]
         # The template already carries BOS where the model wants it.
         token_prompts = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm, service_class=service_class)
+        return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm, service_class=service_class,
+                             cache_salt=cache_salt)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-               service_class: ServiceClass | str = ServiceClass.STANDARD) -> Iterator[CompletionOutput]:
+               service_class: ServiceClass | str = ServiceClass.STANDARD,
+               cache_salt: str | None = None) -> Iterator[CompletionOutput]:
         """Generate for one prompt, yielding each step's output (`text_delta` holds the new text)."""
         params = replace(sampling_params or SamplingParams(), n=1)
-        request_id = self._add(prompt, params, 0, _as_service_class(service_class)) + "-0"
+        request_id = self._add(prompt, params, 0, _as_service_class(service_class), cache_salt) + "-0"
         try:
             for output in self._outputs():
                 if output.request_id == request_id:
@@ -109,8 +114,9 @@ class LLM:
         while self.engine.has_unfinished:
             yield from self.engine.step().outputs
 
-    def _add(self, prompt: Prompt, params: SamplingParams, priority: int, service_class: ServiceClass) -> str:
-        encoded = self.engine.encode(prompt)
+    def _add(self, prompt: Prompt, params: SamplingParams, priority: int, service_class: ServiceClass,
+             cache_salt: str | None = None) -> str:
+        encoded = replace(self.engine.encode(prompt), cache_salt=cache_salt)
         request_id = str(next(self._ids))
         for child in fan_out(0, encoded, params):
             self.engine.add_request(f"{request_id}-{child.index}", encoded, child.params, index=child.index,

@@ -69,6 +69,8 @@ ANY_PARAM = object()  # a check whose error names no field yet (SamplingParams' 
     ({"prompt": "hi", "seed": 2**70}, "seed", "seed: Input should be less than or equal to 9223372036854775743"),
     ({"prompt": "hi", "stop_token_ids": [99999]}, "stop_token_ids",
      "stop_token_ids holds token id 99999, outside the vocabulary [0, 263)"),
+    ({"prompt": "hi", "cache_salt": ""}, "cache_salt", "cache_salt: String should have at least 1 character"),
+    ({"prompt": "hi", "cache_salt": 7}, "cache_salt", "cache_salt: Input should be a valid string"),
     ({"max_tokens": 2}, "prompt", "prompt: Field required"),  # no prompt
     ([1, 2, 3], None, "Input should be a valid dictionary or object to extract fields from"),  # not an object
 ])

@@ -67,6 +67,8 @@ def test_batch_output_lines_carry_tool_calls_and_cached_tokens(tiny_hf_dir: Call
         _line("auto", "/v1/chat/completions", messages=ask, tools=[WEATHER], max_tokens=6, seed=3),
         _line("first", "/v1/completions", prompt=long_prompt, max_tokens=2),
         _line("again", "/v1/completions", prompt=long_prompt, max_tokens=2, n=2, seed=4),
+        _line("salted", "/v1/completions", prompt=long_prompt, max_tokens=2, cache_salt="tenant-a"),
+        _line("salted-again", "/v1/completions", prompt=long_prompt, max_tokens=2, cache_salt="tenant-a"),
     ]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(line + "\n" for line in lines))
@@ -89,3 +91,8 @@ def test_batch_output_lines_carry_tool_calls_and_cached_tokens(tiny_hf_dir: Call
     assert first.prompt_tokens_details.cached_tokens == 0
     cached = again.prompt_tokens_details.cached_tokens or 0
     assert 16 <= cached < again.prompt_tokens  # counted once for the prompt its two choices share
+    salted, salted_again = (Completion.model_validate(bodies[k]).usage for k in ("salted", "salted-again"))
+    assert salted is not None and salted.prompt_tokens_details is not None
+    assert salted_again is not None and salted_again.prompt_tokens_details is not None
+    assert salted.prompt_tokens_details.cached_tokens == 0  # the unsalted lines' blocks are not its
+    assert (salted_again.prompt_tokens_details.cached_tokens or 0) >= 16

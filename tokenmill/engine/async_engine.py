@@ -178,7 +178,8 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None, priority: int = 0,
                        service_class: ServiceClass = ServiceClass.STANDARD,
-                       every_output: bool = True, min_interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+                       every_output: bool = True, min_interval_s: float = 0.0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (each carries the cumulative text and the new delta).
 
         `every_output=False` yields only the first output and the finished one: what a non-streamed
@@ -186,10 +187,11 @@ class AsyncEngine:
         hundred batch requests in flight, that contends with the engine thread for the cores).
         `min_interval_s`: streamed outputs at most that often, each carrying the text held since the
         last (the server's batch-class streams: fewer, larger chunks).
+        `cache_salt`: cached prefix blocks and outputs are shared only with requests of the same salt.
         Validation errors raise before the first item; the request is aborted if the consumer
         stops early.
         """
-        encoded = self.engine.encode(prompt)
+        encoded = replace(self.engine.encode(prompt), cache_salt=cache_salt)
         self.limits.check_request(encoded.token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), every_output, min_interval_s)

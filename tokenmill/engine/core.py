@@ -124,12 +124,14 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_ids: tuple[int, ...], priority: int = 0, arrival_time: float | None = None,
-                    service_class: ServiceClass = ServiceClass.STANDARD) -> Request:
+                    service_class: ServiceClass = ServiceClass.STANDARD, cache_salt: str | None = None) -> Request:
         self.limits.check_request(prompt_token_ids, params)
+        if cache_salt is not None and not cache_salt:
+            raise RequestValidationError("cache_salt must be a non-empty string (or left out)", "cache_salt")
         if request_id in self.scheduler.requests:
             raise RequestValidationError(f"request id '{request_id}' is already in flight: use a unique id")
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids, priority,
-                          arrival_time if arrival_time is not None else time.monotonic(), service_class)
+                          arrival_time if arrival_time is not None else time.monotonic(), service_class, cache_salt)
         self.scheduler.add(request)
         return request
 

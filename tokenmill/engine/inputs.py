@@ -19,6 +19,7 @@ from tokenmill.errors import RequestValidationError
 class EncodedPrompt:
     text: str | None  # as the caller gave it; None when it gave token ids
     token_ids: list[int]
+    cache_salt: str | None = None  # cached blocks and outputs are shared within one salt only (block_hash.py)
 
 
 @dataclass(frozen=True, slots=True)

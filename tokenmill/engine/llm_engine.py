@@ -70,7 +70,7 @@ class LLMEngine:
         if params.structured is not None:
             self.structured.compile(params.structured)  # GrammarError before queueing; then a cache hit
         self.core.add_request(request_id, prompt.token_ids, params, self.eos_token_ids, priority,
-                              service_class=service_class)
+                              service_class=service_class, cache_salt=prompt.cache_salt)
         self.processor.add(request_id, prompt.text, prompt.token_ids, params, index)
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -156,6 +156,7 @@ class Request:
     priority: int = 0  # lower runs first, as in vLLM (within a service class)
     arrival_time: float = field(default_factory=time.monotonic)
     service_class: ServiceClass = ServiceClass.STANDARD
+    cache_salt: str | None = None  # prefix and output caches are shared only among requests of one salt
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0

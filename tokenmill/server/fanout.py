@@ -105,7 +105,8 @@ class GenerationRun:
             async for output in engine.generate(child.prompt.token_ids, child.params,
                                                 f"{self.engine_id}-{child.index}", self.priority,
                                                 self.service_class, every_output=not self.final_only,
-                                                min_interval_s=self._stream_interval_s()):
+                                                min_interval_s=self._stream_interval_s(),
+                                                cache_salt=child.prompt.cache_salt):
                 self._queue.put_nowait((child, output))
         except Exception as exc:  # handed to the consumer, which owns the HTTP answer
             self._queue.put_nowait(_Failure(child, exc))

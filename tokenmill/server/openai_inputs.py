@@ -49,6 +49,7 @@ def completion_inputs(body: CompletionRequest, tokenizer: Tokenizer, limits: Req
         bos = [tokenizer.bos_token_id] if tokenizer.add_bos_token and tokenizer.bos_token_id is not None else []
         prompts = [EncodedPrompt(p.text, [*bos, *fim.frame(p.token_ids, suffix)]) for p in prompts]
         stops = list(fim.stops)
+    prompts = [replace(p, cache_salt=body.cache_salt) for p in prompts]
     children: list[ChildRequest] = []
     prompt_logprobs = body.logprobs if body.echo else None
     for i, prompt in enumerate(prompts):
@@ -84,7 +85,8 @@ def chat_inputs(body: ChatRequest, tokenizer: Tokenizer, limits: RequestLimits,
                                          "format: drop response_format (or the guided_* field)", "tool_choice")
         structured = forced
     structured = _compiled(structured, grammars)
-    prompt = chat_prompt(tokenizer, body.messages, body.add_generation_prompt, body.tools)
+    prompt = replace(chat_prompt(tokenizer, body.messages, body.add_generation_prompt, body.tools),
+                     cache_salt=body.cache_salt)
     max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_output_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = replace(sampling_params(body, limits, max_tokens, logprobs, None), structured=structured)

@@ -102,6 +102,9 @@ class GenerationRequest(_Body):
     # interactive | standard | batch, or OpenAI's priority | default | auto | flex (engine/service_class.py);
     # None: the header, the API key's class, else the endpoint's default (chat interactive, completions standard)
     service_tier: str | None = Field(default=None, max_length=32)
+    # vLLM's prefix-cache salt: requests share cached blocks (and --speculative suffix's outputs) only with
+    # requests of the same salt; a per-tenant secret keeps one tenant's timing from revealing another's prompts
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     logit_bias: dict[str, float] | None = None
     # Structured outputs (engine/structured): OpenAI's response_format, or vLLM's extra fields.
     response_format: ResponseFormat | None = None

@@ -156,7 +156,8 @@ class DraftModelProposer(Proposer):
         tokens = request.token_ids
         seq = self._seqs.get(request.request_id)
         if seq is None:
-            shadow = Request(request.request_id, list(tokens), SamplingParams(max_tokens=None))
+            shadow = Request(request.request_id, list(tokens), SamplingParams(max_tokens=None),
+                             cache_salt=request.cache_salt)
             seq = self._seqs[request.request_id] = _DraftSeq(shadow, len(tokens), request)
             seq.cached = self.kv.find_cached_prefix(shadow)
             self.kv.record_lookup(shadow.num_tokens, len(seq.cached) * self.block_size)

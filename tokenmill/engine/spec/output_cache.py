@@ -11,6 +11,10 @@ prompt, so the first tokens of an answer (`{"name": "`, a tool call's envelope) 
 
     index[n][key(tokens[i - n:i])] = (sequence, i)    for n in [min_n, max_n], the latest i wins
 
+Salts: a request with a `cache_salt` (block_hash.py) only ever matches outputs of its own salt. Its
+keys are key() XOR a 64-bit value of the salt (0 without one), so the tables stay shared (and the token
+budget with them) while a lookup under one salt finds another's n-gram only by a 64-bit collision.
+
 key() is a polynomial hash of the n tokens mod 2**64, computed for a whole output at once with numpy's
 wrapping int64 arithmetic (adding an output and evicting one: ~0.6 µs a token on the engine thread,
 against 1.6 µs with a tuple per n-gram and position; a lookup ~1 µs). A collision only makes a wrong
@@ -39,6 +43,11 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >> 63 else x
 
 
+def salt_key(cache_salt: str | None) -> int:
+    """What a salt XORs into every key: 0 for none, so unsalted keys are key_of's."""
+    return 0 if cache_salt is None else _signed(hash(("output-cache", cache_salt)))
+
+
 def key_of(tokens: Sequence[int]) -> int:
     """key() of one n-gram, the same int that _keys computes with numpy for every position."""
     h = 0
@@ -51,8 +60,8 @@ class OutputCache:
     def __init__(self, min_n: int, max_n: int, max_tokens: int) -> None:
         assert 1 <= min_n <= max_n and max_tokens >= 0
         self.min_n, self.max_n, self.max_tokens = min_n, max_n, max_tokens
-        # id → (first continuation start, lead-in + output tokens), oldest first
-        self._sequences: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
+        # id → (first continuation start, lead-in + output tokens, salt key), oldest first
+        self._sequences: OrderedDict[int, tuple[int, list[int], int]] = OrderedDict()
         self._index: dict[int, dict[int, int]] = {n: {} for n in range(min_n, max_n + 1)}
         self._powers = [_signed(_MULTIPLIER ** j) for j in range(max_n)]  # M**j mod 2**64
         self._next_id = 0
@@ -65,11 +74,12 @@ class OutputCache:
     def num_entries(self) -> int:
         return sum(len(table) for table in self._index.values())
 
-    def add(self, tokens: Sequence[int], lead_in: int = 0) -> None:
+    def add(self, tokens: Sequence[int], lead_in: int = 0, salt: int = 0) -> None:
         """Cache one finished output, `tokens` = its first `lead_in` tokens of context (the prompt's end,
         e.g. the chat template's assistant header, which every answer follows) and then the output:
         guesses only ever continue into the output part. The oldest outputs are evicted past max_tokens;
-        one longer than the whole budget keeps its last max_tokens tokens."""
+        one longer than the whole budget keeps its last max_tokens tokens. `salt`: salt_key() of the
+        request's cache salt; only match() calls with the same salt find it."""
         if len(tokens) > self.max_tokens:
             lead_in = max(0, lead_in - (len(tokens) - self.max_tokens))
             tokens = tokens[len(tokens) - self.max_tokens:]
@@ -78,23 +88,23 @@ class OutputCache:
         if first >= len(tokens):  # nothing would follow any of its n-grams
             return
         seq_id, self._next_id = self._next_id, self._next_id + 1
-        self._sequences[seq_id] = (first, tokens)
+        self._sequences[seq_id] = (first, tokens, salt)
         self.num_tokens += len(tokens)
-        for n, keys, entries in self._keys(seq_id, tokens, first):
+        for n, keys, entries in self._keys(seq_id, tokens, first, salt):
             self._index[n].update(zip(keys, entries, strict=True))
         while self.num_tokens > self.max_tokens:
             self._evict_oldest()
 
-    def match(self, context: Sequence[int]) -> tuple[int, int]:
-        """(n, entry) of the longest suffix of `context` (n in max_n..min_n) that some cached output had,
-        where entry names what followed its latest occurrence; (0, -1) when none did."""
+    def match(self, context: Sequence[int], salt: int = 0) -> tuple[int, int]:
+        """(n, entry) of the longest suffix of `context` (n in max_n..min_n) that some cached output of the
+        same salt had, where entry names what followed its latest occurrence; (0, -1) when none did."""
         end, top = len(context), min(self.max_n, len(context))
         keys, h = [0], 0
         for n in range(1, top + 1):  # key_of(suffix of n) = context[end - n] * M**(n - 1) + key_of(suffix of n - 1)
             h = _signed(context[end - n] * self._powers[n - 1] + h)
             keys.append(h)
         for n in range(top, self.min_n - 1, -1):
-            entry = self._index[n].get(keys[n])
+            entry = self._index[n].get(keys[n] ^ salt)
             if entry is not None:
                 return n, entry
         return 0, -1
@@ -113,7 +123,8 @@ class OutputCache:
             table.clear()
         self.num_tokens = 0
 
-    def _keys(self, seq_id: int, tokens: list[int], first: int) -> list[tuple[int, list[int], list[int]]]:
+    def _keys(self, seq_id: int, tokens: list[int], first: int,
+              salt: int) -> list[tuple[int, list[int], list[int]]]:
         """Per n, the keys of the n-grams ending just before each position i >= max(first, n) (where their
         continuation starts) and their entries. With K_0 = 0, K_n(i) = K_{n-1}(i - 1) * M + tokens[i - 1]
         is key_of(tokens[i - n:i]); numpy's int64 arithmetic wraps mod 2**64 as key_of does."""
@@ -127,14 +138,15 @@ class OutputCache:
             current[n:] = previous[n - 1:length - 1] * _MULTIPLIER + t[n - 1:length - 1]
             low = max(first, n)
             if n >= self.min_n and low < length:
-                out.append((n, current[low:].tolist(), list(range(base + low, base + length))))
+                keys = current[low:] ^ np.int64(salt) if salt else current[low:]
+                out.append((n, keys.tolist(), list(range(base + low, base + length))))
             previous = current
         return out
 
     def _evict_oldest(self) -> None:
-        seq_id, (first, tokens) = self._sequences.popitem(last=False)
+        seq_id, (first, tokens, salt) = self._sequences.popitem(last=False)
         self.num_tokens -= len(tokens)
-        for n, keys, entries in self._keys(seq_id, tokens, first):
+        for n, keys, entries in self._keys(seq_id, tokens, first, salt):
             table = self._index[n]
             for key, entry in zip(keys, entries, strict=True):
                 if table.get(key) == entry:

@@ -16,8 +16,9 @@ same length: the priors below come from the same measurement (2 tokens 0.4-1.0, 
 4 tokens 0.79-0.91 at position 1 across the three workloads).
 
 Isolation: proposals never change output (verification is exact), but as with a prefix cache, a
-request's speed tells something about what other requests produced; serve tenants that must not learn
-that from each other with --speculative ngram.
+request's speed tells something about what other requests produced. A request with a `cache_salt`
+only matches outputs of requests with the same salt (output_cache.py), as its prefix-cache blocks are
+only shared within its salt (block_hash.py): give each tenant its own secret salt.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Iterable
 from tokenmill.engine.request import PLACEHOLDER, Request
 from tokenmill.engine.spec.base import ProposalGate, register_proposer
 from tokenmill.engine.spec.ngram import NgramProposer
-from tokenmill.engine.spec.output_cache import OutputCache
+from tokenmill.engine.spec.output_cache import OutputCache, salt_key
 
 _CACHE_PRIORS = {2: 0.6, 3: 0.7}
 _LONG_CACHE_PRIOR = 0.85
@@ -69,7 +70,7 @@ class SuffixProposer(NgramProposer):
     def _choose(self, request: Request, own_n: int) -> int:
         """The bucket of the request's proposal now: -n where the cache's match is the longer, else the
         own match's length; the choice is kept for propose()."""
-        n, entry = self.cache.match(request.token_ids)
+        n, entry = self.cache.match(request.token_ids, salt_key(request.cache_salt))
         use_cache = n > own_n
         self._choices[request.request_id] = (len(request.token_ids), entry if use_cache else -1)
         return -n if use_cache else own_n
@@ -88,7 +89,8 @@ class SuffixProposer(NgramProposer):
         request = self._live.pop(request_id, None)
         if request is not None:
             lead_in = request.prompt_token_ids[-self.cache.max_n:]
-            self.cache.add([*lead_in, *(t for t in request.output_token_ids if t != PLACEHOLDER)], len(lead_in))
+            self.cache.add([*lead_in, *(t for t in request.output_token_ids if t != PLACEHOLDER)], len(lead_in),
+                           salt_key(request.cache_salt))
         self._choices.pop(request_id, None)
         super().forget(request_id)
 
