@@ -56,6 +56,10 @@ def test_routing_key_from_prompts_messages_and_session_headers() -> None:
     assert route_prefix(chat, {}, 100) == "system: be brief\nuser: hi\n"
     assert route_prefix(chat, {"x-session-id": "s1"}, 100) == "session:s1"
     assert route_prefix(None, {}, 100) is None and route_prefix({"n": 1}, {}, 100) is None
+    # a salted request reuses only its salt's blocks: the salt is part of where its prefix lives
+    assert route_prefix({"prompt": "abcdef", "cache_salt": "t1"}, {}, 3) == "salt:t1\nabc"
+    assert route_prefix({"prompt": "abcdef", "cache_salt": ""}, {}, 3) == "abc"  # the replica answers 400
+    assert route_prefix({"prompt": "abcdef", "cache_salt": "t1"}, {"x-session-id": "s1"}, 3) == "session:s1"
 
 
 def test_engine_load_is_read_from_the_replicas_metrics() -> None:

@@ -4,6 +4,10 @@ The prefix is the first `num_chars` characters of the prompt as the model would 
 (chat messages as role/content lines), so requests that share a system prompt and history land
 on the replica whose prefix cache already holds them. Characters, not tokens: the gateway has
 no tokenizer, and at ~4 characters a token 256 characters cover a few KV blocks.
+
+A body's `cache_salt` leads the prefix key: a salted request can only reuse blocks of its own salt
+(engine/block_hash.py), so each tenant's shared system prompt gets its own home replica instead of
+every tenant's piling onto one replica where none of them can use the others' blocks.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ def route_prefix(body: Any, headers: Mapping[str, str], num_chars: int) -> str |
     if not isinstance(body, dict):
         return None
     text = _prompt_text(body)
-    return text[:num_chars] if text else None
+    if not text:
+        return None
+    salt = body.get("cache_salt")
+    return f"salt:{salt}\n{text[:num_chars]}" if isinstance(salt, str) and salt else text[:num_chars]
 
 
 def _prompt_text(body: dict[str, Any]) -> str | None:
