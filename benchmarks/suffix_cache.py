@@ -14,6 +14,10 @@ mean accepted length, and whether the greedy tokens of all modes matched.
 are skipped) and adds ngram and suffix without the grammar's forced tokens (`ngram-nf`, `suffix-nf`),
 so the gain of proposing what the grammar forces is measured apart.
 
+--draft MODEL adds `suffix-draft` (the same lookups, and the draft model proposing where neither the
+request's own context nor the cache has a 3+ token match): the engine loads with it, and the `suffix`
+mode uses the hybrid's own lookup proposer (one cache, emptied before each run of either).
+
     flock /tmp/tokenmill-bench.lock python benchmarks/suffix_cache.py
 """
 
@@ -41,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=1, help="requests at once (a wave)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--schema", action="store_true", help="answers constrained to the workload's JSON schema")
+    p.add_argument("--draft", default=None, help="a draft model: adds the suffix-draft mode")
     p.add_argument("--tag", default="")
     return p.parse_args()
 
@@ -53,7 +58,8 @@ def run_workload(llm: Any, speculators: dict[str, Any], name: str, args: argpars
     messages = [prompt(i) for i in range(args.requests)]
     structured = StructuredOutputParams.json(SCHEMAS[name]) if args.schema else None
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=structured)
-    modes = (*BASE_MODES, "ngram-nf", "suffix-nf") if args.schema else BASE_MODES
+    modes = (*BASE_MODES, *(("suffix-draft",) if "suffix-draft" in speculators else ()),
+             *(("ngram-nf", "suffix-nf") if args.schema else ()))
     suffix = speculators["suffix"]
     grammar = suffix.grammar
     llm.core.speculator = None
@@ -113,23 +119,27 @@ def main() -> None:
     from tokenmill.engine.spec.ngram import NgramProposer
     from tokenmill.engine.spec.speculator import Speculator
 
-    llm = LLM(args.model, speculative="suffix", num_threads=args.threads, quantization=args.quantization,
-              max_num_seqs=max(64, args.concurrency))
-    suffix = llm.core.speculator
-    assert suffix is not None
-    ngram = Speculator(SpeculativeConfig("ngram"), NgramProposer(suffix.config.ngram_min, suffix.config.ngram_max),
-                       suffix.max_model_len)
-    ngram.grammar = suffix.grammar  # a grammar's forced tokens (--schema) go to both alike
-    speculators = {"ngram": ngram, "suffix": suffix}
+    llm = LLM(args.model, speculative="suffix-draft" if args.draft else "suffix", draft_model=args.draft,
+              num_threads=args.threads, quantization=args.quantization, max_num_seqs=max(64, args.concurrency))
+    loaded = llm.core.speculator
+    assert loaded is not None
+    suffix = Speculator(SpeculativeConfig("suffix"), loaded.proposer.lookup, loaded.max_model_len
+                        ) if args.draft else loaded
+    ngram = Speculator(SpeculativeConfig("ngram"), NgramProposer(loaded.config.ngram_min, loaded.config.ngram_max),
+                       loaded.max_model_len)
+    ngram.grammar = suffix.grammar = loaded.grammar  # a grammar's forced tokens (--schema) go to all alike
+    speculators = {"ngram": ngram, "suffix": suffix, **({"suffix-draft": loaded} if args.draft else {})}
     rows = [run_workload(llm, speculators, name, args) for name in args.workloads
             if not args.schema or name in SCHEMAS]
     common.print_table(
-        ["workload", "conc", "plain tok/s", "ngram", "suffix", "suffix/ngram", "ngram-nf", "suffix-nf", "accept",
-         "mean len", "same"],
+        ["workload", "conc", "plain tok/s", "ngram", "suffix", "suffix/ngram", "suffix-draft", "ngram-nf",
+         "suffix-nf", "accept", "mean len", "same"],
         [[r["workload"], r["concurrency"], r["plain_tok_s"], r["ngram"]["ratio"], r["suffix"]["ratio"],
-          r["suffix_over_ngram"], *(r[m]["ratio"] if m in r else "-" for m in ("ngram-nf", "suffix-nf")),
+          r["suffix_over_ngram"],
+          *(r[m]["ratio"] if m in r else "-" for m in ("suffix-draft", "ngram-nf", "suffix-nf")),
           r["suffix"]["acceptance_rate"], r["suffix"]["mean_accepted_length"], r["greedy_identical"]] for r in rows])
     name = f"{args.model}_c{args.concurrency}" + ("_schema" if args.schema else "")
+    name += f"_draft-{args.draft}" if args.draft else ""
     name += f"_{args.tag}" if args.tag else ""
     common.save_json("suffix_cache", name, {"args": vars(args), "results": rows})
 

@@ -196,14 +196,15 @@ class SchedulerConfig:
         _require(self.policy in ("fcfs", "priority"), "policy must be 'fcfs' or 'priority'")
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft", "ngram-draft")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft", "ngram-draft", "suffix-draft")
+DRAFT_METHODS = ("draft", "ngram-draft", "suffix-draft")  # the methods that load a draft model
 # ngram: 7 (was 5) since the Zen 5 duo tiles made an 8-row verification ~2.2x a decode: a copied span's
 # 8-token steps then beat 6-token ones, and the controller still picks k <= 7 by measured step times
 # (batch-1 code edits 1.83-1.88x against 1.74-1.84x with 5, equal at 32 requests; docs/speculative.md).
 # 15 (16-row verifications at ~3.2x a decode) measured the same as 7 on the three edits (1.009x, two
 # engines in one process, 5 rounds), and 11 0.966x: the spans' ends cost what their longer steps save.
-# suffix: as ngram (its guesses are lookups too, priced by the same controller).
-DEFAULT_SPECULATIVE_TOKENS = {"ngram": 7, "suffix": 7, "draft": 3, "ngram-draft": 5}
+# suffix: as ngram (its guesses are lookups too, priced by the same controller); suffix-draft as ngram-draft.
+DEFAULT_SPECULATIVE_TOKENS = {"ngram": 7, "suffix": 7, "draft": 3, "ngram-draft": 5, "suffix-draft": 5}
 
 
 # A draft's default weights: q4 blocks, the fewest bytes a draft forward streams. Measured on the Zen 3
@@ -217,8 +218,8 @@ class SpeculativeConfig:
     """Speculative decoding (engine/spec/). Off unless `method` is set."""
 
     # None: off; "ngram" (prompt lookup), "suffix" (prompt lookup and a cache of recent outputs:
-    # engine/spec/suffix.py), "draft" (a smaller model) or "ngram-draft" (lookup where the context
-    # repeats, the draft elsewhere: engine/spec/hybrid.py)
+    # engine/spec/suffix.py), "draft" (a smaller model), "ngram-draft" (lookup where the context
+    # repeats, the draft elsewhere: engine/spec/hybrid.py) or "suffix-draft" (the same with suffix's lookup)
     method: str | None = None
     # K: at most this many proposals per request per step (the controller picks k <= K each step).
     # 0 = the method's default: n-gram 5 (the controller gives rows only to likely proposals, and
@@ -265,7 +266,7 @@ class SpeculativeConfig:
             object.__setattr__(self, "num_speculative_tokens", DEFAULT_SPECULATIVE_TOKENS.get(self.method or "", 3))
         _require(1 <= self.num_speculative_tokens <= 32, "num_speculative_tokens must be in 1..32")
         _require(1 <= self.ngram_min <= self.ngram_max, "ngram_min and ngram_max must satisfy 1 <= min <= max")
-        _require(self.method not in ("draft", "ngram-draft") or bool(self.draft_model),
+        _require(self.method not in DRAFT_METHODS or bool(self.draft_model),
                  f"speculative method '{self.method}' needs a draft model: pass --draft-model NAME")
         _require(self.draft_quantization is None or self.draft_quantization in QUANTIZATIONS,
                  f"draft quantization '{self.draft_quantization}' is not supported: use {', '.join(QUANTIZATIONS)}")

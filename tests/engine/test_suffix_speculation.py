@@ -52,3 +52,17 @@ def test_no_block_leak_and_a_bounded_cache_after_random_requests_with_aborts() -
     assert 0 < proposer.cache.num_tokens <= 200
     assert core.stats().spec_cached_tokens == proposer.cache.num_tokens  # the metrics' gauge
     assert not proposer._live and not proposer._choices  # nothing kept of finished requests
+
+
+def test_suffix_draft_is_token_identical_and_guesses_from_earlier_outputs() -> None:
+    """`suffix-draft` with another random model as the draft (its guesses are mostly wrong): the tokens
+    are exactly plain decoding's, and a repeated prompt's answer comes from the cache, not the draft."""
+    core = spec_core(tiny_model("llama"), "suffix-draft", "qwen2", k=4)
+    outputs, drafts, _ = _run_counting(core, PROMPTS, PARAMS)
+    assert [tuple(o) for o in outputs] == list(plain("llama")) and drafts > 0
+    prompt = random_prompts([12], seed=77)[0]
+    first, _, first_accepted = _run_counting(core, [prompt], [greedy(24)])
+    second, _, accepted = _run_counting(core, [prompt], [greedy(24)])
+    assert second == first
+    assert first_accepted <= 4 and accepted >= 16
+    assert_all_free(core)

@@ -34,6 +34,7 @@ def test_flags_parse_on_generate_and_serve() -> None:
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"method": "draft"}, "needs a draft model"),
     ({"method": "ngram-draft"}, "'ngram-draft' needs a draft model"),
+    ({"method": "suffix-draft"}, "'suffix-draft' needs a draft model"),
     ({"method": "eagle"}, "not supported"),
     ({"method": "ngram", "num_speculative_tokens": -1}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 33}, "num_speculative_tokens"),
@@ -53,6 +54,7 @@ def test_the_default_k_is_the_methods() -> None:
     assert SpeculativeConfig("ngram-draft", draft_model="d").num_speculative_tokens == 5
     assert SpeculativeConfig("ngram", 2).num_speculative_tokens == 2
     assert SpeculativeConfig("suffix").num_speculative_tokens == 7
+    assert SpeculativeConfig("suffix-draft", draft_model="d").num_speculative_tokens == 5
 
 
 def test_draft_without_a_model_is_a_one_line_cli_error(capsys: pytest.CaptureFixture[str]) -> None:

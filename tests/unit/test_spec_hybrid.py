@@ -1,5 +1,6 @@
 """`--speculative ngram-draft`: a lookup where the context repeats (3+ tokens), the draft elsewhere;
-the lookups cost no draft forward in the plan and do not move the draft's kept rate."""
+the lookups cost no draft forward in the plan and do not move the draft's kept rate. `suffix-draft`:
+the same with the cache of recent outputs as a lookup too."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tokenmill.engine.spec.controller import SpecController
 from tokenmill.engine.spec.hybrid import LookupDraftProposer
 from tokenmill.engine.spec.ngram import NgramProposer
 from tokenmill.engine.spec.speculator import Speculator
+from tokenmill.engine.spec.suffix import SuffixProposer
 
 
 class _Draft(Proposer):
@@ -96,3 +98,24 @@ def test_the_draft_kept_rate_moves_only_with_the_drafts() -> None:
     assert other.spec_stats.recent_kept == pytest.approx(0.65)  # a draft got past the gate
     assert copying.spec_stats.recent_kept == 0.5  # untouched: a lookup passes no gate
     assert speculator.wants_target_confidence  # the draft's requests are revived from the target's confidence
+
+
+def test_suffix_draft_looks_up_earlier_outputs_and_drafts_the_rest() -> None:
+    """`suffix-draft`: a 3+ token match in the cache of finished outputs proposes what followed it there
+    (bucket -n, no draft forward); a request matching neither its own context nor the cache is drafted;
+    a finished request's output joins the cache (the gauge's count goes through the hybrid)."""
+    draft = _Draft()
+    hybrid = LookupDraftProposer(SuffixProposer(1, 4, 1000), draft)  # type: ignore[arg-type]
+    answered = _running("answered", [40, 41, 42])
+    answered.token_ids += [50, 51, 52, 53, 54, 55]  # its output
+    answered.prompt_token_ids = [40, 41, 42]
+    hybrid.buckets([answered])
+    hybrid.forget("answered")
+    assert hybrid.cached_tokens == 9
+    asking, fresh = _running("asking", [30, 31, 50, 51, 52]), _running("fresh", [60, 61, 62, 63])
+    assert hybrid.buckets([asking, fresh]) == [-3, None]
+    assert hybrid.propose([asking, fresh], [3, 2]) == [[53, 54, 55], [7, 7]]
+    assert draft.calls == [["fresh"]]
+    assert hybrid.catch_up_tokens([asking, fresh]) == [0, 12]
+    short = _running("short", [30, 31, 32, 51, 52])  # a 2-token cached match: the draft's, as with lookups
+    assert hybrid.buckets([short]) == [None]

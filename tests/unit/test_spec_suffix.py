@@ -142,14 +142,15 @@ def test_cache_buckets_have_their_own_priors() -> None:
 def test_the_vectorised_keys_are_the_ngrams_own_keys() -> None:
     """_keys computes every n-gram's key at once with wrapping int64 arithmetic; match() computes a
     context's one by one in Python: both must be key_of's, or a cached n-gram could never be found."""
-    from tokenmill.engine.spec.output_cache import key_of
+    from tokenmill.engine.spec.output_cache import key_of, salt_key
 
     rng = random.Random(3)
     tokens = [rng.randrange(200_000) for _ in range(40)]
     cache = OutputCache(1, 5, max_tokens=100)
-    for n, keys, entries in cache._keys(0, tokens, first=2):
-        assert keys == [key_of(tokens[e - n:e]) for e in entries]
-        assert entries[0] == max(2, n)
+    for salt in (0, salt_key("tenant")):  # a salted output's keys: key_of's XOR the salt's
+        for n, keys, entries in cache._keys(0, tokens, 2, salt):
+            assert keys == [key_of(tokens[e - n:e]) ^ salt for e in entries]
+            assert entries[0] == max(2, n)
     cache.add(tokens, lead_in=2)
     for end in range(6, 40):
         n, entry = cache.match([7, *tokens[end - 5:end]])

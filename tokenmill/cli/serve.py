@@ -54,7 +54,8 @@ def add_speculative_arguments(parser: Any) -> None:
     parser.add_argument("--speculative", default=None, choices=list(SPECULATIVE_METHODS),
                         help="speculative decoding: ngram = prompt lookup, suffix = prompt lookup and a cache of "
                              "recent outputs (agents, JSON, tool calls), draft = a smaller model (--draft-model), "
-                             "ngram-draft = lookup where the context repeats, the draft elsewhere")
+                             "ngram-draft = lookup where the context repeats, the draft elsewhere, suffix-draft = "
+                             "the same with suffix's lookup")
     parser.add_argument("--draft-model", default=None,
                         help="draft model sharing the target's tokenizer (catalog name or path)")
     parser.add_argument("--draft-quantization", default=None, choices=list(QUANTIZATIONS),
@@ -63,11 +64,12 @@ def add_speculative_arguments(parser: Any) -> None:
                         help="the draft's lm_head keeps only the first N token ids (the frequent ones in a BPE "
                              "vocabulary): a cheaper draft forward; default: the whole vocabulary")
     parser.add_argument("--num-speculative-tokens", type=int, default=0,
-                        help="most tokens proposed per request per step (default: ngram 7, draft 3, ngram-draft 5)")
+                        help="most tokens proposed per request per step (default: ngram and suffix 7, draft 3, "
+                             "ngram-draft and suffix-draft 5)")
     parser.add_argument("--ngram-min", type=int, default=1, help="shortest suffix the n-gram lookup matches")
     parser.add_argument("--ngram-max", type=int, default=4, help="longest suffix the n-gram lookup matches")
     parser.add_argument("--suffix-cache-tokens", type=int, default=65536,
-                        help="suffix: output tokens of recent requests the lookup cache keeps")
+                        help="suffix, suffix-draft: output tokens of recent requests the lookup cache keeps")
 
 
 def speculative_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -9,6 +9,11 @@ is the match length, learned as the n-gram proposer's); otherwise the draft prop
 κ·α, its confidence gate). The controller prices draft forwards by the longest *draft* proposal only
 (controller._allocate), and a request that took lookups falls behind in the draft's KV: when the
 draft next proposes for it, it catches up in one prefill-like forward, priced as before.
+
+`--speculative suffix-draft` is the same with suffix.py's lookup: a match in the cache of recent outputs
+(bucket -n) counts as a lookup too, so an agent's JSON keys and tool-call envelopes are guessed from
+earlier answers and only the rest costs draft forwards. The proposer's `propose` then honours the choice
+its `buckets` made (own context or cache) for the requests that look up.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class LookupDraftProposer(Proposer):
     takes_gate = True  # the draft's guesses go through the gate; lookups ignore it
 
     def __init__(self, lookup: NgramProposer, draft: DraftModelProposer, min_match: int = LOOKUP_MIN_MATCH) -> None:
+        """`lookup`: an NgramProposer or a SuffixProposer (buckets -n for its cache's matches)."""
         self.lookup = lookup
         self.draft = draft
         self.min_match = min_match
@@ -39,7 +45,7 @@ class LookupDraftProposer(Proposer):
         out: list[int | None] = []
         self._by_lookup.clear()
         for request, n in zip(requests, self.lookup.buckets(requests), strict=True):
-            if n is not None and n >= self.min_match:
+            if n is not None and abs(n) >= self.min_match:
                 self._by_lookup.add(request.request_id)
                 out.append(n)
             else:
@@ -49,14 +55,16 @@ class LookupDraftProposer(Proposer):
     def propose(self, requests: list[Request], num_tokens: list[int],
                 gate: ProposalGate | None = None) -> list[list[int]]:
         drafted = [(r, k) for r, k in zip(requests, num_tokens, strict=True) if r.request_id not in self._by_lookup]
+        looked = [(r, k) for r, k in zip(requests, num_tokens, strict=True) if r.request_id in self._by_lookup]
         out = dict(zip((r.request_id for r, _ in drafted),
                        self.draft.propose([r for r, _ in drafted], [k for _, k in drafted], gate), strict=True)
                    ) if drafted else {}
+        out.update(zip((r.request_id for r, _ in looked),
+                       self.lookup.propose([r for r, _ in looked], [k for _, k in looked]), strict=True))
         self.last_decode_forward_s = self.draft.last_decode_forward_s if drafted else ()
         self.last_catch_ups = self.draft.last_catch_ups if drafted else ()
         self.last_draft_probs = self.draft.last_draft_probs if drafted else {}  # lookups are point masses
-        return [out[r.request_id] if r.request_id in out else self.lookup.propose_one(r.request_id, r.token_ids, k)
-                for r, k in zip(requests, num_tokens, strict=True)]
+        return [out[r.request_id] for r in requests]
 
     def catch_up_tokens(self, requests: list[Request]) -> list[int]:
         # A lookup needs no catch-up now; the draft's gap is paid when the draft next proposes.
@@ -65,6 +73,10 @@ class LookupDraftProposer(Proposer):
 
     def bucket_prior(self, bucket: int) -> float | None:
         return self.lookup.bucket_prior(bucket)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.lookup.cached_tokens
 
     def forget(self, request_id: str) -> None:
         self.lookup.forget(request_id)

@@ -13,7 +13,7 @@ from tokenmill.config import ModelConfig, SpeculativeConfig
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.spec import draft as _draft  # noqa: F401 - registers "draft"
-from tokenmill.engine.spec import hybrid as _hybrid  # noqa: F401 - registers "ngram-draft"
+from tokenmill.engine.spec import hybrid as _hybrid  # noqa: F401 - registers "ngram-draft" (+ suffix-draft)
 from tokenmill.engine.spec import ngram as _ngram  # noqa: F401 - registers "ngram"
 from tokenmill.engine.spec import suffix as _suffix  # noqa: F401 - registers "suffix"
 from tokenmill.engine.spec.base import PROPOSERS, Proposer
@@ -196,13 +196,8 @@ def build_speculator(config: SpeculativeConfig, model_config: ModelConfig, targe
     if config.method is None:
         return None
     proposer: Proposer
-    if config.method == "ngram":
-        proposer = PROPOSERS["ngram"](config.ngram_min, config.ngram_max)  # type: ignore[call-arg]
-        return Speculator(config, proposer, max_model_len)
-    if config.method == "suffix":
-        proposer = PROPOSERS["suffix"](config.ngram_min, config.ngram_max,  # type: ignore[call-arg]
-                                       config.suffix_cache_tokens)
-        return Speculator(config, proposer, max_model_len)
+    if config.method in ("ngram", "suffix"):
+        return Speculator(config, _lookup_proposer(config, config.method), max_model_len)
     arch, tensors = draft if draft is not None else load_draft(config)
     if arch.vocab_size != target_arch.vocab_size:
         raise TokenmillError(f"draft model '{config.draft_model}' has a vocabulary of {arch.vocab_size} "
@@ -216,10 +211,16 @@ def build_speculator(config: SpeculativeConfig, model_config: ModelConfig, targe
         runner.model.lm_head = runner.model.lm_head.first_rows(config.draft_vocab)
     proposer = PROPOSERS["draft"](runner, num_blocks, block_size, max_model_len,  # type: ignore[call-arg]
                                   enable_prefix_caching=enable_prefix_caching, sample=config.draft_sampling)
-    if config.method == "ngram-draft":  # lookup where the context repeats, the draft elsewhere (spec/hybrid.py)
-        lookup = PROPOSERS["ngram"](config.ngram_min, config.ngram_max)  # type: ignore[call-arg]
+    if config.method in ("ngram-draft", "suffix-draft"):  # lookup where it finds a match, the draft elsewhere
+        lookup = _lookup_proposer(config, "ngram" if config.method == "ngram-draft" else "suffix")
         proposer = PROPOSERS["ngram-draft"](lookup, proposer)  # type: ignore[call-arg]
     return Speculator(config, proposer, max_model_len)
+
+
+def _lookup_proposer(config: SpeculativeConfig, method: str) -> Proposer:
+    """Prompt lookup alone ("ngram") or with the cache of recent outputs ("suffix")."""
+    cache = (config.suffix_cache_tokens,) if method == "suffix" else ()
+    return PROPOSERS[method](config.ngram_min, config.ngram_max, *cache)  # type: ignore[call-arg]
 
 
 def load_draft(config: SpeculativeConfig) -> DraftWeights:
