@@ -326,6 +326,9 @@ class EngineConfig:
 _LOG_REQUEST_MODES = ("off", "meta", "ids", "ids+text")
 
 
+CACHE_ISOLATIONS = ("shared", "api-key")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise: the API has no auth by default
@@ -348,9 +351,18 @@ class ServerConfig:
     # it; first token and finish at once): a batch job wants throughput, and a hundred of its streams
     # writing a chunk every step take the cores from the engine thread. 0: a chunk a step.
     batch_stream_interval_s: float = 0.25
+    # "shared": requests share cached prefix blocks (and suffix-speculation outputs) unless their bodies
+    # name different `cache_salt`s; "api-key": each API key is its own cache namespace too (its requests'
+    # salt is the key's, plus the body's), so tenants with different keys cannot learn from a cache hit's
+    # latency what another sent, whatever their clients send. Needs api_key or api_key_classes.
+    cache_isolation: str = "shared"
 
     def __post_init__(self) -> None:
         _require(0.0 <= self.interactive_queue_reserve < 1.0, "interactive_queue_reserve must be in [0, 1)")
+        _require(self.cache_isolation in CACHE_ISOLATIONS,
+                 f"cache_isolation must be one of {', '.join(CACHE_ISOLATIONS)}")
+        _require(self.cache_isolation != "api-key" or self.api_key is not None or bool(self.api_key_classes),
+                 "cache isolation by API key needs API keys: pass --api-key or --api-key-class")
         _require(self.batch_stream_interval_s >= 0, "batch_stream_interval_s must be >= 0")
         _require(all(key for key, _ in self.api_key_classes), "api keys must not be empty")
         for _, name in self.api_key_classes:

@@ -16,6 +16,8 @@ API_KEY_ENV = "TOKENMILL_API_KEY"
 
 
 def add_serve_parser(subparsers: Any) -> None:
+    from tokenmill.config import CACHE_ISOLATIONS
+
     parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                         help=f"catalog name, .gguf file or Hugging Face directory (default {DEFAULT_MODEL})")
@@ -23,6 +25,9 @@ def add_serve_parser(subparsers: Any) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="the `model` clients send (default: its name)")
     parser.add_argument("--api-key", default=None, help=f"require this bearer token on /v1/* (or set {API_KEY_ENV})")
+    parser.add_argument("--cache-isolation", default="shared", choices=list(CACHE_ISOLATIONS),
+                        help="api-key: each API key (--api-key, --api-key-class) gets its own prefix cache and "
+                             "suffix-speculation outputs, as if its requests all sent their own cache_salt")
     _add_engine_arguments(parser)
     _add_server_arguments(parser)
     add_service_class_arguments(parser)
@@ -177,6 +182,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, max_queue_requests=args.max_queue_requests,
         max_queue_tokens=args.max_queue_tokens, drain_timeout_s=args.drain_timeout, log_requests=args.log_requests,
         interactive_queue_reserve=args.interactive_queue_reserve, api_key_classes=api_key_classes(args),
+        cache_isolation=args.cache_isolation,
         batch_stream_interval_s=args.batch_stream_interval,
     )
     return run_server(engine_config, server_config)

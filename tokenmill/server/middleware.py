@@ -23,6 +23,7 @@ from tokenmill.server.errors import error_body
 
 _REQUEST_ID_HEADER = "x-request-id"
 API_KEY_CLASS_STATE = "api_key_service_class"  # request.state attribute: the matched key's default class
+API_KEY_ID_STATE = "api_key_id"  # request.state attribute: which accepted key matched ("api-key-<i>"), never the key
 # Ids go into logs and response headers: printable ASCII only, bounded, so nothing can be injected.
 _SAFE_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
@@ -58,16 +59,19 @@ class ApiKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_keys: dict[str, ServiceClass | None]) -> None:
         self.app = app
-        self._expected = [(f"Bearer {key}".encode(), service_class) for key, service_class in api_keys.items()]
+        self._expected = [(f"Bearer {key}".encode(), service_class, f"api-key-{i}")
+                          for i, (key, service_class) in enumerate(api_keys.items())]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        matched, service_class = self._match(scope)
-        if matched:
+        key_id, service_class = self._match(scope)
+        if key_id is not None:
+            state = scope.setdefault("state", {})
+            state[API_KEY_ID_STATE] = key_id
             if service_class is not None:
-                scope.setdefault("state", {})[API_KEY_CLASS_STATE] = service_class
+                state[API_KEY_CLASS_STATE] = service_class
             await self.app(scope, receive, send)
             return
         body = error_body(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
@@ -75,11 +79,12 @@ class ApiKeyMiddleware:
         response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
-    def _match(self, scope: Scope) -> tuple[bool, ServiceClass | None]:
+    def _match(self, scope: Scope) -> tuple[str | None, ServiceClass | None]:
+        """(the matched key's id, its class); (None, None) when no key matched."""
         given = Headers(scope=scope).get("authorization", "").encode()
-        found: tuple[bool, ServiceClass | None] = (False, None)
-        for expected, service_class in self._expected:
+        found: tuple[str | None, ServiceClass | None] = (None, None)
+        for expected, service_class, key_id in self._expected:
             # Constant time per key, and every key compared: no timing oracle on which key matched.
-            if hmac.compare_digest(given, expected) and not found[0]:
-                found = (True, service_class)
+            if hmac.compare_digest(given, expected) and found[0] is None:
+                found = (key_id, service_class)
         return found

@@ -20,7 +20,7 @@ from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens
 from tokenmill.server.logprob_format import chat_logprobs
 from tokenmill.server.openai_inputs import chat_inputs
 from tokenmill.server.openai_tools import ToolPlan, ToolStream, parse_tool_calls, tool_calls_out
-from tokenmill.server.pipeline import collect, get_state, now_s, service_class_for, start_run
+from tokenmill.server.pipeline import cache_salt_for, collect, get_state, now_s, service_class_for, start_run
 from tokenmill.server.protocol import (
     ChatChoice,
     ChatChunk,
@@ -45,7 +45,9 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     state = get_state(request)
     state.check_model(body.model)
     engine = state.require_engine()
-    inputs = chat_inputs(body, engine.tokenizer, engine.limits, engine.structured)
+    salt = cache_salt_for(request, body, state.config.cache_isolation)
+    inputs = chat_inputs(body.model_copy(update={"cache_salt": salt}), engine.tokenizer, engine.limits,
+                         engine.structured)
     (prompt,) = inputs.prompts
     texts = state.require_texts()
     # Nothing may fail after admission: start_run takes a ticket that only the run gives back.

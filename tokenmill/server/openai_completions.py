@@ -19,7 +19,7 @@ from tokenmill.engine.service_class import ServiceClass
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens
 from tokenmill.server.logprob_format import completion_logprobs
 from tokenmill.server.openai_inputs import completion_inputs
-from tokenmill.server.pipeline import collect, get_state, now_s, service_class_for, start_run
+from tokenmill.server.pipeline import cache_salt_for, collect, get_state, now_s, service_class_for, start_run
 from tokenmill.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from tokenmill.server.sse import sse_response
 from tokenmill.server.state import TokenTexts
@@ -33,7 +33,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = get_state(request)
     state.check_model(body.model)
     engine = state.require_engine()
-    inputs = completion_inputs(body, engine.tokenizer, engine.limits, engine.structured)
+    salt = cache_salt_for(request, body, state.config.cache_isolation)
+    inputs = completion_inputs(body.model_copy(update={"cache_salt": salt}), engine.tokenizer, engine.limits,
+                               engine.structured)
     texts = state.require_texts()
     # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
     service_class = service_class_for(request, body, ServiceClass.STANDARD)

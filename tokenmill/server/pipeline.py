@@ -19,7 +19,7 @@ from tokenmill.engine.service_class import ServiceClass, parse_service_tier
 from tokenmill.errors import RequestValidationError, TokenmillError
 from tokenmill.server.errors import ApiError, bad_request
 from tokenmill.server.fanout import ChoiceUpdate, GenerationRun
-from tokenmill.server.middleware import API_KEY_CLASS_STATE
+from tokenmill.server.middleware import API_KEY_CLASS_STATE, API_KEY_ID_STATE
 from tokenmill.server.openai_inputs import requested_service_class
 from tokenmill.server.protocol import GenerationRequest
 from tokenmill.server.state import ServerState
@@ -72,6 +72,16 @@ def service_class_for(request: Request, body: GenerationRequest, default: Servic
             raise bad_request(f"header {SERVICE_TIER_HEADER}: {exc}") from exc
     key_class = getattr(request.state, API_KEY_CLASS_STATE, None)
     return key_class if isinstance(key_class, ServiceClass) else default
+
+
+def cache_salt_for(request: Request, body: GenerationRequest, isolation: str) -> str | None:
+    """The salt the request's cached state is shared under: the body's `cache_salt`, led by the API key's
+    id when the server isolates caches by key (ServerConfig.cache_isolation)."""
+    if isolation != "api-key":
+        return body.cache_salt
+    key_id = getattr(request.state, API_KEY_ID_STATE, None)
+    assert isinstance(key_id, str), "cache isolation by API key runs only behind ApiKeyMiddleware"
+    return key_id if body.cache_salt is None else f"{key_id}/{body.cache_salt}"
 
 
 def start_run(state: ServerState, request: Request, children: list[ChildRequest], prefix: str,
