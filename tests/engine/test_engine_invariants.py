@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -305,9 +305,10 @@ def _random_params(rng: random.Random) -> SamplingParams:
 
 
 def run_random_requests_with_aborts(core: EngineCore, rng: random.Random, total: int,
-                                    make_params: Callable[[random.Random], SamplingParams]) -> tuple[int, int]:
-    """`total` random requests (some sharing prefixes, 20 live at once, 15% of steps abort one), the pool
-    checked after every step; (aborted, finished)."""
+                                    make_params: Callable[[random.Random], SamplingParams],
+                                    salts: Sequence[str | None] = (None,)) -> tuple[int, int]:
+    """`total` random requests (some sharing prefixes, 20 live at once, 15% of steps abort one, each under
+    one of `salts`), the pool checked after every step; (aborted, finished)."""
     prefixes = random_prompts([8, 12, 20], seed=17)
     num_added = num_aborted = num_finished = 0
     live: set[str] = set()
@@ -317,7 +318,9 @@ def run_random_requests_with_aborts(core: EngineCore, rng: random.Random, total:
             prefix = rng.choice([[], *prefixes])
             prompt = (prefix + [rng.randint(0, 299) for _ in range(length)])[:max(1, length)]
             rid = f"r{num_added}"
-            core.add_request(rid, prompt, make_params(rng), (rng.randint(0, 299),), priority=rng.randint(0, 2))
+            salt = rng.choice(salts) if len(salts) > 1 else salts[0]
+            core.add_request(rid, prompt, make_params(rng), (rng.randint(0, 299),), priority=rng.randint(0, 2),
+                             cache_salt=salt)
             live.add(rid)
             num_added += 1
         if live and rng.random() < 0.15:

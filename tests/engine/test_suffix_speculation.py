@@ -46,7 +46,8 @@ def test_no_block_leak_and_a_bounded_cache_after_random_requests_with_aborts() -
     assert isinstance(proposer, SuffixProposer)
     proposer.cache.max_tokens = 200
     aborted, finished = run_random_requests_with_aborts(core, random.Random(9), 400,
-                                                        lambda rng: greedy(rng.randrange(1, 20)))
+                                                        lambda rng: greedy(rng.randrange(1, 20)),
+                                                        salts=(None, "tenant-a", "tenant-b"))
     assert aborted > 20 and finished > 300
     assert_all_free(core)
     assert 0 < proposer.cache.num_tokens <= 200
@@ -66,3 +67,15 @@ def test_suffix_draft_is_token_identical_and_guesses_from_earlier_outputs() -> N
     assert second == first
     assert first_accepted <= 4 and accepted >= 16
     assert_all_free(core)
+
+
+def test_suffix_draft_leaks_no_block_of_either_pool_after_random_requests_with_aborts() -> None:
+    core = spec_core(tiny_model("llama"), "suffix-draft", "qwen2", num_blocks=48, adaptive=True)
+    aborted, finished = run_random_requests_with_aborts(core, random.Random(4), 300,
+                                                        lambda rng: greedy(rng.randrange(1, 20)),
+                                                        salts=(None, "tenant-a"))
+    assert aborted > 20 and finished > 200
+    assert_all_free(core)
+    assert core.speculator is not None
+    draft = core.speculator.proposer.draft  # type: ignore[attr-defined]
+    assert draft.kv.block_tables == {} and draft.kv.pool.num_free == draft.kv.num_blocks
