@@ -48,3 +48,6 @@ def test_the_request_log_line_carries_the_mean_accepted_length() -> None:
 
     assert fields(spec)["spec_mean_accepted_length"] == 2.5  # 1 + 6 / 4
     assert "spec_mean_accepted_length" not in fields(None)
+    assert "accepted_prediction_tokens" not in fields(spec)  # no prediction
+    spec.num_prediction_accepted, spec.num_prediction_rejected = 5, 1
+    assert (fields(spec)["accepted_prediction_tokens"], fields(spec)["rejected_prediction_tokens"]) == (5, 1)

@@ -105,3 +105,42 @@ def test_suffix_guesses_a_second_request_from_the_first_ones_answer(
 def _metric(server: LiveServer, name: str) -> float:
     metrics = httpx.get(f"{server.url}/metrics").text
     return float(next(line for line in metrics.splitlines() if line.startswith(name)).split()[-1])
+
+
+def test_predicted_outputs_are_taken_and_counted(spec_live: LiveServer, client: openai.OpenAI) -> None:
+    """OpenAI's `prediction` through the official client: the answer is the plain server's, and
+    usage.completion_tokens_details counts the prediction tokens it took; a server without speculation
+    answers the same and takes none."""
+    spec_client = spec_live.client()
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "zq vx wy"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0.0)
+    answer = plain.choices[0].message.content or ""
+    assert plain.usage is not None and plain.usage.completion_tokens_details is None  # no prediction sent
+    predicted = spec_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0.0,
+                                                    prediction={"type": "content", "content": answer})
+    assert predicted.choices[0].message.content == answer
+    details = predicted.usage.completion_tokens_details if predicted.usage is not None else None
+    assert details is not None and (details.accepted_prediction_tokens or 0) >= 12
+    unused = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0.0,
+                                            prediction={"type": "content", "content": [{"type": "text",
+                                                                                         "text": answer}]})
+    assert unused.choices[0].message.content == answer
+    assert unused.usage is not None and unused.usage.completion_tokens_details is not None
+    assert unused.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    stream = spec_client.completions.create(model=MODEL, prompt="zq vx wy", max_tokens=16, temperature=0.0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"prediction": {"type": "content", "content": "vx wy zq"}})
+    usage = [c.usage for c in stream if c.usage is not None][-1]
+    assert usage.completion_tokens_details is not None  # counted on streams too
+
+
+@pytest.mark.parametrize(("prediction", "message"), [
+    ({"type": "image", "content": "x"}, "prediction.type: Input should be 'content'"),
+    ({"type": "content", "content": [{"type": "image_url"}]}, "prediction content parts must be text parts"),
+])
+def test_bad_predictions_are_400(spec_live: LiveServer, prediction: object, message: str) -> None:
+    response = httpx.post(f"{spec_live.url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "prediction": prediction})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["message"] == message and error["param"] == "prediction"

@@ -42,6 +42,7 @@ class RequestLimits:
         self.check_token_ids(prompt_token_ids, "prompt")
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         self.check_token_ids(list(params.logit_bias or ()), "logit_bias")
+        self.check_token_ids(params.prediction or [], "prediction")
 
     def resolve_max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
         """The output budget, as the OpenAI API defines it: as asked if prompt + it fits the

@@ -33,12 +33,16 @@ class RequestMetrics:
     finished: float | None
     num_cached_tokens: int = 0
     spec_mean_accepted_length: float | None = None  # tokens per verified draft; None without speculation
+    accepted_prediction_tokens: int = 0  # tokens of SamplingParams.prediction the output took
+    rejected_prediction_tokens: int = 0  # tokens of it verification scored and refused
 
     @classmethod
     def from_times(cls, t: RequestTimes, num_cached_tokens: int,
                    spec: SpecRequestStats | None = None) -> RequestMetrics:
+        if spec is None:
+            return cls(t.arrival, t.first_scheduled, t.first_token, t.finished, num_cached_tokens)
         return cls(t.arrival, t.first_scheduled, t.first_token, t.finished, num_cached_tokens,
-                   None if spec is None else spec.mean_accepted_length)
+                   spec.mean_accepted_length, spec.num_prediction_accepted, spec.num_prediction_rejected)
 
     @property
     def queue_s(self) -> float | None:

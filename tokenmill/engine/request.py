@@ -59,6 +59,9 @@ class SamplingParams:
     structured: StructuredOutputParams | None = None  # a grammar the output must match (engine/structured)
     logit_bias: dict[int, float] | None = None  # added to the token's logit before sampling (OpenAI: -100..100;
     # -100 bans a token, +100 all but forces it); logprobs stay those of the raw model, as with penalties
+    # Predicted outputs (OpenAI's `prediction`): tokens the output is expected to contain, proposed to the
+    # speculator (engine/spec/prediction.py) when speculation is on; never changes the output
+    prediction: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -122,6 +125,9 @@ class SpecRequestStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Of those, the ones a prediction (SamplingParams.prediction) proposed: accepted, and scored but rejected
+    num_prediction_accepted: int = 0
+    num_prediction_rejected: int = 0
     recent_acceptance: float = 1.0  # moving average of accepted / proposed per draft (the controller's input)
 
     # Moving average of whether a drafting attempt kept any guess (a draft gate may drop the first):
@@ -172,6 +178,7 @@ class Request:
     # The distributions the proposer drew spec_token_ids from, [k, vocab] (a draft sampling for a sampled
     # request); None: point masses (a lookup, a greedy draft). Consumed with spec_token_ids.
     spec_draft_probs: torch.Tensor | None = None
+    spec_from_prediction: bool = False  # spec_token_ids came from the request's prediction
     spec_stats: SpecRequestStats = field(default_factory=lambda: SpecRequestStats())
     times: RequestTimes = field(init=False)
 

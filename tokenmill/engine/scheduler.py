@@ -324,6 +324,9 @@ class Scheduler(ClassScheduling):
         stats.num_draft_tokens += num_proposed
         stats.num_accepted_tokens += num_accepted
         stats.note_acceptance(num_accepted / num_proposed)
+        if request.spec_from_prediction:
+            stats.num_prediction_accepted += num_accepted
+            stats.num_prediction_rejected += num_proposed - num_accepted
         step.num_drafts += 1
         step.num_draft_tokens += num_proposed
         step.num_accepted_tokens += num_accepted

@@ -52,6 +52,16 @@ def cached_prompt_tokens(updates: Iterable[ChoiceUpdate]) -> int:
     return sum(best.values())
 
 
+def prediction_tokens(updates: Iterable[ChoiceUpdate]) -> tuple[int, int] | None:
+    """(accepted, rejected) prediction tokens over the choices (usage.completion_tokens_details), summed;
+    None when the request sent no prediction."""
+    done = [u for u in updates if u.metrics is not None]
+    if not any(u.child.params.prediction for u in done):
+        return None
+    return (sum(u.metrics.accepted_prediction_tokens for u in done if u.metrics is not None),
+            sum(u.metrics.rejected_prediction_tokens for u in done if u.metrics is not None))
+
+
 @dataclass(slots=True)
 class _Failure:
     child: ChildRequest

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.engine.service_class import ServiceClass
-from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens
+from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_tokens
 from tokenmill.server.logprob_format import completion_logprobs
 from tokenmill.server.openai_inputs import completion_inputs
 from tokenmill.server.pipeline import cache_salt_for, collect, get_state, now_s, service_class_for, start_run
@@ -48,7 +48,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     choices = [_choice(ctx, last[i], last[i].output.text, last[i].output.token_ids, last[i].output.logprobs)
                for i in sorted(last)]
     usage = Usage.of(ctx.num_prompt_tokens, sum(len(u.output.token_ids) for u in last.values()),
-                     cached_prompt_tokens(last.values()))
+                     cached_prompt_tokens(last.values()), prediction_tokens(last.values()))
     response = CompletionResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage,
                                   tokenmill=Timings.of(last.values()).extension(), service_tier=ctx.service_tier)
     return JSONResponse(response.model_dump(mode="json"))
@@ -125,7 +125,7 @@ class _CompletionChunks:
         if not self.ctx.body.include_usage:
             return []
         usage = Usage.of(self.ctx.num_prompt_tokens, sum(self.num_sent_tokens.values()),
-                         cached_prompt_tokens(self.finished))
+                         cached_prompt_tokens(self.finished), prediction_tokens(self.finished))
         return [self._chunk([], usage).model_copy(update={"tokenmill": self.timings.extension()})]
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:

@@ -50,12 +50,14 @@ def completion_inputs(body: CompletionRequest, tokenizer: Tokenizer, limits: Req
         prompts = [EncodedPrompt(p.text, [*bos, *fim.frame(p.token_ids, suffix)]) for p in prompts]
         stops = list(fim.stops)
     prompts = [replace(p, cache_salt=body.cache_salt) for p in prompts]
+    prediction = prediction_tokens(body, tokenizer, limits)
     children: list[ChildRequest] = []
     prompt_logprobs = body.logprobs if body.echo else None
     for i, prompt in enumerate(prompts):
         max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_tokens)
         params = sampling_params(body, limits, max_tokens, body.logprobs, prompt_logprobs)
-        params = replace(params, structured=structured, stop_token_ids=[*params.stop_token_ids, *stops])
+        params = replace(params, structured=structured, stop_token_ids=[*params.stop_token_ids, *stops],
+                         prediction=prediction)
         children.extend(fan_out(i, prompt, params))
     return EngineInputs(prompts, children)
 
@@ -89,7 +91,8 @@ def chat_inputs(body: ChatRequest, tokenizer: Tokenizer, limits: RequestLimits,
                      cache_salt=body.cache_salt)
     max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_output_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = replace(sampling_params(body, limits, max_tokens, logprobs, None), structured=structured)
+    params = replace(sampling_params(body, limits, max_tokens, logprobs, None), structured=structured,
+                     prediction=prediction_tokens(body, tokenizer, limits))
     return EngineInputs([prompt], fan_out(0, prompt, params), plan)
 
 
@@ -168,6 +171,19 @@ def encode_text(tokenizer: Tokenizer, text: str, param: str, add_special_tokens:
         raise RequestValidationError(f"{param} is not valid UTF-8 text: {exc.reason} at position {exc.start}",
                                      param) from exc
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def prediction_tokens(body: GenerationRequest, tokenizer: Tokenizer, limits: RequestLimits) -> list[int] | None:
+    """The body's `prediction` (Predicted Outputs) as the model's tokens, cut to what a context can hold."""
+    if body.prediction is None:
+        return None
+    content = body.prediction.content
+    if not isinstance(content, str):
+        if any(part.type != "text" or part.text is None for part in content):
+            raise RequestValidationError("prediction content parts must be text parts", "prediction")
+        content = "".join(part.text or "" for part in content)
+    tokens = encode_text(tokenizer, content, "prediction", add_special_tokens=False)[:limits.max_model_len]
+    return tokens or None
 
 
 def completion_prompts(tokenizer: Tokenizer, limits: RequestLimits, prompt: str | list[Any],

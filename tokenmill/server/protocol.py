@@ -105,6 +105,8 @@ class GenerationRequest(_Body):
     # vLLM's prefix-cache salt: requests share cached blocks (and --speculative suffix's outputs) only with
     # requests of the same salt; a per-tenant secret keeps one tenant's timing from revealing another's prompts
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # Predicted outputs: proposals for speculative decoding where the server runs one (--speculative)
+    prediction: Prediction | None = None
     logit_bias: dict[str, float] | None = None
     # Structured outputs (engine/structured): OpenAI's response_format, or vLLM's extra fields.
     response_format: ResponseFormat | None = None
@@ -139,6 +141,13 @@ class ContentPart(_Body):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
     type: str
     text: str | None = None
+
+
+class Prediction(_Body):
+    """OpenAI's Predicted Outputs: text the answer is expected to contain (engine/spec/prediction.py)."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
 
 
 class ChatMessage(_Body):
@@ -195,17 +204,29 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    """Predicted outputs' counts: prediction tokens the answer took, and those verification refused."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails | None = None  # only for requests with a prediction
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+           prediction: tuple[int, int] | None = None) -> Usage:
+        details = None if prediction is None else CompletionTokensDetails(
+            accepted_prediction_tokens=prediction[0], rejected_prediction_tokens=prediction[1])
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+                   completion_tokens_details=details)
 
 
 class PhaseTimes(BaseModel):

@@ -62,6 +62,9 @@ def request_fields(output: RequestOutput, *, request_id: str, model: str, mode: 
         fields.update(_timings(output.metrics, received))
         if output.metrics.spec_mean_accepted_length is not None:
             fields["spec_mean_accepted_length"] = round(output.metrics.spec_mean_accepted_length, 3)
+        if output.metrics.accepted_prediction_tokens or output.metrics.rejected_prediction_tokens:
+            fields["accepted_prediction_tokens"] = output.metrics.accepted_prediction_tokens
+            fields["rejected_prediction_tokens"] = output.metrics.rejected_prediction_tokens
     if mode in ("ids", "ids+text"):
         fields["prompt_token_ids"] = output.prompt_token_ids
     if mode == "ids+text":

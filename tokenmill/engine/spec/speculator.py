@@ -18,6 +18,7 @@ from tokenmill.engine.spec import ngram as _ngram  # noqa: F401 - registers "ngr
 from tokenmill.engine.spec import suffix as _suffix  # noqa: F401 - registers "suffix"
 from tokenmill.engine.spec.base import PROPOSERS, Proposer
 from tokenmill.engine.spec.controller import SpecController
+from tokenmill.engine.spec.prediction import Predictions
 from tokenmill.errors import TokenmillError
 from tokenmill.models.arch import ArchConfig
 
@@ -25,6 +26,10 @@ from tokenmill.models.arch import ArchConfig
 # picks another tokenization of the same bytes, so its prior is near 1.
 FORCED_BUCKET = 1 << 20
 FORCED_PRIOR = 0.98
+# The bucket of a proposal from the request's own prediction (predicted outputs, spec/prediction.py): the
+# caller's expected answer, mostly copied where it is right, so its prior is high; its rate is learned.
+PREDICTION_BUCKET = FORCED_BUCKET + 1
+PREDICTION_PRIOR = 0.9
 
 
 class GrammarView(Protocol):
@@ -50,27 +55,37 @@ class Speculator:
         # Where a request's grammar forces its next tokens, they are its proposal, whatever the method
         # (SGLang's jump-forward, verified like any guess); the engine core sets it. None: never.
         self.grammar: GrammarView | None = None
+        # Elsewhere, a request's prediction (SamplingParams.prediction) where it is aligned with the output.
+        self.predictions = Predictions()
 
     def _bucket_prior(self, bucket: int) -> float | None:
-        return FORCED_PRIOR if bucket == FORCED_BUCKET else self.proposer.bucket_prior(bucket)
+        if bucket == FORCED_BUCKET:
+            return FORCED_PRIOR
+        return PREDICTION_PRIOR if bucket == PREDICTION_BUCKET else self.proposer.bucket_prior(bucket)
 
     def propose(self, running: Iterable[Request]) -> None:
         """Proposals for every running request about to decode (its next step scores one token)."""
         running = list(running)
         self.proposer.retain(r.request_id for r in running)
+        self.predictions.retain({r.request_id for r in running})
         decoding = [r for r in running
                     if r.status is RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1]
         self._decode_tokens = len(decoding)
         self._propose_s = 0.0
         self.last_gated = self.last_forced = 0
         for request in decoding:  # a request the budget skipped last step keeps no stale guesses
-            request.spec_token_ids, request.spec_draft_probs = [], None
+            request.spec_token_ids, request.spec_draft_probs, request.spec_from_prediction = [], None, False
         if not decoding:
             return
         forced = self._forced(decoding)
         buckets = self.proposer.buckets(decoding)
         looked_up = self._lookups_past_forced(decoding, buckets, forced)
-        buckets = [FORCED_BUCKET if r.request_id in forced else b for r, b in zip(decoding, buckets, strict=True)]
+        predicted = self._predicted(decoding, forced)
+        for rid in predicted:
+            looked_up.pop(rid, None)
+        forced.update(predicted)  # from here on both are the request's own tokens, point masses, no draft
+        buckets = [PREDICTION_BUCKET if r.request_id in predicted else FORCED_BUCKET if r.request_id in forced else b
+                   for r, b in zip(decoding, buckets, strict=True)]
         catch_up = [0 if r.request_id in forced else c
                     for r, c in zip(decoding, self.proposer.catch_up_tokens(decoding), strict=True)]
         plan = self.controller.plan(decoding, buckets, catch_up)
@@ -84,7 +99,8 @@ class Speculator:
         guesses = iter(self.proposer.propose([r for r, _ in asked], [k for _, k in asked], gate) if asked else [])
         proposals = [forced[r.request_id] if r.request_id in forced else
                      looked_up[r.request_id] if r.request_id in looked_up else next(guesses) for r, _, _ in chosen]
-        self.last_forced = sum(min(k, len(forced[r.request_id])) for r, k, _ in chosen if r.request_id in forced)
+        self.last_forced = sum(min(k, len(forced[r.request_id])) for r, k, _ in chosen
+                               if r.request_id in forced and r.request_id not in predicted)
         self._propose_s = time.monotonic() - started
         self.last_gated = gate.dropped if gate is not None else 0
         # The proposer's last_* describe its last propose(): this step's only if it was asked.
@@ -95,6 +111,7 @@ class Speculator:
             self.controller.observe_catch_up(extra, seconds)
         for (request, k, bucket), tokens in zip(chosen, proposals, strict=True):
             request.spec_token_ids = tokens[:k]
+            request.spec_from_prediction = request.request_id in predicted
             q = None if request.request_id in forced else draft_probs.get(request.request_id)  # forced: point masses
             request.spec_draft_probs = q[:len(request.spec_token_ids)] if q is not None and tokens else None
             self._decode_tokens += len(request.spec_token_ids)
@@ -109,6 +126,19 @@ class Speculator:
         for request in decoding:
             if request.params.structured is not None and (tokens := self.grammar.forced_tokens(request)):
                 out[request.request_id] = tokens
+        return out
+
+    def _predicted(self, decoding: list[Request], forced: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Per request with a prediction aligned with its output (and no tokens its grammar forces), what
+        the prediction says comes next."""
+        out = {}
+        k = self.config.num_speculative_tokens
+        for request in decoding:
+            prediction = request.params.prediction
+            if prediction and request.request_id not in forced:
+                guess = self.predictions.guess(request.request_id, prediction, request.output_token_ids, k)
+                if guess:
+                    out[request.request_id] = guess
         return out
 
     def _lookups_past_forced(self, decoding: list[Request], buckets: list[int | None],
@@ -149,11 +179,13 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self.proposer.forget(request_id)
+        self.predictions.forget(request_id)
         self.controller.forget(request_id)
 
     def reset(self) -> None:
         """Forget every request (the engine dropped them all)."""
         self.proposer.retain(())
+        self.predictions.retain(set())
         self.controller = SpecController(self.config, self._bucket_prior)
 
     @property

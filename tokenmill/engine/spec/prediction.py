@@ -1,0 +1,92 @@
+"""Predicted outputs (OpenAI's `prediction`): text the caller expects the answer to contain, as guesses.
+
+A code editor asking for a small change to a file knows most of the answer already: the file. OpenAI's
+Predicted Outputs API takes it as `prediction` and speeds up the tokens that match; vLLM users have
+asked for it since 2024 (vllm#10137, #12061; two PRs closed unmerged). Here the prediction's tokens are
+one more source of proposals for the speculator, verified like any guess, so the output is exactly what
+it would be without them.
+
+Alignment. A cursor `pos` says where in the prediction the next output token is expected. Each output
+token equal to prediction[pos] moves it one on (the answer is copying the prediction); any other token
+loses the alignment, which is looked for again from the output's last tokens:
+
+    the latest n = MAX_N..2 output tokens, found in the prediction ending at j  →  pos = j
+    (the first such occurrence at or after the old position, else the first anywhere);
+    failing that, the last output token within WINDOW tokens after the old position (a one-token edit).
+
+So an edit in the middle of a file (a line replaced, inserted or deleted) costs the tokens of the edit
+itself and a few after it; the copy resumes once 2+ tokens of the prediction's text reappear.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+MAX_N = 4  # longest suffix of the output looked up when re-aligning
+WINDOW = 16  # how far ahead of the old position a single matching token re-aligns
+
+
+@dataclass(slots=True)
+class PredictionCursor:
+    """One request's prediction and where its output stands in it."""
+
+    tokens: list[int]
+    pos: int | None = 0  # the prediction index of the next expected output token; None: not aligned
+    seen: int = 0  # output tokens consumed so far
+    anchor: int = 0  # the last aligned position (where a re-alignment looks first)
+    # (n-gram of the prediction) → end indices j (tokens[j - n:j] is the n-gram), ascending
+    _ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for n in range(1, MAX_N + 1):
+            for j in range(n, len(self.tokens) + 1):
+                self._ends.setdefault(tuple(self.tokens[j - n:j]), []).append(j)
+
+    def advance(self, output: Sequence[int]) -> None:
+        """Take in the output tokens past those already seen (output = the request's output so far)."""
+        for i in range(self.seen, len(output)):
+            token = output[i]
+            if self.pos is not None and self.pos < len(self.tokens) and self.tokens[self.pos] == token:
+                self.pos += 1
+            else:
+                self.pos = self._realign(output, i + 1)
+            if self.pos is not None:
+                self.anchor = self.pos
+        self.seen = len(output)
+
+    def guess(self, k: int) -> list[int]:
+        """Up to k tokens the prediction says come next; [] where it is not aligned or is used up."""
+        if self.pos is None:
+            return []
+        return self.tokens[self.pos:self.pos + k]
+
+    def _realign(self, output: Sequence[int], end: int) -> int | None:
+        before = self.anchor
+        for n in range(min(MAX_N, end), 1, -1):
+            ends = self._ends.get(tuple(output[end - n:end]))
+            if ends:
+                return next((j for j in ends if j >= before), ends[0])
+        ends = self._ends.get((output[end - 1],), [])
+        return next((j for j in ends if before < j <= before + WINDOW), None)
+
+
+class Predictions:
+    """The cursors of the requests that carry a prediction (SamplingParams.prediction)."""
+
+    def __init__(self) -> None:
+        self._cursors: dict[str, PredictionCursor] = {}
+
+    def guess(self, request_id: str, prediction: list[int], output: Sequence[int], k: int) -> list[int]:
+        cursor = self._cursors.get(request_id)
+        if cursor is None:
+            cursor = self._cursors[request_id] = PredictionCursor(list(prediction))
+        cursor.advance(output)
+        return cursor.guess(k)
+
+    def forget(self, request_id: str) -> None:
+        self._cursors.pop(request_id, None)
+
+    def retain(self, request_ids: set[str]) -> None:
+        for rid in [r for r in self._cursors if r not in request_ids]:
+            del self._cursors[rid]
