@@ -221,5 +221,15 @@ def test_a_speculative_batch_answers_as_the_plain_one(model_dir: Path, tmp_path:
         texts[name] = {line["custom_id"]: line["response"]["body"]["choices"][0]["text"]
                        for line in _read_output(output)}
     assert texts["suffix"] == texts["plain"] and len(texts["plain"]) == 6
+    # Predicted outputs: each line's plain answer as its prediction; the answers stay, usage counts them
+    predicted = [_completion(f"s{i}", "the the the the", max_tokens=16, ignore_eos=True,
+                             prediction={"type": "content", "content": texts["plain"][f"s{i}"]}) for i in range(6)]
+    output = tmp_path / "predicted.jsonl"
+    source = str(_write_input(tmp_path / "predicted_in.jsonl", predicted))
+    assert main([common[0], source, *common[2:], "-o", str(output), "--speculative", "ngram"]) == 0
+    bodies = {line["custom_id"]: line["response"]["body"] for line in _read_output(output)}
+    assert {k: b["choices"][0]["text"] for k, b in bodies.items()} == texts["plain"]
+    assert all(b["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] >= 8 for b in bodies.values())
+    assert "completion_tokens_details" not in _read_output(tmp_path / "plain.jsonl")[0]["response"]["body"]["usage"]
     kwargs = _engine_kwargs(build_parser().parse_args([*common, "-o", "x", "--speculative", "suffix"]))
     assert kwargs["speculative"] == "suffix" and kwargs["suffix_cache_tokens"] == 65536

@@ -149,24 +149,30 @@ def _refuse_logprobs(fields: dict[str, object]) -> None:
 
 
 def success_line(request: BatchRequest, choices: list[CompletionOutput], model: str,
-                 cached_tokens: list[int] | None = None) -> dict[str, Any]:
+                 cached_tokens: list[int] | None = None,
+                 predicted: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     """The Batch API output line for a request whose choices are in index order; `cached_tokens[i]`:
-    choice i's prompt tokens served from the prefix cache."""
+    choice i's prompt tokens served from the prefix cache; `predicted[i]`: its prediction tokens accepted
+    and rejected (usage.completion_tokens_details where the request sent a prediction)."""
     num_prompt = sum(len(p.token_ids) for p in request.prompts)
     num_completion = sum(len(c.token_ids) for c in choices)
     # As the server counts it (fanout.cached_prompt_tokens): once per prompt, the most of its children.
     best: dict[int, int] = {}
     for child, cached in zip(request.children, cached_tokens or [0] * len(choices), strict=True):
         best[child.prompt_index] = max(best.get(child.prompt_index, 0), cached)
+    usage: dict[str, Any] = {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                             "total_tokens": num_prompt + num_completion,
+                             "prompt_tokens_details": {"cached_tokens": sum(best.values())}}
+    if any(child.params.prediction for child in request.children):
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": sum(a for a, _ in predicted or []),
+                                              "rejected_prediction_tokens": sum(r for _, r in predicted or [])}
     body = {
         "id": f"{'chatcmpl' if request.endpoint is Endpoint.CHAT else 'cmpl'}-{uuid.uuid4().hex}",
         "object": "chat.completion" if request.endpoint is Endpoint.CHAT else "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": [_choice(request, i, c) for i, c in enumerate(choices)],
-        "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-                  "total_tokens": num_prompt + num_completion,
-                  "prompt_tokens_details": {"cached_tokens": sum(best.values())}},
+        "usage": usage,
     }
     return _line(request.custom_id, {"status_code": 200, "request_id": _request_id(), "body": body}, None)
 

@@ -58,6 +58,7 @@ class _InFlight:
     request: BatchRequest
     choices: dict[int, CompletionOutput] = field(default_factory=dict)
     cached_tokens: dict[int, int] = field(default_factory=dict)  # per choice: prompt tokens from the prefix cache
+    predicted: dict[int, tuple[int, int]] = field(default_factory=dict)  # per choice: prediction tokens taken, refused
 
 
 # ---------------------------------------------------------------------------- resume bookkeeping
@@ -195,13 +196,17 @@ class BatchJob:
         entry = self.in_flight[key]
         entry.choices[int(index)] = output.outputs[0]
         entry.cached_tokens[int(index)] = output.num_cached_tokens
+        metrics = output.metrics
+        entry.predicted[int(index)] = (0, 0) if metrics is None else (
+            metrics.accepted_prediction_tokens, metrics.rejected_prediction_tokens)
         self.num_engine_requests -= 1
         if len(entry.choices) < entry.request.num_choices:
             return
         del self.in_flight[key]
         choices = [entry.choices[i] for i in range(entry.request.num_choices)]
         cached = [entry.cached_tokens[i] for i in range(entry.request.num_choices)]
-        self._write(success_line(entry.request, choices, self.model_name, cached))
+        predicted = [entry.predicted[i] for i in range(entry.request.num_choices)]
+        self._write(success_line(entry.request, choices, self.model_name, cached, predicted))
         self.summary.num_succeeded += 1
 
     def _write(self, record: dict[str, Any]) -> None:
