@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -284,3 +285,31 @@ def test_verifying_proposals_that_end_the_grammar_leaves_its_state_intact(engine
     request.token_ids.extend(tail)  # verification accepted the tail, the model then stopped: the real tokens
     state = engine.structured._state(request, structured)
     assert not state.broken and state.matcher.is_terminated  # the object is complete: only stops follow
+
+
+def test_a_prediction_the_grammar_allows_wins_over_its_forced_tokens(engine: LLMEngine, model_dir: Path) -> None:
+    """Predicted outputs on a schema-constrained request: the prediction (the answer itself) holds the
+    forced keys and runs on into the values, so it is proposed instead of the forced tokens, and the
+    answer is unchanged."""
+    config = EngineConfig(ModelConfig(str(model_dir), dtype="float32", device="cpu"),
+                          CacheConfig(block_size=4, num_blocks=512),
+                          speculative=SpeculativeConfig(method="ngram", adaptive=False, ngram_min=8, ngram_max=8))
+    spec = LLMEngine.from_config(config)
+    params = SamplingParams(max_tokens=120, temperature=0.0, structured=StructuredOutputParams.json(SCHEMA))
+    engine.add_request("plain", engine.encode("hello there"), params)
+    answer: list[int] = []
+    while engine.has_unfinished:
+        for output in engine.step().outputs:
+            answer = list(output.outputs[0].token_ids)
+    spec.add_request("p", spec.encode("hello there"), replace(params, prediction=answer))
+    counts = {"forced": 0}
+    tokens, accepted = [], 0
+    while spec.has_unfinished:
+        step = spec.step()
+        counts["forced"] += step.stats.spec_num_forced_tokens
+        for output in step.outputs:
+            tokens = list(output.outputs[0].token_ids)
+            if output.finished and output.metrics is not None:
+                accepted = output.metrics.accepted_prediction_tokens
+    assert tokens == answer
+    assert accepted >= len(answer) - 12 and counts["forced"] <= 8, (accepted, len(answer), counts)

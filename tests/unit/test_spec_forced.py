@@ -72,3 +72,14 @@ def test_forced_proposals_have_their_own_bucket_and_prior() -> None:
     request = _decoding("a", [1, 2, 3])
     speculator.propose([request])
     assert request.spec_token_ids == [] and speculator.last_forced == 0
+
+
+def test_a_lookup_valid_for_all_k_tokens_wins_over_a_longer_forced_run() -> None:
+    """The grammar forces 9 tokens, a step verifies K = 7: a lookup the grammar allows for all 7 holds as
+    much of the run as a step can take, in the model's own split; valid for 6 only, it does not."""
+    lookup = [5, 6, 1, 2, 3, 4, 10, 11, 12, 5, 6]  # 5 6 again: the guess is 1 2 3 4 10 11 12
+    requests = [_decoding("long", lookup), _decoding("short", lookup)]
+    speculator = _speculator({"long": [70] * 9, "short": [70] * 9}, {"short": {12}})
+    speculator.propose(requests)
+    assert requests[0].spec_token_ids == [1, 2, 3, 4, 10, 11, 12]
+    assert requests[1].spec_token_ids == [70] * 7

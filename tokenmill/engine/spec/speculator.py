@@ -129,16 +129,23 @@ class Speculator:
         return out
 
     def _predicted(self, decoding: list[Request], forced: dict[str, list[int]]) -> dict[str, list[int]]:
-        """Per request with a prediction aligned with its output (and no tokens its grammar forces), what
-        the prediction says comes next."""
+        """Per request with a prediction aligned with its output, what the prediction says comes next. Where
+        the request's grammar forces tokens too, the prediction wins only if the grammar allows at least
+        as many of its tokens as it forces (then it holds them, as a lookup does: _lookups_past_forced),
+        and the request leaves `forced`."""
         out = {}
         k = self.config.num_speculative_tokens
         for request in decoding:
-            prediction = request.params.prediction
-            if prediction and request.request_id not in forced:
-                guess = self.predictions.guess(request.request_id, prediction, request.output_token_ids, k)
-                if guess:
-                    out[request.request_id] = guess
+            rid, prediction = request.request_id, request.params.prediction
+            if not prediction:
+                continue
+            guess = self.predictions.guess(rid, prediction, request.output_token_ids, k)
+            if guess and rid in forced:
+                if not self._holds_forced(request, guess, forced[rid]):
+                    continue
+                del forced[rid]
+            if guess:
+                out[rid] = guess
         return out
 
     def _lookups_past_forced(self, decoding: list[Request], buckets: list[int | None],
@@ -157,11 +164,16 @@ class Speculator:
         k = self.config.num_speculative_tokens
         out = {}
         for request, guess in zip(candidates, self.proposer.propose(candidates, [k] * len(candidates)), strict=True):
-            if len(guess) >= len(forced[request.request_id]) and \
-                    self.grammar.count_valid(request, guess) >= len(forced[request.request_id]):
+            if self._holds_forced(request, guess, forced[request.request_id]):
                 out[request.request_id] = guess
                 del forced[request.request_id]
         return out
+
+    def _holds_forced(self, request: Request, guess: list[int], forced: list[int]) -> bool:
+        """Whether `guess` may replace the grammar's forced tokens: the grammar allows it for as many tokens
+        as it forces, or for all K a step can verify where it forces more."""
+        need = min(len(forced), self.config.num_speculative_tokens)
+        return self.grammar is not None and len(guess) >= need and self.grammar.count_valid(request, guess) >= need
 
     def _room(self, request: Request) -> int:
         """Proposals that could still be used: the step emits up to k + 1 tokens."""
