@@ -20,6 +20,7 @@ itself and a few after it; the copy resumes once 2+ tokens of the prediction's t
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -66,9 +67,11 @@ class PredictionCursor:
         for n in range(min(MAX_N, end), 1, -1):
             ends = self._ends.get(tuple(output[end - n:end]))
             if ends:
-                return next((j for j in ends if j >= before), ends[0])
+                i = bisect.bisect_left(ends, before)
+                return ends[i] if i < len(ends) else ends[0]
         ends = self._ends.get((output[end - 1],), [])
-        return next((j for j in ends if before < j <= before + WINDOW), None)
+        i = bisect.bisect_right(ends, before)
+        return ends[i] if i < len(ends) and ends[i] <= before + WINDOW else None
 
 
 class Predictions:

@@ -130,9 +130,8 @@ class Speculator:
 
     def _predicted(self, decoding: list[Request], forced: dict[str, list[int]]) -> dict[str, list[int]]:
         """Per request with a prediction aligned with its output, what the prediction says comes next. Where
-        the request's grammar forces tokens too, the prediction wins only if the grammar allows at least
-        as many of its tokens as it forces (then it holds them, as a lookup does: _lookups_past_forced),
-        and the request leaves `forced`."""
+        the request's grammar forces tokens too, the prediction wins only where it holds them
+        (_holds_forced, as a lookup does in _lookups_past_forced), and the request leaves `forced`."""
         out = {}
         k = self.config.num_speculative_tokens
         for request in decoding:
