@@ -52,7 +52,7 @@ def cached_prompt_tokens(updates: Iterable[ChoiceUpdate]) -> int:
     return sum(best.values())
 
 
-def prediction_tokens(updates: Iterable[ChoiceUpdate]) -> tuple[int, int] | None:
+def prediction_counts(updates: Iterable[ChoiceUpdate]) -> tuple[int, int] | None:
     """(accepted, rejected) prediction tokens over the choices (usage.completion_tokens_details), summed;
     None when the request sent no prediction."""
     done = [u for u in updates if u.metrics is not None]

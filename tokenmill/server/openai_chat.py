@@ -16,11 +16,11 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.engine.service_class import ServiceClass
-from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_tokens
+from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_counts
 from tokenmill.server.logprob_format import chat_logprobs
 from tokenmill.server.openai_inputs import chat_inputs
 from tokenmill.server.openai_tools import ToolPlan, ToolStream, parse_tool_calls, tool_calls_out
-from tokenmill.server.pipeline import cache_salt_for, collect, get_state, now_s, service_class_for, start_run
+from tokenmill.server.pipeline import collect, get_state, now_s, salted, service_class_for, start_run
 from tokenmill.server.protocol import (
     ChatChoice,
     ChatChunk,
@@ -45,8 +45,7 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     state = get_state(request)
     state.check_model(body.model)
     engine = state.require_engine()
-    salt = cache_salt_for(request, body, state.config.cache_isolation)
-    inputs = chat_inputs(body.model_copy(update={"cache_salt": salt}), engine.tokenizer, engine.limits,
+    inputs = chat_inputs(salted(request, body, state.config.cache_isolation), engine.tokenizer, engine.limits,
                          engine.structured)
     (prompt,) = inputs.prompts
     texts = state.require_texts()
@@ -60,7 +59,7 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     last = await collect(run, request)
     choices = [_choice(ctx, last[i]) for i in sorted(last)]
     usage = Usage.of(len(prompt.token_ids), sum(len(u.output.token_ids) for u in last.values()),
-                     cached_prompt_tokens(last.values()), prediction_tokens(last.values()))
+                     cached_prompt_tokens(last.values()), prediction_counts(last.values()))
     response = ChatResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage,
                             tokenmill=Timings.of(last.values()).extension(), service_tier=ctx.service_tier)
     return JSONResponse(response.model_dump(mode="json"))
@@ -143,7 +142,7 @@ class _ChatChunks:
         if not self.ctx.body.include_usage:
             return []
         usage = Usage.of(len(self.ctx.prompt.token_ids), sum(self.num_sent_tokens.values()),
-                         cached_prompt_tokens(self.finished), prediction_tokens(self.finished))
+                         cached_prompt_tokens(self.finished), prediction_counts(self.finished))
         return [self._chunk([], usage).model_copy(update={"tokenmill": self.timings.extension()})]
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None) -> ChatChunk:

@@ -16,10 +16,10 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.engine.service_class import ServiceClass
-from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_tokens
+from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_counts
 from tokenmill.server.logprob_format import completion_logprobs
 from tokenmill.server.openai_inputs import completion_inputs
-from tokenmill.server.pipeline import cache_salt_for, collect, get_state, now_s, service_class_for, start_run
+from tokenmill.server.pipeline import collect, get_state, now_s, salted, service_class_for, start_run
 from tokenmill.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from tokenmill.server.sse import sse_response
 from tokenmill.server.state import TokenTexts
@@ -33,8 +33,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = get_state(request)
     state.check_model(body.model)
     engine = state.require_engine()
-    salt = cache_salt_for(request, body, state.config.cache_isolation)
-    inputs = completion_inputs(body.model_copy(update={"cache_salt": salt}), engine.tokenizer, engine.limits,
+    inputs = completion_inputs(salted(request, body, state.config.cache_isolation), engine.tokenizer, engine.limits,
                                engine.structured)
     texts = state.require_texts()
     # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
@@ -48,7 +47,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     choices = [_choice(ctx, last[i], last[i].output.text, last[i].output.token_ids, last[i].output.logprobs)
                for i in sorted(last)]
     usage = Usage.of(ctx.num_prompt_tokens, sum(len(u.output.token_ids) for u in last.values()),
-                     cached_prompt_tokens(last.values()), prediction_tokens(last.values()))
+                     cached_prompt_tokens(last.values()), prediction_counts(last.values()))
     response = CompletionResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage,
                                   tokenmill=Timings.of(last.values()).extension(), service_tier=ctx.service_tier)
     return JSONResponse(response.model_dump(mode="json"))
@@ -125,7 +124,7 @@ class _CompletionChunks:
         if not self.ctx.body.include_usage:
             return []
         usage = Usage.of(self.ctx.num_prompt_tokens, sum(self.num_sent_tokens.values()),
-                         cached_prompt_tokens(self.finished), prediction_tokens(self.finished))
+                         cached_prompt_tokens(self.finished), prediction_counts(self.finished))
         return [self._chunk([], usage).model_copy(update={"tokenmill": self.timings.extension()})]
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:

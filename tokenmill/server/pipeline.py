@@ -10,6 +10,7 @@ import asyncio
 import math
 import time
 import uuid
+from typing import TypeVar
 
 from fastapi import Request
 
@@ -23,6 +24,8 @@ from tokenmill.server.middleware import API_KEY_CLASS_STATE, API_KEY_ID_STATE
 from tokenmill.server.openai_inputs import requested_service_class
 from tokenmill.server.protocol import GenerationRequest
 from tokenmill.server.state import ServerState
+
+BodyT = TypeVar("BodyT", bound=GenerationRequest)
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to the same value
 _DISCONNECT_POLL_S = 0.1
@@ -74,14 +77,15 @@ def service_class_for(request: Request, body: GenerationRequest, default: Servic
     return key_class if isinstance(key_class, ServiceClass) else default
 
 
-def cache_salt_for(request: Request, body: GenerationRequest, isolation: str) -> str | None:
-    """The salt the request's cached state is shared under: the body's `cache_salt`, led by the API key's
-    id when the server isolates caches by key (ServerConfig.cache_isolation)."""
+def salted(request: Request, body: BodyT, isolation: str) -> BodyT:
+    """The body with the salt its request's cached state is shared under: its own `cache_salt`, led by the
+    API key's id when the server isolates caches by key (ServerConfig.cache_isolation)."""
     if isolation != "api-key":
-        return body.cache_salt
+        return body
     key_id = getattr(request.state, API_KEY_ID_STATE, None)
     assert isinstance(key_id, str), "cache isolation by API key runs only behind ApiKeyMiddleware"
-    return key_id if body.cache_salt is None else f"{key_id}/{body.cache_salt}"
+    salt = key_id if body.cache_salt is None else f"{key_id}/{body.cache_salt}"
+    return body.model_copy(update={"cache_salt": salt})
 
 
 def start_run(state: ServerState, request: Request, children: list[ChildRequest], prefix: str,
