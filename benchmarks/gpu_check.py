@@ -17,6 +17,8 @@
    prompts; decode time = time(1 + D tokens) - time(1 token), prefix caching off); the fraction of
    the HBM roofline = weight bytes per step x steps per second / measured copy bandwidth; and the
    forward alone (one graph replay, no host work) per batch.
+6. Speculation (gpu_spec_check.py): batch 1 and 8, each request predicting its own greedy answer
+   (predicted outputs, K = 7): the speed-up ceiling of an 8-row verification over a one-row decode here.
 Writes gpu_check.json to OUT_DIR after every section (a timeout keeps what finished).
 """
 
@@ -39,6 +41,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from gpu_spec_check import speculation_ceiling  # type: ignore[import-not-found]  # noqa: E402
 
 from tests.fixtures.tiny_models import make_tiny_hf  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
@@ -313,6 +317,7 @@ def main() -> None:
         section("tokenmill_graphs_aten_glue", lambda: tokenmill_speed(path, copy_bw, eager=False, glue=False))
         section("tokenmill_eager", lambda: tokenmill_speed(path, copy_bw, eager=True))
         section("transformers", lambda: transformers_speed(path))
+        section("speculation", lambda: speculation_ceiling(path, DEVICE, DTYPE, (1, 8), DECODE, _prompts, _sync))
     section("attention", attention_kernels)
     if not quick:  # last: the slowest (pytest compiles every kernel variant the tests ask for)
         section("cuda_tests", cuda_tests)
@@ -340,6 +345,8 @@ def main() -> None:
     with contextlib.suppress(KeyError, TypeError):  # same kernels, same batches: no token may move
         summary["async_vs_sync_same_tokens"] = (REPORT["tokenmill_graphs"]["b8"]["greedy_tokens"]
                                                 == REPORT["tokenmill_graphs_sync"]["b8"]["greedy_tokens"])
+    with contextlib.suppress(KeyError, TypeError):  # predicted outputs at full acceptance: the ceiling
+        summary["speculation_ceiling"] = {k: REPORT["speculation"][k]["ratio"] for k in ("b1", "b8")}
     REPORT["summary"] = summary
     print("== summary\n" + json.dumps(summary, indent=1), flush=True)
     _save()
