@@ -5,8 +5,9 @@ Prompts: the three "rewrite this function with type hints" edits of spec_prompts
 edits (the three functions as one file, one small change asked for, the whole file to be returned), each
 with the original code as its prediction, as a code editor sends it; and regenerations (a request asked
 again with a small change, its earlier answer as the prediction: text the new prompt does not hold).
-Modes, rotated each round so none always goes first: `plain` (no speculation), `ngram` (prompt lookup)
-and `prediction` (the same engine and method, the prediction on each request). Greedy; answers end at
+Modes, rotated each round so none always goes first: `plain` (no speculation), `ngram` (prompt lookup),
+`prediction` (the same engine and method, the prediction on each request) and `prediction-only` (the
+speculator an engine without --speculative builds for predictions: no lookup). Greedy; answers end at
 EOS (or --max-tokens), and the three modes' tokens must match. --context-tokens N puts N tokens of other
 Python source first (a system message, as an agent's repository context): prompt lookup then has more
 places to copy from, the prediction's cursor follows the one text it was given.
@@ -25,7 +26,7 @@ import common  # type: ignore[import-not-found]
 from spec_measure import StepCounter  # type: ignore[import-not-found]
 from spec_prompts import FUNCTIONS, code_context  # type: ignore[import-not-found]
 
-MODES = ("plain", "ngram", "prediction")
+MODES = ("plain", "ngram", "prediction", "prediction-only")
 FILE = "\n\n".join(f.rstrip("\n") for f in FUNCTIONS) + "\n"
 FILE_EDITS = ["In binary_search, rename the parameter `items` to `values`.",
               "In word_counts, change the default of `min_len` from 1 to 2.",
@@ -77,7 +78,11 @@ def main() -> None:
     llm = LLM(args.model, speculative="ngram", num_threads=args.threads,
               max_model_len=2048 + args.context_tokens, num_kv_blocks=max(1024, (args.context_tokens + 2048) // 8))
     context = code_context(llm.tokenizer.encode, args.context_tokens) if args.context_tokens else ""
+    from tokenmill.engine.spec.speculator import predictions_only_speculator
+
     speculator = llm.core.speculator
+    speculators = {"plain": None, "ngram": speculator, "prediction": speculator,
+                   "prediction-only": predictions_only_speculator(llm.core.max_model_len)}
     counter = StepCounter(llm.core)
     base = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     rows = []
@@ -94,8 +99,8 @@ def main() -> None:
         for round_index in range(args.rounds):
             shift = round_index % len(MODES)
             for mode in MODES[shift:] + MODES[:shift]:
-                llm.core.speculator = None if mode == "plain" else speculator
-                params = replace(base, prediction=prediction) if mode == "prediction" else base
+                llm.core.speculator = speculators[mode]
+                params = replace(base, prediction=prediction) if mode.startswith("prediction") else base
                 counter.reset()
                 start = time.perf_counter()
                 [out] = llm.chat(messages, params)
@@ -106,22 +111,22 @@ def main() -> None:
         llm.core.speculator = speculator
         median = {m: statistics.median(r) for m, r in rates.items()}
         row = {"case": name, "output_tokens": len(tokens["plain"]), "plain_tok_s": median["plain"],
-               "ngram": median["ngram"] / median["plain"], "prediction": median["prediction"] / median["plain"],
+               **{m: median[m] / median["plain"] for m in MODES[1:]},
                "prediction_over_ngram": median["prediction"] / median["ngram"],
                "accepted_per_round": {m: taken[m] / args.rounds for m in MODES[1:]}, "rates": rates,
-               "greedy_identical": tokens["ngram"] == tokens["plain"] == tokens["prediction"]}
+               "greedy_identical": all(tokens[m] == tokens["plain"] for m in MODES)}
         print(f"{name}: plain {median['plain']:.1f} tok/s, ngram {row['ngram']:.2f}x, prediction "
-              f"{row['prediction']:.2f}x ({row['prediction_over_ngram']:.2f}x ngram), same: {row['greedy_identical']}",
-              flush=True)
+              f"{row['prediction']:.2f}x, prediction-only {row['prediction-only']:.2f}x, "
+              f"same: {row['greedy_identical']}", flush=True)
         rows.append(row)
     common.print_table(
-        ["case", "tokens", "plain tok/s", "ngram", "prediction", "pred/ngram", "accepted ngram", "accepted pred",
-         "same"],
-        [[r["case"], r["output_tokens"], r["plain_tok_s"], r["ngram"], r["prediction"], r["prediction_over_ngram"],
-          r["accepted_per_round"]["ngram"], r["accepted_per_round"]["prediction"], r["greedy_identical"]]
-         for r in rows])
-    geo = {m: statistics.geometric_mean([r[m] for r in rows]) for m in ("ngram", "prediction")}
-    print(f"geometric mean over the cases: ngram {geo['ngram']:.2f}x, prediction {geo['prediction']:.2f}x plain")
+        ["case", "tokens", "plain tok/s", "ngram", "prediction", "pred-only", "pred/ngram", "accepted ngram",
+         "accepted pred", "same"],
+        [[r["case"], r["output_tokens"], r["plain_tok_s"], r["ngram"], r["prediction"], r["prediction-only"],
+          r["prediction_over_ngram"], r["accepted_per_round"]["ngram"], r["accepted_per_round"]["prediction"],
+          r["greedy_identical"]] for r in rows])
+    geo = {m: statistics.geometric_mean([r[m] for r in rows]) for m in MODES[1:]}
+    print("geometric mean over the cases: " + ", ".join(f"{m} {g:.2f}x" for m, g in geo.items()) + " plain")
     name = args.model + (f"_ctx{args.context_tokens}" if args.context_tokens else "") + (
         f"_{args.tag}" if args.tag else "")
     common.save_json("predicted_outputs", name, {"args": vars(args), "results": rows, "geomean": geo})

@@ -71,3 +71,21 @@ def _run_one(core: EngineCore, params: SamplingParams) -> tuple[list[list[int]],
             tokens.extend(out.new_token_ids)
             stats = out.spec if out.finish_reason is not None else stats
     return [tokens], [stats]
+
+
+def test_an_engine_without_a_method_takes_predictions_from_the_first_request_with_one() -> None:
+    """No --speculative: no speculator until a request carries a prediction; then its predictions (only)
+    are proposed, the tokens stay those of plain decoding, and requests without one propose nothing."""
+    model = tiny_model("qwen2")
+    params = [greedy(24), greedy(24), greedy(24)]
+    core = make_core(model)
+    expected, _ = _run(core, params)
+    assert core.speculator is None
+    outputs, stats = _run(core, [params[0], replace(params[1], prediction=expected[1]), params[2]])
+    assert outputs == expected and core.speculator is not None
+    assert stats[0] is None and stats[2] is None  # proposed nothing
+    assert stats[1] is not None and stats[1].num_prediction_accepted >= 16
+    assert_all_free(core)
+    async_core = make_core(model, async_scheduling="on")
+    assert _run(async_core, [replace(p, prediction=e) for p, e in zip(params, expected, strict=True)])[0] == expected
+    assert async_core.speculator is None  # overlapped steps do not speculate: predictions go unused

@@ -109,8 +109,7 @@ def _metric(server: LiveServer, name: str) -> float:
 
 def test_predicted_outputs_are_taken_and_counted(spec_live: LiveServer, client: openai.OpenAI) -> None:
     """OpenAI's `prediction` through the official client: the answer is the plain server's, and
-    usage.completion_tokens_details counts the prediction tokens it took; a server without speculation
-    answers the same and takes none."""
+    usage.completion_tokens_details counts the prediction tokens it took (content parts too)."""
     spec_client = spec_live.client()
     messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "zq vx wy"}]
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0.0)
@@ -121,12 +120,12 @@ def test_predicted_outputs_are_taken_and_counted(spec_live: LiveServer, client: 
     assert predicted.choices[0].message.content == answer
     details = predicted.usage.completion_tokens_details if predicted.usage is not None else None
     assert details is not None and (details.accepted_prediction_tokens or 0) >= 12
-    unused = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0.0,
-                                            prediction={"type": "content", "content": [{"type": "text",
-                                                                                         "text": answer}]})
-    assert unused.choices[0].message.content == answer
-    assert unused.usage is not None and unused.usage.completion_tokens_details is not None
-    assert unused.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    parts = spec_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0.0,
+                                                prediction={"type": "content", "content": [{"type": "text",
+                                                                                             "text": answer}]})
+    assert parts.choices[0].message.content == answer
+    assert parts.usage is not None and parts.usage.completion_tokens_details is not None
+    assert (parts.usage.completion_tokens_details.accepted_prediction_tokens or 0) >= 12
     stream = spec_client.completions.create(model=MODEL, prompt="zq vx wy", max_tokens=16, temperature=0.0,
                                             stream=True, stream_options={"include_usage": True},
                                             extra_body={"prediction": {"type": "content", "content": "vx wy zq"}})
@@ -144,3 +143,21 @@ def test_bad_predictions_are_400(spec_live: LiveServer, prediction: object, mess
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["message"] == message and error["param"] == "prediction"
+
+
+@pytest.fixture(scope="module")
+def unspeculating_live(tiny_model_dir: Path) -> Iterator[LiveServer]:
+    yield from _serve(tiny_model_dir, SpeculativeConfig())  # no --speculative: its own engine, not the shared one
+
+
+def test_a_server_without_speculation_takes_predictions(unspeculating_live: LiveServer,
+                                                        client: openai.OpenAI) -> None:
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "zq vx wy"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                            temperature=0.0).choices[0].message.content or ""
+    out = unspeculating_live.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0.0,
+        prediction={"type": "content", "content": answer})
+    assert out.choices[0].message.content == answer
+    assert out.usage is not None and out.usage.completion_tokens_details is not None
+    assert (out.usage.completion_tokens_details.accepted_prediction_tokens or 0) >= 12

@@ -30,7 +30,7 @@ from tokenmill.engine.request import EngineOutput, FinishReason, Request, Sampli
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.scheduler import Scheduler, StepTokenStats
 from tokenmill.engine.service_class import ServiceClass
-from tokenmill.engine.spec.speculator import DraftWeights, build_speculator
+from tokenmill.engine.spec.speculator import DraftWeights, build_speculator, predictions_only_speculator
 from tokenmill.engine.stats import StepStats
 from tokenmill.errors import RequestValidationError
 from tokenmill.layers.kv_cache import kv_cache_spec
@@ -128,6 +128,12 @@ class EngineCore:
         self.limits.check_request(prompt_token_ids, params)
         if cache_salt is not None and not cache_salt:
             raise RequestValidationError("cache_salt must be a non-empty string (or left out)", "cache_salt")
+        if params.prediction and self.speculator is None and self.pipeline is None:
+            # Predicted outputs on an engine started without --speculative: proposals from predictions only,
+            # from now on (not grammars' forced tokens: what a request gets must not depend on another's
+            # prediction; overlapped steps cannot speculate: there predictions go unused)
+            self.speculator = predictions_only_speculator(self.max_model_len)
+            log.info("speculation: predicted outputs only (no --speculative method)")
         if request_id in self.scheduler.requests:
             raise RequestValidationError(f"request id '{request_id}' is already in flight: use a unique id")
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids, priority,

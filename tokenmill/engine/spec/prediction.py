@@ -24,6 +24,9 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tokenmill.engine.request import Request
+from tokenmill.engine.spec.base import ProposalGate, Proposer
+
 MAX_N = 4  # longest suffix of the output looked up when re-aligning
 WINDOW = 16  # how far ahead of the old position a single matching token re-aligns
 
@@ -93,3 +96,16 @@ class Predictions:
     def retain(self, request_ids: set[str]) -> None:
         for rid in [r for r in self._cursors if r not in request_ids]:
             del self._cursors[rid]
+
+
+class PredictionsOnly(Proposer):
+    """The proposer of an engine started without --speculative: it guesses nothing itself, so only the
+    requests' predictions (and their grammars' forced tokens) are proposed (EngineCore builds it on the
+    first request that carries a prediction)."""
+
+    def propose(self, requests: list[Request], num_tokens: list[int],
+                gate: ProposalGate | None = None) -> list[list[int]]:
+        return [[] for _ in requests]
+
+    def buckets(self, requests: list[Request]) -> list[int | None]:
+        return [0] * len(requests)

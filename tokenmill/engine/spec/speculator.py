@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from tokenmill.config import ModelConfig, SpeculativeConfig
+from tokenmill.config import DEFAULT_SPECULATIVE_TOKENS, ModelConfig, SpeculativeConfig
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.spec import draft as _draft  # noqa: F401 - registers "draft"
@@ -258,6 +258,14 @@ def build_speculator(config: SpeculativeConfig, model_config: ModelConfig, targe
         lookup = _lookup_proposer(config, "ngram" if config.method == "ngram-draft" else "suffix")
         proposer = PROPOSERS["ngram-draft"](lookup, proposer)  # type: ignore[call-arg]
     return Speculator(config, proposer, max_model_len)
+
+
+def predictions_only_speculator(max_model_len: int) -> Speculator:
+    """A speculator for an engine started without a method: requests' predictions only (spec/prediction.py),
+    up to 7 a step (ngram's K: a copied span is what a prediction is), priced by the same controller."""
+    from tokenmill.engine.spec.prediction import PredictionsOnly
+
+    return Speculator(SpeculativeConfig(None, DEFAULT_SPECULATIVE_TOKENS["ngram"]), PredictionsOnly(), max_model_len)
 
 
 def _lookup_proposer(config: SpeculativeConfig, method: str) -> Proposer:
