@@ -60,7 +60,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # added to the token's logit before sampling (OpenAI: -100..100;
     # -100 bans a token, +100 all but forces it); logprobs stay those of the raw model, as with penalties
     # Predicted outputs (OpenAI's `prediction`): tokens the output is expected to contain, proposed to the
-    # speculator (engine/spec/prediction.py) when speculation is on; never changes the output
+    # speculator (engine/spec/prediction.py; one for predictions alone where no method is set, unless steps
+    # overlap); never changes the output
     prediction: list[int] | None = None
 
     def __post_init__(self) -> None:

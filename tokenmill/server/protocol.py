@@ -105,7 +105,7 @@ class GenerationRequest(_Body):
     # vLLM's prefix-cache salt: requests share cached blocks (and --speculative suffix's outputs) only with
     # requests of the same salt; a per-tenant secret keeps one tenant's timing from revealing another's prompts
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
-    # Predicted outputs: proposals for speculative decoding where the server runs one (--speculative)
+    # Predicted outputs: the expected answer, verified as speculative guesses (engine/spec/prediction.py)
     prediction: Prediction | None = None
     logit_bias: dict[str, float] | None = None
     # Structured outputs (engine/structured): OpenAI's response_format, or vLLM's extra fields.
