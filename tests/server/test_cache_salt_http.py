@@ -5,11 +5,12 @@ only for requests of the same salt (usage.prompt_tokens_details.cached_tokens), 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
 
-from tests.server.conftest import MODEL, LiveServer, start_server
+from tests.server.conftest import MODEL, LiveServer, start_server, tiny_engine_config
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.errors import TokenmillError
@@ -52,12 +53,14 @@ def test_chat_completions_are_salted_too(client: openai.OpenAI) -> None:
 
 
 @pytest.fixture(scope="module")
-def isolated(tiny_engine: AsyncEngine) -> Iterator[LiveServer]:
-    server = start_server(tiny_engine, ServerConfig(served_model_name=MODEL, api_key="key-a",
-                                                    api_key_classes=(("key-b", "standard"),),
-                                                    cache_isolation="api-key"))
+def isolated(tiny_model_dir: Path) -> Iterator[LiveServer]:
+    # Its own engine: a second server on the shared one would take part of its outputs' metrics.
+    engine = AsyncEngine.from_config(tiny_engine_config(tiny_model_dir))
+    server = start_server(engine, ServerConfig(served_model_name=MODEL, api_key="key-a",
+                                               api_key_classes=(("key-b", "standard"),), cache_isolation="api-key"))
     yield server
     server.stop()
+    engine.shutdown()
 
 
 def test_isolation_by_api_key_keeps_each_keys_cached_blocks_its_own(isolated: LiveServer) -> None:
