@@ -4,10 +4,12 @@ accepted and rejected come back with the request."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
 
+from tests.engine.test_engine_invariants import run_random_requests_with_aborts
 from tests.engine.test_speculative import spec_core
 from tests.engine.tiny import ARCH_NAMES, ArchName, assert_all_free, greedy, make_core, random_prompts, tiny_model
 from tokenmill.engine.core import EngineCore
@@ -89,3 +91,22 @@ def test_an_engine_without_a_method_takes_predictions_from_the_first_request_wit
     async_core = make_core(model, async_scheduling="on")
     assert _run(async_core, [replace(p, prediction=e) for p, e in zip(params, expected, strict=True)])[0] == expected
     assert async_core.speculator is None  # overlapped steps do not speculate: predictions go unused
+
+
+def test_no_leak_after_random_requests_with_predictions_and_aborts() -> None:
+    """300 random requests (greedy and sampled, a third with a prediction of random tokens) with aborts on
+    an engine without a method: every block back, no cursor kept."""
+    core = make_core(tiny_model("llama"), num_blocks=48)
+
+    def params(rng: random.Random) -> SamplingParams:
+        p = greedy(rng.randrange(1, 20)) if rng.random() < 0.6 else SamplingParams(
+            max_tokens=rng.randrange(1, 20), temperature=1.0, seed=rng.randrange(100))
+        if rng.random() < 0.35:
+            p = replace(p, prediction=[rng.randrange(250) for _ in range(rng.randrange(1, 40))])
+        return p
+
+    aborted, finished = run_random_requests_with_aborts(core, random.Random(12), 300, params)
+    assert aborted > 20 and finished > 200
+    assert core.speculator is not None
+    assert_all_free(core)
+    assert not core.speculator.predictions._cursors
