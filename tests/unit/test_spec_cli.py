@@ -61,3 +61,45 @@ def test_draft_without_a_model_is_a_one_line_cli_error(capsys: pytest.CaptureFix
     assert main(["generate", "smollm2-135m", "hi", "--speculative", "draft"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: speculative method 'draft' needs a draft model: pass --draft-model NAME"]
+
+
+def _from_vllm(config: str, *extra: str) -> SpeculativeConfig:
+    return speculative_config(build_parser().parse_args(["serve", "m", "--speculative-config", config, *extra]))
+
+
+def test_vllm_speculative_config_reads_as_the_flags() -> None:
+    assert _from_vllm('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, '
+                      '"prompt_lookup_min": 2}') == SpeculativeConfig("ngram", 5, ngram_min=2, ngram_max=4)
+    assert _from_vllm('{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 3}') == SpeculativeConfig(
+        "draft", 3, draft_model="qwen2.5-coder-0.5b")
+    assert _from_vllm('{"method": "draft_model", "model": "d", "draft_tensor_parallel_size": 1}') == \
+        SpeculativeConfig("draft", draft_model="d")
+    assert _from_vllm('{"method": "suffix"}', "--suffix-cache-tokens", "512") == SpeculativeConfig(
+        "suffix", suffix_cache_tokens=512)
+    generate = build_parser().parse_args(["generate", "m", "hi", "--speculative-config", '{"method": "ngram"}'])
+    assert speculative_kwargs(generate)["speculative"] == "ngram"
+
+
+@pytest.mark.parametrize(("config", "extra", "message"), [
+    ('{"method": "eagle", "model": "x"}', (), "method 'eagle' is not supported"),
+    ('{"method": "ngram", "prompt_lookup_mid": 3}', (), "key 'prompt_lookup_mid' has no tokenmill equivalent"),
+    ('{"method": "ngram", "draft_tensor_parallel_size": 2}', (), "'draft_tensor_parallel_size' has no"),
+    ('{"method": "draft_model"}', (), "needs \"model\""),
+    ('{"method": "ngram"', (), "not valid JSON"),
+    ('["ngram"]', (), "must be a JSON object"),
+    ('{"method": "ngram"}', ("--speculative", "ngram"), "either --speculative-config or --speculative"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', (), "num_speculative_tokens must be a positive integer"),
+    ('{"method": "ngram", "num_speculative_tokens": 5.0}', (), "num_speculative_tokens must be a positive integer"),
+    ('{"method": "ngram", "num_speculative_tokens": 40}', (), "num_speculative_tokens must be in 1..32"),
+    ('{"model": 3}', (), "model must be a string"),
+])
+def test_vllm_speculative_config_refuses_what_has_no_equivalent(config: str, extra: tuple[str, ...],
+                                                                 message: str) -> None:
+    with pytest.raises(TokenmillError, match=message):
+        _from_vllm(config, *extra)
+
+
+def test_a_bad_speculative_config_is_one_line_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "m", "hi", "--speculative-config", '{"method": "medusa"}']) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "method 'medusa' is not supported" in err[0]

@@ -75,14 +75,25 @@ def add_speculative_arguments(parser: Any) -> None:
     parser.add_argument("--ngram-max", type=int, default=4, help="longest suffix the n-gram lookup matches")
     parser.add_argument("--suffix-cache-tokens", type=int, default=65536,
                         help="suffix, suffix-draft: output tokens of recent requests the lookup cache keeps")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="vLLM's form, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
+                             "\"prompt_lookup_max\": 4}' (instead of the flags above)")
 
 
 def speculative_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The speculative flags as LLM(...) / SpeculativeConfig keyword arguments."""
-    return {"speculative": args.speculative, "draft_model": args.draft_model,
-            "draft_quantization": args.draft_quantization, "draft_vocab": args.draft_vocab,
-            "num_speculative_tokens": args.num_speculative_tokens, "ngram_min": args.ngram_min,
-            "ngram_max": args.ngram_max, "suffix_cache_tokens": args.suffix_cache_tokens}
+    """The speculative flags (or vLLM's --speculative-config) as LLM(...) / SpeculativeConfig keyword arguments."""
+    from tokenmill.cli.vllm_speculative import speculative_config_kwargs
+    from tokenmill.errors import TokenmillError
+
+    kwargs = {"speculative": args.speculative, "draft_model": args.draft_model,
+              "draft_quantization": args.draft_quantization, "draft_vocab": args.draft_vocab,
+              "num_speculative_tokens": args.num_speculative_tokens, "ngram_min": args.ngram_min,
+              "ngram_max": args.ngram_max, "suffix_cache_tokens": args.suffix_cache_tokens}
+    if args.speculative_config is not None:
+        if args.speculative is not None or args.draft_model is not None:
+            raise TokenmillError("pass either --speculative-config or --speculative / --draft-model, not both")
+        kwargs.update(speculative_config_kwargs(args.speculative_config))
+    return kwargs
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
