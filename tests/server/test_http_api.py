@@ -71,6 +71,15 @@ ANY_PARAM = object()  # a check whose error names no field yet (SamplingParams' 
      "stop_token_ids holds token id 99999, outside the vocabulary [0, 263)"),
     ({"prompt": "hi", "cache_salt": ""}, "cache_salt", "cache_salt: String should have at least 1 character"),
     ({"prompt": "hi", "cache_salt": 7}, "cache_salt", "cache_salt: Input should be a valid string"),
+    ({"prompt": "hi", "use_beam_search": True}, "use_beam_search", "use_beam_search is not supported by tokenmill: "
+     "leave it out"),
+    ({"prompt": "hi", "best_of": 3}, "best_of", "best_of is not supported by tokenmill: leave it out"),
+    ({"prompt": "hi", "allowed_token_ids": [1, 2]}, "allowed_token_ids",
+     "allowed_token_ids is not supported by tokenmill: leave it out"),
+    ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens",
+     "truncate_prompt_tokens must be -1 or at least 1"),
+    ({"prompt": "hi", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens",
+     "truncate_prompt_tokens: Input should be greater than or equal to -1"),
     ({"max_tokens": 2}, "prompt", "prompt: Field required"),  # no prompt
     ([1, 2, 3], None, "Input should be a valid dictionary or object to extract fields from"),  # not an object
 ])
@@ -80,6 +89,26 @@ def test_bad_completion_bodies_are_400_and_say_what_is_wrong(live: LiveServer, b
     assert (error["type"], error["code"], error["message"]) == ("invalid_request_error", None, message)
     if param is not ANY_PARAM:
         assert error["param"] == param
+
+
+def test_neutral_vllm_fields_and_unknown_fields_pass_and_truncation_keeps_the_prompts_end(live: LiveServer) -> None:
+    ok = _post(live, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "best_of": 1, "use_beam_search": False,
+                                         "bad_words": [], "some_future_field": {"x": 1}})
+    assert ok.status_code == 200, ok.text
+    ids = [5 + (7 * i) % 250 for i in range(300)]
+    long = _post(live, "/v1/completions", {"prompt": ids, "max_tokens": 2, "temperature": 0.0,
+                                           "truncate_prompt_tokens": 100})
+    assert long.status_code == 200 and long.json()["usage"]["prompt_tokens"] == 100
+    end = _post(live, "/v1/completions", {"prompt": ids[-100:], "max_tokens": 2, "temperature": 0.0})
+    assert long.json()["choices"][0]["text"] == end.json()["choices"][0]["text"]  # the same last 100 tokens
+    most = _post(live, "/v1/completions", {"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": -1})
+    assert most.status_code == 200 and most.json()["usage"]["prompt_tokens"] == 255  # the context less one
+    chat = _post(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 50}], "max_tokens": 1,
+                                                "truncate_prompt_tokens": 20})
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 20
+    refused = _error(_post(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                          "continue_final_message": True}), 400)
+    assert refused["param"] == "continue_final_message"
 
 
 def test_malformed_json_is_400(live: LiveServer) -> None:

@@ -26,7 +26,8 @@ from tokenmill.errors import RequestValidationError, TokenmillError
 from tokenmill.models.loading.tokenizer import Tokenizer
 from tokenmill.server.openai_inputs import chat_inputs, completion_inputs, requested_service_class
 from tokenmill.server.openai_tools import ToolPlan, parse_tool_calls, tool_calls_out
-from tokenmill.server.protocol import ChatMessageOut, ChatRequest, CompletionRequest, describe_validation_errors
+from tokenmill.server.protocol import ChatMessageOut, ChatRequest, CompletionRequest
+from tokenmill.server.validation_errors import describe_validation_errors
 
 _BodyT = TypeVar("_BodyT", CompletionRequest, ChatRequest)
 

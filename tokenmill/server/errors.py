@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from tokenmill.errors import RequestValidationError, TokenmillError
-from tokenmill.server.protocol import describe_validation_errors
+from tokenmill.server.validation_errors import describe_validation_errors
 
 log = logging.getLogger(__name__)
 

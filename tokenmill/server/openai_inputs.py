@@ -25,6 +25,12 @@ from tokenmill.server.openai_tools import ToolPlan, template_messages, tool_plan
 from tokenmill.server.protocol import ChatMessage, ChatRequest, CompletionRequest, GenerationRequest
 
 _GREEDY_BELOW = 1e-5  # vLLM's threshold: smaller temperatures overflow the logits, so run greedy
+# vLLM request fields tokenmill does not honour, with the value that asks for nothing: any other value is a
+# 400 naming the field (a client relying on it must not get an answer that silently ignored it)
+_UNHONOURED: dict[str, object] = {
+    "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
+    "continue_final_message": False, "chat_template_kwargs": None, "prompt_logprobs": None,
+    "guided_whitespace_pattern": None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +46,7 @@ def completion_inputs(body: CompletionRequest, tokenizer: Tokenizer, limits: Req
                       grammars: StructuredOutputs | None = None) -> EngineInputs:
     """`grammars`: where a requested grammar is compiled now (a 400 before queueing); without it the
     engine compiles it when the request is added."""
+    refuse_unhonoured(body)
     structured = _compiled(structured_params(body), grammars)
     fim = _fim_tokens(body, tokenizer)
     prompts = completion_prompts(tokenizer, limits, body.prompt, add_special_tokens=fim is None)
@@ -49,7 +56,10 @@ def completion_inputs(body: CompletionRequest, tokenizer: Tokenizer, limits: Req
         bos = [tokenizer.bos_token_id] if tokenizer.add_bos_token and tokenizer.bos_token_id is not None else []
         prompts = [EncodedPrompt(p.text, [*bos, *fim.frame(p.token_ids, suffix)]) for p in prompts]
         stops = list(fim.stops)
-    prompts = [replace(p, cache_salt=body.cache_salt) for p in prompts]
+    if fim is not None and body.truncate_prompt_tokens is not None:
+        raise RequestValidationError("truncate_prompt_tokens cannot be combined with suffix (a fill-in-the-middle "
+                                     "prompt would lose its frame)", "truncate_prompt_tokens")
+    prompts = [replace(p, token_ids=truncated(p.token_ids, body, limits), cache_salt=body.cache_salt) for p in prompts]
     prediction = prediction_tokens(body, tokenizer, limits)
     children: list[ChildRequest] = []
     prompt_logprobs = body.logprobs if body.echo else None
@@ -78,6 +88,7 @@ def _fim_tokens(body: CompletionRequest, tokenizer: Tokenizer) -> FimTokens | No
 def chat_inputs(body: ChatRequest, tokenizer: Tokenizer, limits: RequestLimits,
                 grammars: StructuredOutputs | None = None) -> EngineInputs:
     _refuse_unsupported_chat(body)
+    refuse_unhonoured(body)
     plan = tool_plan(body)
     structured = structured_params(body)
     forced = plan.structured() if plan is not None else None
@@ -87,8 +98,8 @@ def chat_inputs(body: ChatRequest, tokenizer: Tokenizer, limits: RequestLimits,
                                          "format: drop response_format (or the guided_* field)", "tool_choice")
         structured = forced
     structured = _compiled(structured, grammars)
-    prompt = replace(chat_prompt(tokenizer, body.messages, body.add_generation_prompt, body.tools),
-                     cache_salt=body.cache_salt)
+    prompt = chat_prompt(tokenizer, body.messages, body.add_generation_prompt, body.tools)
+    prompt = replace(prompt, token_ids=truncated(prompt.token_ids, body, limits), cache_salt=body.cache_salt)
     max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_output_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = replace(sampling_params(body, limits, max_tokens, logprobs, None), structured=structured,
@@ -171,6 +182,28 @@ def encode_text(tokenizer: Tokenizer, text: str, param: str, add_special_tokens:
         raise RequestValidationError(f"{param} is not valid UTF-8 text: {exc.reason} at position {exc.start}",
                                      param) from exc
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def refuse_unhonoured(body: GenerationRequest) -> None:
+    """A 400 naming the first vLLM field the body sets that tokenmill does not honour (best_of equal to n
+    asks for nothing more than n)."""
+    extra = body.model_extra or {}
+    for field, neutral in _UNHONOURED.items():
+        value = extra.get(field, neutral)
+        if value in (neutral, [], {}) or (field == "best_of" and value == body.n):
+            continue
+        raise RequestValidationError(f"{field} is not supported by tokenmill: leave it out", field)
+
+
+def truncated(token_ids: list[int], body: GenerationRequest, limits: RequestLimits) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation); as it is without it."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return token_ids
+    if keep == 0:
+        raise RequestValidationError("truncate_prompt_tokens must be -1 or at least 1", "truncate_prompt_tokens")
+    keep = limits.max_model_len - 1 if keep == -1 else keep
+    return token_ids[-keep:] if len(token_ids) > keep else token_ids
 
 
 def prediction_tokens(body: GenerationRequest, tokenizer: Tokenizer, limits: RequestLimits) -> list[int] | None:

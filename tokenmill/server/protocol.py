@@ -1,7 +1,8 @@
 """Request and response bodies of the OpenAI-compatible API, with OpenAI's field names.
 
 Requests validate strictly (a string is not a number, 1 is not `true`, NaN is refused) and
-ignore unknown fields, so clients written for newer API versions still work. Limits that keep
+pass unknown fields, so clients written for newer API versions still work; vLLM fields tokenmill does
+not honour (best_of, use_beam_search, bad_words, ...) are refused by name (openai_inputs). Limits that keep
 the engine safe live here: ids and seeds in range, `n` bounded, temperature within OpenAI's.
 vLLM's extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, priority, ...)
 are accepted under vLLM's names.
@@ -9,7 +10,6 @@ are accepted under vLLM's names.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
@@ -25,27 +25,6 @@ TokenIds = list[int]
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
-def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
-    """The first problem in a body (pydantic's error list) as one line, and the field it is about."""
-    if not errors:
-        return "the request body is invalid", None
-    if errors[0].get("type") == "json_invalid":  # loc is ("body", <character offset>): no field to name
-        reason = (errors[0].get("ctx") or {}).get("error", "it cannot be decoded")
-        loc = errors[0].get("loc") or ()
-        at = f" (at character {loc[-1]})" if loc and isinstance(loc[-1], int) else ""
-        return f"the request body is not valid JSON: {reason}{at}", None
-    fields = [[str(part) for part in e.get("loc", ()) if part != "body"] for e in errors]
-    param = fields[0][0] if fields[0] else None
-    messages = list(dict.fromkeys(str(e.get("msg", "invalid value")) for e in errors))
-    if param is None:
-        return messages[0], None
-    if all(f[:1] == [param] for f in fields) and len(errors) > 1:
-        # A union (prompt: str | list[str] | ...) reports one error per form it tried.
-        return f"{param}: no accepted form matches: {'; '.join(messages[:3])}", param
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return f"{'.'.join(fields[0])}: {messages[0]}{more}", param
 
 
 # ----------------------------------------------------------------------------- requests
@@ -80,6 +59,9 @@ class StructuredOutputsSpec(_Body):
 class GenerationRequest(_Body):
     """Fields both endpoints share: the model, sampling knobs, streaming and scheduling."""
 
+    # Unknown fields are kept (model_extra), so vLLM fields tokenmill does not honour are refused by name
+    # (openai_inputs.refuse_unhonoured) instead of silently ignored; other unknown fields pass.
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
     model: str | None = None  # None: the served model
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -107,6 +89,8 @@ class GenerationRequest(_Body):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # Predicted outputs: the expected answer, verified as speculative guesses (engine/spec/prediction.py)
     prediction: Prediction | None = None
+    # vLLM's: keep only the prompt's last N tokens (-1: as many as leave room for one output token)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     logit_bias: dict[str, float] | None = None
     # Structured outputs (engine/structured): OpenAI's response_format, or vLLM's extra fields.
     response_format: ResponseFormat | None = None
