@@ -74,8 +74,10 @@ ANY_PARAM = object()  # a check whose error names no field yet (SamplingParams' 
     ({"prompt": "hi", "use_beam_search": True}, "use_beam_search", "use_beam_search is not supported by tokenmill: "
      "leave it out"),
     ({"prompt": "hi", "best_of": 3}, "best_of", "best_of is not supported by tokenmill: leave it out"),
-    ({"prompt": "hi", "allowed_token_ids": [1, 2]}, "allowed_token_ids",
-     "allowed_token_ids is not supported by tokenmill: leave it out"),
+    ({"prompt": "hi", "allowed_token_ids": [1, 999]}, "allowed_token_ids",
+     "allowed_token_ids holds token id 999, outside the vocabulary [0, 263)"),
+    ({"prompt": "hi", "continue_final_message": True}, "continue_final_message",
+     "continue_final_message is not supported by tokenmill: leave it out"),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens",
      "truncate_prompt_tokens must be -1 or at least 1"),
     ({"prompt": "hi", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens",
@@ -109,6 +111,26 @@ def test_neutral_vllm_fields_and_unknown_fields_pass_and_truncation_keeps_the_pr
     refused = _error(_post(live, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                           "continue_final_message": True}), 400)
     assert refused["param"] == "continue_final_message"
+
+
+def test_allowed_token_ids_and_bad_words_through_the_openai_client(client: openai.OpenAI) -> None:
+    allowed = client.completions.create(model=MODEL, prompt="hello", max_tokens=12, temperature=0.0,
+                                        extra_body={"allowed_token_ids": [72, 105]})
+    tokens = _post_tokens(client, allowed.choices[0].text)
+    assert tokens and set(tokens) <= {72, 105}
+    plain = client.completions.create(model=MODEL, prompt="hello", max_tokens=16, temperature=0.0).choices[0].text
+    word = plain.split()[0] if plain.split() else plain[:2]
+    banned = client.completions.create(model=MODEL, prompt="hello", max_tokens=16, temperature=0.0,
+                                       extra_body={"bad_words": [word]}).choices[0].text
+    assert word not in banned and banned != plain
+    with pytest.raises(openai.BadRequestError, match="bad_words must be non-empty words"):
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=2, extra_body={"bad_words": [" "]})
+
+
+def _post_tokens(client: openai.OpenAI, text: str) -> list[int]:
+    response = httpx.post(f"{client.base_url}".removesuffix("/v1/") + "/tokenize",
+                          json={"prompt": text, "add_special_tokens": False}, timeout=30)
+    return list(response.json()["tokens"])
 
 
 def test_malformed_json_is_400(live: LiveServer) -> None:

@@ -43,6 +43,8 @@ class RequestLimits:
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         self.check_token_ids(list(params.logit_bias or ()), "logit_bias")
         self.check_token_ids(params.prediction or [], "prediction")
+        self.check_token_ids(params.allowed_token_ids or [], "allowed_token_ids")
+        self.check_token_ids([t for word in params.bad_words_token_ids or [] for t in word], "bad_words")
 
     def resolve_max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
         """The output budget, as the OpenAI API defines it: as asked if prompt + it fits the

@@ -61,10 +61,11 @@ def async_scheduling_enabled(mode: str, speculative: bool) -> bool:
 
 def overlappable(request: Request) -> bool:
     """A request whose next step may be built before its last token is known on the host: its sampling
-    does not read its own tokens (penalties, min_tokens' count, a grammar's state do). Seeds, logprobs,
-    prompt logprobs and logit bias are fine: their state lives on the device thread or is static."""
+    does not read its own tokens (penalties, min_tokens' count, a grammar's state, bad words do). Seeds,
+    logprobs, prompt logprobs, logit bias and allowed token ids are fine: their state lives on the device
+    thread or is static."""
     p = request.params
-    return not (p.uses_penalties or p.min_tokens or p.structured is not None)
+    return not (p.uses_penalties or p.min_tokens or p.structured is not None or p.bad_words_token_ids)
 
 
 # Scheduling of step N + 1 starts this long, plus twice the recent time it took, before step N is

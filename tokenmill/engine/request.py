@@ -63,6 +63,9 @@ class SamplingParams:
     # speculator (engine/spec/prediction.py; one for predictions alone where no method is set, unless steps
     # overlap); never changes the output
     prediction: list[int] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled (the rest masked)
+    # vLLM's bad_words as token sequences: a sequence's last token is banned where the output ends with the rest
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +87,8 @@ class SamplingParams:
             (all(s for s in self.stop), "stop strings must be non-empty"),
             (not self.logit_bias or all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
              "logit_bias values must be in [-100, 100]"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty"),
+            (not self.bad_words_token_ids or all(self.bad_words_token_ids), "bad words must not be empty"),
         ]
         for ok, message in checks:
             if not ok:

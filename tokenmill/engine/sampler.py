@@ -256,6 +256,8 @@ class Sampler:
             if p.logit_bias:  # first, as vLLM: the penalties below then see the biased logits
                 ids, bias = _bias_tensors(p.logit_bias, logits.device, logits.dtype)
                 logits[row].index_add_(0, ids, bias)
+            if p.allowed_token_ids is not None or p.bad_words_token_ids:
+                _mask_tokens(logits[row], request, extra[row] if extra is not None else [])
             if not p.uses_penalties:
                 continue
             more = extra[row] if extra is not None else []
@@ -330,13 +332,35 @@ def edits_logits(request: Request) -> bool:
     """Whether sampling rewrites the request's logits before choosing (penalties, min_tokens, a grammar's
     mask): the rows are then processed on a copy, the raw ones kept for logprobs."""
     p = request.params
-    return p.uses_penalties or bool(p.min_tokens) or p.structured is not None or bool(p.logit_bias)
+    return (p.uses_penalties or bool(p.min_tokens) or p.structured is not None or bool(p.logit_bias)
+            or p.allowed_token_ids is not None or bool(p.bad_words_token_ids))
 
 
 def _bias_tensors(bias: dict[int, float], device: torch.device,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.tensor(list(bias), device=device, dtype=torch.long),
             torch.tensor(list(bias.values()), device=device, dtype=dtype))
+
+
+def _mask_tokens(row: torch.Tensor, request: Request, more: list[int]) -> None:
+    """allowed_token_ids: every other token to -inf; bad words: each word's last token to -inf where the
+    output (plus `more`, proposals being verified) ends with the word's other tokens. Where the two leave
+    nothing to sample, the allowed tokens win (a row must keep a finite logit)."""
+    p = request.params
+    kept: torch.Tensor | None = None
+    if p.allowed_token_ids is not None:
+        ids = torch.tensor(p.allowed_token_ids, device=row.device, dtype=torch.long)
+        kept = row[ids].clone()
+        row.fill_(float("-inf"))
+        row[ids] = kept
+    if p.bad_words_token_ids:
+        output = request.output_token_ids + more
+        for word in p.bad_words_token_ids:
+            head = word[:-1]
+            if not head or output[len(output) - len(head):] == head:
+                row[word[-1]] = float("-inf")
+        if kept is not None and bool(torch.isinf(row).all()):
+            row[ids] = kept
 
 
 def _mask_early_stop(logits: torch.Tensor, requests: list[Request],

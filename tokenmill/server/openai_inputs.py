@@ -28,9 +28,8 @@ _GREEDY_BELOW = 1e-5  # vLLM's threshold: smaller temperatures overflow the logi
 # vLLM request fields tokenmill does not honour, with the value that asks for nothing: any other value is a
 # 400 naming the field (a client relying on it must not get an answer that silently ignored it)
 _UNHONOURED: dict[str, object] = {
-    "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
-    "continue_final_message": False, "chat_template_kwargs": None, "prompt_logprobs": None,
-    "guided_whitespace_pattern": None}
+    "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "continue_final_message": False,
+    "chat_template_kwargs": None, "prompt_logprobs": None, "guided_whitespace_pattern": None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +60,14 @@ def completion_inputs(body: CompletionRequest, tokenizer: Tokenizer, limits: Req
                                      "prompt would lose its frame)", "truncate_prompt_tokens")
     prompts = [replace(p, token_ids=truncated(p.token_ids, body, limits), cache_salt=body.cache_salt) for p in prompts]
     prediction = prediction_tokens(body, tokenizer, limits)
+    bad_words = bad_words_tokens(body, tokenizer)
     children: list[ChildRequest] = []
     prompt_logprobs = body.logprobs if body.echo else None
     for i, prompt in enumerate(prompts):
         max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_tokens)
         params = sampling_params(body, limits, max_tokens, body.logprobs, prompt_logprobs)
         params = replace(params, structured=structured, stop_token_ids=[*params.stop_token_ids, *stops],
-                         prediction=prediction)
+                         prediction=prediction, bad_words_token_ids=bad_words)
         children.extend(fan_out(i, prompt, params))
     return EngineInputs(prompts, children)
 
@@ -103,7 +103,8 @@ def chat_inputs(body: ChatRequest, tokenizer: Tokenizer, limits: RequestLimits,
     max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_output_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = replace(sampling_params(body, limits, max_tokens, logprobs, None), structured=structured,
-                     prediction=prediction_tokens(body, tokenizer, limits))
+                     prediction=prediction_tokens(body, tokenizer, limits),
+                     bad_words_token_ids=bad_words_tokens(body, tokenizer))
     return EngineInputs([prompt], fan_out(0, prompt, params), plan)
 
 
@@ -195,6 +196,21 @@ def refuse_unhonoured(body: GenerationRequest) -> None:
         raise RequestValidationError(f"{field} is not supported by tokenmill: leave it out", field)
 
 
+def bad_words_tokens(body: GenerationRequest, tokenizer: Tokenizer) -> list[list[int]] | None:
+    """Each bad word as the model would write it, alone and after a space (as vLLM bans it)."""
+    if not body.bad_words:
+        return None
+    out: list[list[int]] = []
+    for word in body.bad_words:
+        if not word.strip():
+            raise RequestValidationError("bad_words must be non-empty words", "bad_words")
+        for text in (word, " " + word.lstrip()):
+            tokens = encode_text(tokenizer, text, "bad_words", add_special_tokens=False)
+            if tokens and tokens not in out:
+                out.append(tokens)
+    return out
+
+
 def truncated(token_ids: list[int], body: GenerationRequest, limits: RequestLimits) -> list[int]:
     """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation); as it is without it."""
     keep = body.truncate_prompt_tokens
@@ -262,6 +278,7 @@ def sampling_params(body: GenerationRequest, limits: RequestLimits, max_tokens: 
                     prompt_logprobs: int | None) -> SamplingParams:
     logit_bias = _logit_bias(body.logit_bias)
     limits.check_token_ids(list(logit_bias or ()), "logit_bias")
+    limits.check_token_ids(body.allowed_token_ids or [], "allowed_token_ids")
     stop_token_ids = body.stop_token_ids or []
     limits.check_token_ids(stop_token_ids, "stop_token_ids")
     if any(not s for s in body.stop_strings):
@@ -273,7 +290,8 @@ def sampling_params(body: GenerationRequest, limits: RequestLimits, max_tokens: 
         frequency_penalty=body.frequency_penalty, seed=body.seed, n=body.n, stop=body.stop_strings,
         stop_token_ids=list(stop_token_ids), include_stop_str_in_output=body.include_stop_str_in_output,
         ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens, logit_bias=logit_bias)
+        prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens, logit_bias=logit_bias,
+        allowed_token_ids=body.allowed_token_ids)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -2,7 +2,7 @@
 
 Requests validate strictly (a string is not a number, 1 is not `true`, NaN is refused) and
 pass unknown fields, so clients written for newer API versions still work; vLLM fields tokenmill does
-not honour (best_of, use_beam_search, bad_words, ...) are refused by name (openai_inputs). Limits that keep
+not honour (best_of, use_beam_search, continue_final_message, ...) are refused by name (openai_inputs). Limits that keep
 the engine safe live here: ids and seeds in range, `n` bounded, temperature within OpenAI's.
 vLLM's extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, priority, ...)
 are accepted under vLLM's names.
@@ -91,6 +91,8 @@ class GenerationRequest(_Body):
     prediction: Prediction | None = None
     # vLLM's: keep only the prompt's last N tokens (-1: as many as leave room for one output token)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1)  # vLLM's: only these may be sampled
+    bad_words: list[str] | None = Field(default=None, max_length=64)  # vLLM's: words never generated
     logit_bias: dict[str, float] | None = None
     # Structured outputs (engine/structured): OpenAI's response_format, or vLLM's extra fields.
     response_format: ResponseFormat | None = None
