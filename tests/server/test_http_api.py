@@ -76,8 +76,8 @@ ANY_PARAM = object()  # a check whose error names no field yet (SamplingParams' 
     ({"prompt": "hi", "best_of": 3}, "best_of", "best_of is not supported by tokenmill: leave it out"),
     ({"prompt": "hi", "allowed_token_ids": [1, 999]}, "allowed_token_ids",
      "allowed_token_ids holds token id 999, outside the vocabulary [0, 263)"),
-    ({"prompt": "hi", "continue_final_message": True}, "continue_final_message",
-     "continue_final_message is not supported by tokenmill: leave it out"),
+    ({"prompt": "hi", "length_penalty": 0.5}, "length_penalty", "length_penalty is not supported by tokenmill: "
+     "leave it out"),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens",
      "truncate_prompt_tokens must be -1 or at least 1"),
     ({"prompt": "hi", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens",
@@ -131,6 +131,31 @@ def _post_tokens(client: openai.OpenAI, text: str) -> list[int]:
     response = httpx.post(f"{client.base_url}".removesuffix("/v1/") + "/tokenize",
                           json={"prompt": text, "add_special_tokens": False}, timeout=30)
     return list(response.json()["tokens"])
+
+
+def test_continue_final_message_leaves_the_answer_open_and_template_kwargs_reach_the_template(
+        live: LiveServer) -> None:
+    from tokenmill.server.openai_inputs import chat_prompt
+    from tokenmill.server.protocol import ChatMessage
+
+    prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    tokenizer = live.engine.tokenizer
+    messages = [ChatMessage(**m) for m in prefill]
+    opened = chat_prompt(tokenizer, messages, False, continue_final=True).text or ""
+    closed = chat_prompt(tokenizer, messages, False).text or ""
+    assert opened.endswith("The answer is") and closed.startswith(opened) and len(closed) > len(opened)
+    ok = _post(live, "/v1/chat/completions", {"messages": prefill, "max_tokens": 2, "add_generation_prompt": False,
+                                              "continue_final_message": True, "chat_template_kwargs": {"x": 1}})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(opened, add_special_tokens=False))
+    for body, message in [
+        ({"continue_final_message": True}, "needs add_generation_prompt: false"),
+        ({"continue_final_message": True, "add_generation_prompt": False, "messages": prefill[:1]},
+         "needs the last message to be an assistant's"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs may not set messages"),
+    ]:
+        error = _error(_post(live, "/v1/chat/completions", {"messages": prefill, "max_tokens": 2, **body}), 400)
+        assert message in error["message"], error
 
 
 def test_malformed_json_is_400(live: LiveServer) -> None:

@@ -28,8 +28,11 @@ _GREEDY_BELOW = 1e-5  # vLLM's threshold: smaller temperatures overflow the logi
 # vLLM request fields tokenmill does not honour, with the value that asks for nothing: any other value is a
 # 400 naming the field (a client relying on it must not get an answer that silently ignored it)
 _UNHONOURED: dict[str, object] = {
-    "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "continue_final_message": False,
-    "chat_template_kwargs": None, "prompt_logprobs": None, "guided_whitespace_pattern": None}
+    "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None,
+    "guided_whitespace_pattern": None}
+# What the chat template is rendered with already: chat_template_kwargs may not replace it
+_TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
+                                "raise_exception", "strftime_now"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +101,8 @@ def chat_inputs(body: ChatRequest, tokenizer: Tokenizer, limits: RequestLimits,
                                          "format: drop response_format (or the guided_* field)", "tool_choice")
         structured = forced
     structured = _compiled(structured, grammars)
-    prompt = chat_prompt(tokenizer, body.messages, body.add_generation_prompt, body.tools)
+    prompt = chat_prompt(tokenizer, body.messages, body.add_generation_prompt, body.tools,
+                         continue_final=body.continue_final_message, template_kwargs=body.chat_template_kwargs)
     prompt = replace(prompt, token_ids=truncated(prompt.token_ids, body, limits), cache_salt=body.cache_salt)
     max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_output_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -255,9 +259,21 @@ def completion_prompts(tokenizer: Tokenizer, limits: RequestLimits, prompt: str 
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
-                tools: list[dict[str, Any]] | None = None) -> EncodedPrompt:
+                tools: list[dict[str, Any]] | None = None, *, continue_final: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> EncodedPrompt:
+    """The prompt the model's chat template makes of `messages`. `continue_final`: cut right after the last
+    (assistant) message's text, so the model continues it (as vLLM's continue_final_message)."""
     plain = template_messages([message.as_template_input() for message in messages])
     extra: dict[str, Any] = {"tools": tools} if tools else {}  # templates test `tools` for being defined
+    reserved = sorted(_TEMPLATE_RESERVED.intersection(template_kwargs or {}))
+    if reserved:
+        raise RequestValidationError(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    extra.update(template_kwargs or {})
+    final = _final_text(messages) if continue_final else None
+    if final is not None and add_generation_prompt:
+        raise RequestValidationError("continue_final_message needs add_generation_prompt: false (the model "
+                                     "continues the last message instead of starting a new one)",
+                                     "continue_final_message")
     try:
         text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, **extra)
     except TokenmillError:
@@ -265,8 +281,25 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage], add_generatio
     except Exception as exc:  # templates are code from the model: any error there is about these messages
         raise RequestValidationError(f"the chat template failed on these messages: {type(exc).__name__}: {exc}",
                                      "messages") from exc
+    if final is not None:
+        end = text.rfind(final)
+        if end < 0:
+            raise RequestValidationError("continue_final_message: the chat template does not write the last "
+                                         "message's text as it is", "continue_final_message")
+        text = text[:end + len(final)]
     # The template writes BOS itself where the model wants it.
     return EncodedPrompt(text, encode_text(tokenizer, text, "messages", add_special_tokens=False))
+
+
+def _final_text(messages: list[ChatMessage]) -> str:
+    """The text of the last message, which continue_final_message leaves open: an assistant's, non-empty."""
+    last = messages[-1]
+    content = last.content if isinstance(last.content, str) else "".join(
+        part.text or "" for part in last.content or [] if part.type == "text")
+    if last.role != "assistant" or not content:
+        raise RequestValidationError("continue_final_message needs the last message to be an assistant's, with "
+                                     "text", "continue_final_message")
+    return content
 
 
 def _refuse_unsupported_chat(body: ChatRequest) -> None:

@@ -2,7 +2,7 @@
 
 Requests validate strictly (a string is not a number, 1 is not `true`, NaN is refused) and
 pass unknown fields, so clients written for newer API versions still work; vLLM fields tokenmill does
-not honour (best_of, use_beam_search, continue_final_message, ...) are refused by name (openai_inputs). Limits that keep
+not honour (best_of, use_beam_search, length_penalty, ...) are refused by name (openai_inputs). Limits that keep
 the engine safe live here: ids and seeds in range, `n` bounded, temperature within OpenAI's.
 vLLM's extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, priority, ...)
 are accepted under vLLM's names.
@@ -157,6 +157,9 @@ class ChatRequest(GenerationRequest):
     tool_choice: str | dict[str, Any] | None = None  # "auto" (default with tools), "none", "required", named
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    # vLLM's: the last (assistant) message is left open for the model to continue (a prefilled answer)
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
 
     @property
     def max_output_tokens(self) -> int | None:
