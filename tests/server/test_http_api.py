@@ -148,6 +148,9 @@ def test_continue_final_message_leaves_the_answer_open_and_template_kwargs_reach
                                               "continue_final_message": True, "chat_template_kwargs": {"x": 1}})
     assert ok.status_code == 200, ok.text
     assert ok.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(opened, add_special_tokens=False))
+    counted = _post(live, "/tokenize", {"messages": prefill, "add_generation_prompt": False,
+                                        "continue_final_message": True}).json()["count"]
+    assert counted == ok.json()["usage"]["prompt_tokens"]  # /tokenize counts the prompt the chat ran
     for body, message in [
         ({"continue_final_message": True}, "needs add_generation_prompt: false"),
         ({"continue_final_message": True, "add_generation_prompt": False, "messages": prefill[:1]},

@@ -177,6 +177,8 @@ class TokenizeChatRequest(_Body):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # as ChatRequest's: the prompt a chat request would run
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # the template writes BOS itself where the model wants it
     return_token_strs: bool = False
 

@@ -28,7 +28,9 @@ async def tokenize(body: TokenizeTextRequest | TokenizeChatRequest, request: Req
     if isinstance(body, TokenizeTextRequest):
         token_ids = encode_text(engine.tokenizer, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
     else:
-        token_ids = chat_prompt(engine.tokenizer, body.messages, body.add_generation_prompt).token_ids
+        token_ids = chat_prompt(engine.tokenizer, body.messages, body.add_generation_prompt,
+                                continue_final=body.continue_final_message,
+                                template_kwargs=body.chat_template_kwargs).token_ids
     strs = [engine.tokenizer.id_to_token(t) or "" for t in token_ids] if body.return_token_strs else None
     return TokenizeResponse(count=len(token_ids), max_model_len=engine.max_model_len, tokens=token_ids,
                             token_strs=strs)
