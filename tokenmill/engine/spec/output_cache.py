@@ -56,6 +56,21 @@ def key_of(tokens: Sequence[int]) -> int:
     return h
 
 
+def ngram_keys(tokens: np.ndarray, max_n: int) -> list[np.ndarray]:
+    """keys[n - 1][i] = key_of(tokens[i - n:i]) for every i in [n, len) (0 below n): each n-gram's key at
+    the position its continuation starts. With K_0 = 0, K_n(i) = K_{n-1}(i - 1) * M + tokens[i - 1];
+    numpy's int64 arithmetic wraps mod 2**64 as key_of does."""
+    length = len(tokens)
+    previous = np.zeros(length, dtype=np.int64)  # K_{n-1}
+    out = []
+    for n in range(1, max_n + 1):
+        current = np.zeros(length, dtype=np.int64)
+        current[n:] = previous[n - 1:length - 1] * _MULTIPLIER + tokens[n - 1:length - 1]
+        out.append(current)
+        previous = current
+    return out
+
+
 class OutputCache:
     def __init__(self, min_n: int, max_n: int, max_tokens: int) -> None:
         assert 1 <= min_n <= max_n and max_tokens >= 0
@@ -125,22 +140,16 @@ class OutputCache:
 
     def _keys(self, seq_id: int, tokens: list[int], first: int,
               salt: int) -> list[tuple[int, list[int], list[int]]]:
-        """Per n, the keys of the n-grams ending just before each position i >= max(first, n) (where their
-        continuation starts) and their entries. With K_0 = 0, K_n(i) = K_{n-1}(i - 1) * M + tokens[i - 1]
-        is key_of(tokens[i - n:i]); numpy's int64 arithmetic wraps mod 2**64 as key_of does."""
-        t = np.asarray(tokens, dtype=np.int64)
-        length = len(t)
+        """Per n, the keys (ngram_keys, XOR the salt) of the n-grams ending just before each position
+        i >= max(first, n) (where their continuation starts) and their entries."""
+        length = len(tokens)
         base = seq_id << _SEQ_SHIFT
-        previous = np.zeros(length, dtype=np.int64)  # K_{n-1}
         out = []
-        for n in range(1, self.max_n + 1):
-            current = np.zeros(length, dtype=np.int64)
-            current[n:] = previous[n - 1:length - 1] * _MULTIPLIER + t[n - 1:length - 1]
+        for n, keys in enumerate(ngram_keys(np.asarray(tokens, dtype=np.int64), self.max_n), start=1):
             low = max(first, n)
             if n >= self.min_n and low < length:
-                keys = current[low:] ^ np.int64(salt) if salt else current[low:]
-                out.append((n, keys.tolist(), list(range(base + low, base + length))))
-            previous = current
+                cut = keys[low:] ^ np.int64(salt) if salt else keys[low:]
+                out.append((n, cut.tolist(), list(range(base + low, base + length))))
         return out
 
     def _evict_oldest(self) -> None:

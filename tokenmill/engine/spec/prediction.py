@@ -20,32 +20,36 @@ itself and a few after it; the copy resumes once 2+ tokens of the prediction's t
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+
+import numpy as np
 
 from tokenmill.engine.request import Request
 from tokenmill.engine.spec.base import ProposalGate, Proposer
+from tokenmill.engine.spec.output_cache import key_of, ngram_keys
 
 MAX_N = 4  # longest suffix of the output looked up when re-aligning
 WINDOW = 16  # how far ahead of the old position a single matching token re-aligns
 
 
-@dataclass(slots=True)
 class PredictionCursor:
-    """One request's prediction and where its output stands in it."""
+    """One request's prediction and where its output stands in it.
 
-    tokens: list[int]
-    pos: int | None = 0  # the prediction index of the next expected output token; None: not aligned
-    seen: int = 0  # output tokens consumed so far
-    anchor: int = 0  # the last aligned position (where a re-alignment looks first)
-    # (n-gram of the prediction) → end indices j (tokens[j - n:j] is the n-gram), ascending
-    _ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    Index: for n = 2..MAX_N, every n-gram's key (output_cache.ngram_keys: the 64-bit polynomial hash) at
+    the position its continuation starts, sorted (stable, so equal keys keep their positions ascending):
+    ~48 bytes a prediction token, where a dict of tuples took ~10x that (a 32k-token prediction is 1.5 MB).
+    A key match is checked against the tokens themselves (a collision is only a missed re-alignment)."""
 
-    def __post_init__(self) -> None:
-        for n in range(1, MAX_N + 1):
-            for j in range(n, len(self.tokens) + 1):
-                self._ends.setdefault(tuple(self.tokens[j - n:j]), []).append(j)
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.pos: int | None = 0  # the prediction index of the next expected output token; None: not aligned
+        self.seen = 0  # output tokens consumed so far
+        self.anchor = 0  # the last aligned position (where a re-alignment looks first)
+        keys = ngram_keys(np.asarray(tokens, dtype=np.int64), MAX_N)
+        self._sorted: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n → (sorted keys, their positions)
+        for n in range(2, MAX_N + 1):
+            positions = np.argsort(keys[n - 1][n:], kind="stable") + n
+            self._sorted[n] = (keys[n - 1][positions], positions)
 
     def advance(self, output: Sequence[int]) -> None:
         """Take in the output tokens past those already seen (output = the request's output so far)."""
@@ -66,15 +70,17 @@ class PredictionCursor:
         return self.tokens[self.pos:self.pos + k]
 
     def _realign(self, output: Sequence[int], end: int) -> int | None:
-        before = self.anchor
         for n in range(min(MAX_N, end), 1, -1):
-            ends = self._ends.get(tuple(output[end - n:end]))
-            if ends:
-                i = bisect.bisect_left(ends, before)
-                return ends[i] if i < len(ends) else ends[0]
-        ends = self._ends.get((output[end - 1],), [])
-        i = bisect.bisect_right(ends, before)
-        return ends[i] if i < len(ends) and ends[i] <= before + WINDOW else None
+            tail = list(output[end - n:end])
+            keys, positions = self._sorted[n]
+            key = key_of(tail)
+            lo, hi = np.searchsorted(keys, key, "left"), np.searchsorted(keys, key, "right")
+            found = [int(j) for j in positions[lo:hi] if self.tokens[int(j) - n:int(j)] == tail]
+            if found:
+                return next((j for j in found if j >= self.anchor), found[0])
+        last = output[end - 1]
+        window = self.tokens[self.anchor:self.anchor + WINDOW]
+        return self.anchor + window.index(last) + 1 if last in window else None
 
 
 class Predictions:
