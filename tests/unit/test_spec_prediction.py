@@ -69,3 +69,15 @@ def test_the_speculator_proposes_the_prediction_ahead_of_its_lookup() -> None:
     lost = _decoding("r", [1, 2, 3, 1, 2], [7, 7], PREDICTION)  # not aligned: the lookup's guess again
     speculator.propose([lost])
     assert not lost.spec_from_prediction
+
+
+def test_a_repeated_ngram_realigns_at_its_first_occurrence_after_the_last_position() -> None:
+    """The output copied the prediction to position 10, wrote something else, then two tokens the
+    prediction has twice (at its start and after position 40): the copy resumes at the later one."""
+    prediction = [1, 2, 3, *range(10, 50), 1, 2, 3, 50, 51]
+    cursor = PredictionCursor(prediction)
+    cursor.advance([*prediction[:10], 99, 1, 2])
+    assert cursor.guess(3) == [3, 50, 51]
+    early = PredictionCursor(prediction)
+    early.advance([99, 1, 2])  # nothing copied yet: the first occurrence is at or after position 0
+    assert early.guess(2) == [3, 10]
