@@ -66,6 +66,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=320)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--context-tokens", type=int, default=0, help="other source code first, in tokens")
+    p.add_argument("--only-k", type=int, default=None, help="K of the prediction-only mode (default: its own)")
     p.add_argument("--tag", default="")
     return p.parse_args()
 
@@ -82,7 +83,8 @@ def main() -> None:
 
     speculator = llm.core.speculator
     speculators = {"plain": None, "ngram": speculator, "prediction": speculator,
-                   "prediction-only": predictions_only_speculator(llm.core.max_model_len)}
+                   "prediction-only": predictions_only_speculator(llm.core.max_model_len, *(
+                       [args.only_k] if args.only_k else []))}
     counter = StepCounter(llm.core)
     base = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     rows = []

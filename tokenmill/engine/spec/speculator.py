@@ -260,12 +260,13 @@ def build_speculator(config: SpeculativeConfig, model_config: ModelConfig, targe
     return Speculator(config, proposer, max_model_len)
 
 
-def predictions_only_speculator(max_model_len: int) -> Speculator:
+def predictions_only_speculator(max_model_len: int, k: int = DEFAULT_SPECULATIVE_TOKENS["ngram"]) -> Speculator:
     """A speculator for an engine started without a method: requests' predictions only (spec/prediction.py),
-    up to 7 a step (ngram's K: a copied span is what a prediction is), priced by the same controller."""
+    up to k a step (ngram's K by default: a copied span is what a prediction is), priced by the same
+    controller."""
     from tokenmill.engine.spec.prediction import PredictionsOnly
 
-    return Speculator(SpeculativeConfig(None, DEFAULT_SPECULATIVE_TOKENS["ngram"]), PredictionsOnly(), max_model_len)
+    return Speculator(SpeculativeConfig(None, k), PredictionsOnly(), max_model_len)
 
 
 def _lookup_proposer(config: SpeculativeConfig, method: str) -> Proposer:
