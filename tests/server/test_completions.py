@@ -56,6 +56,19 @@ def test_stream_include_usage_ends_with_a_usage_chunk(client: openai.OpenAI, liv
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client: openai.OpenAI) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(_complete(client, "hello", max_tokens=6, stream=True, stream_options=options, **GREEDY))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+    assert len(counts) == len([c for c in chunks if c.choices]) and counts == sorted(counts) and counts[-1] == 6
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    chats = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4, temperature=0.0, stream=True,
+                                                stream_options=options))  # type: ignore[arg-type]
+    assert all(c.usage is not None for c in chats[1:])  # the opening role chunk has none yet
+    assert chats[-1].usage is not None and chats[-1].usage.completion_tokens == 4
+
+
 def test_token_id_prompt_equals_text_prompt(client: openai.OpenAI, live: LiveServer) -> None:
     by_text = _complete(client, "def main():", max_tokens=6, **GREEDY).choices[0].text
     by_ids = _complete(client, _tokenize(live, "def main():"), max_tokens=6, **GREEDY).choices[0].text

@@ -136,7 +136,10 @@ class _ChatChunks:
         choice = ChatStreamChoice(index=index, delta=ChatDelta(content=content or None, tool_calls=calls or None),
                                   logprobs=self.ctx.logprobs(new_ids, new_lps), finish_reason=finish_reason,
                                   stop_reason=out.stop_reason)
-        return [self._chunk([choice])]
+        usage = None
+        if self.ctx.body.continuous_usage:  # vLLM's: the usage so far on every chunk
+            usage = Usage.of(len(self.ctx.prompt.token_ids), sum(self.num_sent_tokens.values()))
+        return [self._chunk([choice], usage)]
 
     def closing(self) -> Iterable[ChatChunk]:
         if not self.ctx.body.include_usage:

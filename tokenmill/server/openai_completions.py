@@ -118,7 +118,10 @@ class _CompletionChunks:
         choice = _choice(self.ctx, update, out.text_delta, new_ids, new_lps, self.text_offsets.get(index, 0),
                          with_prompt=update.is_first)
         self.text_offsets[index] = _next_offset(choice.logprobs, self.text_offsets.get(index, 0))
-        return [self._chunk([choice])]
+        usage = None
+        if self.ctx.body.continuous_usage:  # vLLM's: the usage so far on every chunk
+            usage = Usage.of(self.ctx.num_prompt_tokens, sum(self.num_sent_tokens.values()))
+        return [self._chunk([choice], usage)]
 
     def closing(self) -> Iterable[CompletionResponse]:
         if not self.ctx.body.include_usage:
