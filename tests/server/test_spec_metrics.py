@@ -10,7 +10,8 @@ def test_spec_counters_add_each_steps_drafts_and_per_position_acceptance() -> No
     metrics = ServerMetrics(MODEL)
     metrics.on_step(_stats(spec_num_drafts=2, spec_num_draft_tokens=8, spec_num_accepted_tokens=5,
                            spec_accepted_per_position=[2, 2, 1], spec_is_on=True, spec_num_gated_tokens=3,
-                           spec_num_forced_tokens=5), [])
+                           spec_num_forced_tokens=5, spec_num_prediction_accepted=4, spec_num_prediction_rejected=1),
+                    [])
     metrics.on_step(_stats(spec_num_drafts=1, spec_num_draft_tokens=4, spec_num_accepted_tokens=1,
                            spec_accepted_per_position=[1], spec_is_on=False, spec_cached_tokens=4096), [])
     samples = _samples(metrics)
@@ -23,6 +24,8 @@ def test_spec_counters_add_each_steps_drafts_and_per_position_acceptance() -> No
     assert _value(samples, "tokenmill:spec_decode_num_accepted_tokens_per_pos_total", position="2") == 1
     assert _value(samples, "tokenmill:spec_decode_enabled") == 0
     assert _value(samples, "tokenmill:spec_decode_suffix_cache_tokens") == 4096
+    assert _value(samples, "tokenmill:spec_decode_num_prediction_tokens_total", outcome="accepted") == 4
+    assert _value(samples, "tokenmill:spec_decode_num_prediction_tokens_total", outcome="rejected") == 1
 
 
 def test_without_speculation_the_series_stay_at_zero() -> None:

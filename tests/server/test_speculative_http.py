@@ -160,4 +160,9 @@ def test_a_server_without_speculation_takes_predictions(unspeculating_live: Live
         prediction={"type": "content", "content": answer})
     assert out.choices[0].message.content == answer
     assert out.usage is not None and out.usage.completion_tokens_details is not None
-    assert (out.usage.completion_tokens_details.accepted_prediction_tokens or 0) >= 12
+    accepted = out.usage.completion_tokens_details.accepted_prediction_tokens or 0
+    assert accepted >= 12
+    metrics = httpx.get(f"{unspeculating_live.url}/metrics").text
+    line = next(x for x in metrics.splitlines()
+                if x.startswith("tokenmill:spec_decode_num_prediction_tokens_total") and 'outcome="accepted"' in x)
+    assert float(line.split()[-1]) == accepted  # the engine's counter, summed over steps

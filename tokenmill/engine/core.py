@@ -313,6 +313,8 @@ class EngineCore:
             spec_num_gated_tokens=0 if self.speculator is None else self.speculator.last_gated,
             spec_cached_tokens=0 if self.speculator is None else self.speculator.proposer.cached_tokens,
             spec_num_forced_tokens=0 if self.speculator is None else self.speculator.last_forced,
+            spec_num_prediction_accepted=tokens.num_prediction_accepted,
+            spec_num_prediction_rejected=tokens.num_prediction_rejected,
             classes=tokens.classes, class_ttfts_s=tokens.ttfts_s_by_class,
             class_inter_token_latencies_s=tokens.inter_token_latencies_s_by_class,
             class_num_running=class_running, class_num_waiting=class_waiting)

@@ -61,6 +61,8 @@ class StepTokenStats:
     num_draft_tokens: int = 0  # proposed tokens verified
     num_accepted_tokens: int = 0  # of those, accepted
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose token i was accepted
+    num_prediction_accepted: int = 0  # of the accepted, proposed by a request's prediction
+    num_prediction_rejected: int = 0  # prediction tokens verified and refused
     classes: ClassStepStats = field(default_factory=ClassStepStats)  # what schedule() decided for this step
     ttfts_s_by_class: dict[str, list[float]] = field(default_factory=dict)
     inter_token_latencies_s_by_class: dict[str, list[float]] = field(default_factory=dict)
@@ -327,6 +329,8 @@ class Scheduler(ClassScheduling):
         if request.spec_from_prediction:
             stats.num_prediction_accepted += num_accepted
             stats.num_prediction_rejected += num_proposed - num_accepted
+            step.num_prediction_accepted += num_accepted
+            step.num_prediction_rejected += num_proposed - num_accepted
         step.num_drafts += 1
         step.num_draft_tokens += num_proposed
         step.num_accepted_tokens += num_accepted

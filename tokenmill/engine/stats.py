@@ -50,6 +50,8 @@ class StepStats:
     spec_is_on: bool | None = None
     spec_num_gated_tokens: int = 0  # draft guesses the confidence gate dropped (drafted, never verified)
     spec_num_forced_tokens: int = 0  # proposals the requests' grammars forced (counted in spec_num_draft_tokens)
+    spec_num_prediction_accepted: int = 0  # prediction tokens accepted (predicted outputs)
+    spec_num_prediction_rejected: int = 0  # prediction tokens verified and refused
     spec_cached_tokens: int = 0  # tokens of recent outputs the proposer keeps for other requests (suffix)
     # Service classes: this step's decisions, and per class the TTFTs and inter-token latencies of
     # this step's tokens and the requests running / waiting now.

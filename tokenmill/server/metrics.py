@@ -196,6 +196,9 @@ class ServerMetrics:
             "spec_decode_num_forced_tokens", "Draft tokens a request's grammar forced (structured outputs).")
         self.spec_cached_tokens = self._gauge(
             "spec_decode_suffix_cache_tokens", "Output tokens of finished requests the suffix proposer guesses from.")
+        self.spec_prediction_tokens = Counter(
+            PREFIX + "spec_decode_num_prediction_tokens", "Tokens of requests' predictions (predicted outputs) "
+            "verified, by outcome: accepted or rejected.", (*LABELS, "outcome"), registry=self.registry)
 
     # ---------------------------------------------------------------- recording
 
@@ -243,6 +246,8 @@ class ServerMetrics:
         self.spec_num_accepted_tokens.labels(model).inc(stats.spec_num_accepted_tokens)
         self.spec_num_gated_tokens.labels(model).inc(stats.spec_num_gated_tokens)
         self.spec_num_forced_tokens.labels(model).inc(stats.spec_num_forced_tokens)
+        self.spec_prediction_tokens.labels(model, "accepted").inc(stats.spec_num_prediction_accepted)
+        self.spec_prediction_tokens.labels(model, "rejected").inc(stats.spec_num_prediction_rejected)
         for position, count in enumerate(stats.spec_accepted_per_position):
             self.spec_accepted_per_pos.labels(model, str(position)).inc(count)
 
