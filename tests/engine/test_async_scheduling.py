@@ -214,6 +214,34 @@ def test_requests_added_before_schedule_make_the_next_step() -> None:
     assert_all_free(core)
 
 
+def test_a_history_reading_request_that_arrives_before_schedule_steps_synchronously() -> None:
+    """The overlap decision is taken before `before_schedule` adds what arrived: a request that reads its
+    history (penalties) arriving there must not join an overlapped step (its sampling on the device thread
+    would read the pending token the engine thread appends meanwhile: an IndexError, seen in CI)."""
+    model = tiny_model("llama")
+    core = make_core(model, async_scheduling="on")
+    core.add_request("first", PROMPTS[5], greedy(16), ())
+    tokens: dict[str, list[int]] = {"first": [], "late": []}
+    for _ in range(4):
+        for out in core.step().outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+    penalized = SamplingParams(max_tokens=6, temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5)
+    added: list[str] = []
+
+    def arrive() -> None:
+        if not added:
+            core.add_request("late", PROMPTS[3], penalized, ())
+            added.append("late")
+
+    core.before_schedule = arrive
+    while core.has_unfinished:
+        for out in core.step().outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert tokens["late"] == run_to_completion(make_core(model), [PROMPTS[3]], penalized)[0]
+    assert tokens["first"] == run_to_completion(make_core(model), [PROMPTS[5]], greedy(16))[0]
+    assert_all_free(core)
+
+
 def test_every_step_runs_on_the_device_thread() -> None:
     core = make_core(tiny_model("llama"), async_scheduling="on")
     threads: set[str] = set()

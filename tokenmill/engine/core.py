@@ -180,10 +180,14 @@ class EngineCore:
         # next step is scheduled with whatever arrived meanwhile.
         if in_flight is not None and (not overlap or in_flight.is_long or self._may_prefill()):
             drained = self._complete(pipeline.take())
-        if overlap:
-            result = self._step_overlapped(pipeline)
-        else:
-            result = self._step(lambda scheduled: pipeline.call(self._execute, scheduled))
+        result = self._step_overlapped(pipeline) if overlap else self._step_synchronously(pipeline)
+        result.outputs[:0] = drained
+        return result
+
+    def _step_synchronously(self, pipeline: StepPipeline) -> StepResult:
+        """One step on the device thread, after the running one (if any) has ended."""
+        drained = self._complete(pipeline.take())
+        result = self._step(lambda scheduled: pipeline.call(self._execute, scheduled))
         result.outputs[:0] = drained
         return result
 
@@ -228,6 +232,10 @@ class EngineCore:
             pipeline.wait_until_due(fit.predict(running.num_tokens, len(running.scheduled)))
         if self.before_schedule is not None:
             self.before_schedule()
+            # What arrived may read its history (penalties, a grammar): its sampling on the device thread
+            # would meet the pending token advance() appends meanwhile, so this step runs synchronously.
+            if not all(overlappable(r) for r in self.scheduler.requests.values()):
+                return self._step_synchronously(pipeline)
         scheduling = time.monotonic()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
