@@ -79,28 +79,25 @@ class Speculator:
             return
         forced = self._forced(decoding)
         buckets = self.proposer.buckets(decoding)
-        looked_up = self._lookups_past_forced(decoding, buckets, forced)
-        predicted = self._predicted(decoding, forced)
-        for rid in predicted:
-            looked_up.pop(rid, None)
-        forced.update(predicted)  # from here on both are the request's own tokens, point masses, no draft
+        predicted = self._predicted(decoding, forced)  # takes from `forced` the requests it serves
+        looked_up = self._lookups_past_forced(decoding, buckets, forced)  # likewise, of those left
+        own = forced | predicted  # the request's own tokens: point masses, no draft forward
         buckets = [PREDICTION_BUCKET if r.request_id in predicted else FORCED_BUCKET if r.request_id in forced else b
                    for r, b in zip(decoding, buckets, strict=True)]
-        catch_up = [0 if r.request_id in forced else c
+        catch_up = [0 if r.request_id in own else c
                     for r, c in zip(decoding, self.proposer.catch_up_tokens(decoding), strict=True)]
         plan = self.controller.plan(decoding, buckets, catch_up)
         ks = [min(k, self._room(r)) for r, k in zip(decoding, plan, strict=True)]
         chosen = [(r, k, b) for r, k, b in zip(decoding, ks, buckets, strict=True) if k > 0]
         if not chosen:
             return
-        asked = [(r, k) for r, k, _ in chosen if r.request_id not in forced and r.request_id not in looked_up]
+        asked = [(r, k) for r, k, _ in chosen if r.request_id not in own and r.request_id not in looked_up]
         gate = self.controller.gate(len(decoding)) if self.config.adaptive and self.proposer.takes_gate else None
         started = time.monotonic()
         guesses = iter(self.proposer.propose([r for r, _ in asked], [k for _, k in asked], gate) if asked else [])
-        proposals = [forced[r.request_id] if r.request_id in forced else
+        proposals = [own[r.request_id] if r.request_id in own else
                      looked_up[r.request_id] if r.request_id in looked_up else next(guesses) for r, _, _ in chosen]
-        self.last_forced = sum(min(k, len(forced[r.request_id])) for r, k, _ in chosen
-                               if r.request_id in forced and r.request_id not in predicted)
+        self.last_forced = sum(min(k, len(forced[r.request_id])) for r, k, _ in chosen if r.request_id in forced)
         self._propose_s = time.monotonic() - started
         self.last_gated = gate.dropped if gate is not None else 0
         # The proposer's last_* describe its last propose(): this step's only if it was asked.
@@ -112,7 +109,7 @@ class Speculator:
         for (request, k, bucket), tokens in zip(chosen, proposals, strict=True):
             request.spec_token_ids = tokens[:k]
             request.spec_from_prediction = request.request_id in predicted
-            q = None if request.request_id in forced else draft_probs.get(request.request_id)  # forced: point masses
+            q = None if request.request_id in own else draft_probs.get(request.request_id)  # own: point masses
             request.spec_draft_probs = q[:len(request.spec_token_ids)] if q is not None and tokens else None
             self._decode_tokens += len(request.spec_token_ids)
             if gate is not None and bucket is None:  # how often drafting for it gets past the gate (κ)
