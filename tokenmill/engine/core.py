@@ -178,9 +178,11 @@ class EngineCore:
         drained: list[EngineOutput] = []
         # A request that needs its history steps one at a time; after (or before) a prefill chunk the
         # next step is scheduled with whatever arrived meanwhile.
-        if in_flight is not None and (not overlap or in_flight.is_long or self._may_prefill()):
+        if not overlap:
+            return self._step_synchronously(pipeline)
+        if in_flight is not None and (in_flight.is_long or self._may_prefill()):
             drained = self._complete(pipeline.take())
-        result = self._step_overlapped(pipeline) if overlap else self._step_synchronously(pipeline)
+        result = self._step_overlapped(pipeline)
         result.outputs[:0] = drained
         return result
 

@@ -256,11 +256,11 @@ class Sampler:
             if p.logit_bias:  # first, as vLLM: the penalties below then see the biased logits
                 ids, bias = _bias_tensors(p.logit_bias, logits.device, logits.dtype)
                 logits[row].index_add_(0, ids, bias)
+            more = extra[row] if extra is not None else []
             if p.allowed_token_ids is not None or p.bad_words_token_ids:
-                _mask_tokens(logits[row], request, extra[row] if extra is not None else [])
+                _mask_tokens(logits[row], request, more)
             if not p.uses_penalties:
                 continue
-            more = extra[row] if extra is not None else []
             if p.repetition_penalty != 1.0:
                 # HF/vLLM: over prompt and output tokens, divide positive logits, multiply negative.
                 seen = torch.tensor(sorted(set(request.token_ids).union(more)), device=logits.device)

@@ -55,11 +55,10 @@ def cached_prompt_tokens(updates: Iterable[ChoiceUpdate]) -> int:
 def prediction_counts(updates: Iterable[ChoiceUpdate]) -> tuple[int, int] | None:
     """(accepted, rejected) prediction tokens over the choices (usage.completion_tokens_details), summed;
     None when the request sent no prediction."""
-    done = [u for u in updates if u.metrics is not None]
-    if not any(u.child.params.prediction for u in done):
+    done = [(u.child, u.metrics) for u in updates if u.metrics is not None]
+    if not any(child.params.prediction for child, _ in done):
         return None
-    return (sum(u.metrics.accepted_prediction_tokens for u in done if u.metrics is not None),
-            sum(u.metrics.rejected_prediction_tokens for u in done if u.metrics is not None))
+    return (sum(m.accepted_prediction_tokens for _, m in done), sum(m.rejected_prediction_tokens for _, m in done))
 
 
 @dataclass(slots=True)

@@ -61,16 +61,15 @@ def completion_inputs(body: CompletionRequest, tokenizer: Tokenizer, limits: Req
     if fim is not None and body.truncate_prompt_tokens is not None:
         raise RequestValidationError("truncate_prompt_tokens cannot be combined with suffix (a fill-in-the-middle "
                                      "prompt would lose its frame)", "truncate_prompt_tokens")
-    prompts = [replace(p, token_ids=truncated(p.token_ids, body, limits), cache_salt=body.cache_salt) for p in prompts]
-    prediction = prediction_tokens(body, tokenizer, limits)
-    bad_words = bad_words_tokens(body, tokenizer)
+    prompts = [_as_sent(p, body, limits) for p in prompts]
+    token_fields = _token_fields(body, tokenizer, limits)
     children: list[ChildRequest] = []
     prompt_logprobs = body.logprobs if body.echo else None
     for i, prompt in enumerate(prompts):
         max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_tokens)
         params = sampling_params(body, limits, max_tokens, body.logprobs, prompt_logprobs)
         params = replace(params, structured=structured, stop_token_ids=[*params.stop_token_ids, *stops],
-                         prediction=prediction, bad_words_token_ids=bad_words)
+                         **token_fields)
         children.extend(fan_out(i, prompt, params))
     return EngineInputs(prompts, children)
 
@@ -103,12 +102,11 @@ def chat_inputs(body: ChatRequest, tokenizer: Tokenizer, limits: RequestLimits,
     structured = _compiled(structured, grammars)
     prompt = chat_prompt(tokenizer, body.messages, body.add_generation_prompt, body.tools,
                          continue_final=body.continue_final_message, template_kwargs=body.chat_template_kwargs)
-    prompt = replace(prompt, token_ids=truncated(prompt.token_ids, body, limits), cache_salt=body.cache_salt)
+    prompt = _as_sent(prompt, body, limits)
     max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_output_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = replace(sampling_params(body, limits, max_tokens, logprobs, None), structured=structured,
-                     prediction=prediction_tokens(body, tokenizer, limits),
-                     bad_words_token_ids=bad_words_tokens(body, tokenizer))
+                     **_token_fields(body, tokenizer, limits))
     return EngineInputs([prompt], fan_out(0, prompt, params), plan)
 
 
@@ -187,6 +185,17 @@ def encode_text(tokenizer: Tokenizer, text: str, param: str, add_special_tokens:
         raise RequestValidationError(f"{param} is not valid UTF-8 text: {exc.reason} at position {exc.start}",
                                      param) from exc
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _as_sent(prompt: EncodedPrompt, body: GenerationRequest, limits: RequestLimits) -> EncodedPrompt:
+    """The prompt as the engine runs it: cut to `truncate_prompt_tokens`, under the body's cache salt."""
+    return replace(prompt, token_ids=truncated(prompt.token_ids, body, limits), cache_salt=body.cache_salt)
+
+
+def _token_fields(body: GenerationRequest, tokenizer: Tokenizer, limits: RequestLimits) -> dict[str, Any]:
+    """The SamplingParams fields both endpoints tokenize from the body, once for all its prompts."""
+    return {"prediction": prediction_tokens(body, tokenizer, limits),
+            "bad_words_token_ids": bad_words_tokens(body, tokenizer)}
 
 
 def refuse_unhonoured(body: GenerationRequest) -> None:
