@@ -83,3 +83,18 @@ def test_a_lookup_valid_for_all_k_tokens_wins_over_a_longer_forced_run() -> None
     speculator.propose(requests)
     assert requests[0].spec_token_ids == [1, 2, 3, 4, 10, 11, 12]
     assert requests[1].spec_token_ids == [70] * 7
+
+
+def test_a_prediction_the_grammar_refuses_does_not_displace_a_lookup_it_allows() -> None:
+    """Forced [7, 8]; the lookup guesses 7 8 9 ..., valid; the prediction says 50 51 ..., which the grammar
+    refuses: the lookup is the proposal. Where the prediction is valid it wins (its own bucket)."""
+    from dataclasses import replace
+
+    lookup = [5, 6, 7, 8, 9, 5, 6]
+    refused, allowed = _decoding("refused", lookup), _decoding("allowed", lookup)
+    refused.params = replace(refused.params, prediction=[50, 51, 52])
+    allowed.params = replace(allowed.params, prediction=[7, 8, 60])
+    speculator = _speculator({"refused": [7, 8], "allowed": [7, 8]}, {"refused": {50}})
+    speculator.propose([refused, allowed])
+    assert refused.spec_token_ids == [7, 8, 9, 5, 6, 7, 8] and not refused.spec_from_prediction
+    assert allowed.spec_token_ids == [7, 8, 60] and allowed.spec_from_prediction
