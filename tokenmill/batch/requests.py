@@ -26,7 +26,8 @@ from tokenmill.errors import RequestValidationError, TokenmillError
 from tokenmill.models.loading.tokenizer import Tokenizer
 from tokenmill.server.openai_inputs import chat_inputs, completion_inputs, requested_service_class
 from tokenmill.server.openai_tools import ToolPlan, parse_tool_calls, tool_calls_out
-from tokenmill.server.protocol import ChatMessageOut, ChatRequest, CompletionRequest
+from tokenmill.server.protocol import ChatRequest, CompletionRequest
+from tokenmill.server.responses import ChatMessageOut
 from tokenmill.server.validation_errors import describe_validation_errors
 
 _BodyT = TypeVar("_BodyT", CompletionRequest, ChatRequest)
@@ -115,11 +116,13 @@ def build_request(custom_id: str, endpoint: Endpoint, body: dict[str, Any], toke
     try:
         if endpoint is Endpoint.CHAT:
             chat = _parse(ChatRequest, body)
-            _refuse_logprobs({"logprobs": chat.logprobs, "top_logprobs": chat.top_logprobs})
+            _refuse_logprobs({"logprobs": chat.logprobs, "top_logprobs": chat.top_logprobs or None,
+                              "prompt_logprobs": chat.prompt_logprobs})
             inputs, parsed = chat_inputs(chat, tokenizer, limits, grammars), chat
         else:
             completion = _parse(CompletionRequest, body)
-            _refuse_logprobs({"logprobs": completion.logprobs, "echo": completion.echo})
+            _refuse_logprobs({"logprobs": completion.logprobs, "echo": completion.echo,
+                              "prompt_logprobs": completion.prompt_logprobs})
             inputs, parsed = completion_inputs(completion, tokenizer, limits, grammars), completion
         service_class = requested_service_class(parsed) or ServiceClass.BATCH
         return BatchRequest(custom_id, endpoint, inputs.prompts, inputs.children, service_class, parsed.priority,
@@ -140,7 +143,8 @@ def _parse(model: type[_BodyT], body: dict[str, Any]) -> _BodyT:
 
 def _refuse_logprobs(fields: dict[str, object]) -> None:
     # Silently ignoring these would hand back results that look right and are not what was asked.
-    asked = next((name for name, value in fields.items() if value), None)
+    # 0 asks for something (the chosen token's logprob), so only None and False ask for nothing
+    asked = next((name for name, value in fields.items() if value is not None and value is not False), None)
     if asked is not None:
         raise BatchLineError("logprobs and echo are not supported by tokenmill batch yet: use tokenmill serve",
                              param=asked)

@@ -17,19 +17,20 @@ from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.engine.service_class import ServiceClass
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_counts
-from tokenmill.server.logprob_format import chat_logprobs
+from tokenmill.server.logprob_format import chat_logprobs, prompt_logprobs
 from tokenmill.server.openai_inputs import chat_inputs
 from tokenmill.server.openai_tools import ToolPlan, ToolStream, parse_tool_calls, tool_calls_out
 from tokenmill.server.pipeline import collect, get_state, now_s, salted, service_class_for, start_run
-from tokenmill.server.protocol import (
+from tokenmill.server.protocol import ChatRequest
+from tokenmill.server.responses import (
     ChatChoice,
     ChatChunk,
     ChatDelta,
     ChatLogprobs,
     ChatMessageOut,
-    ChatRequest,
     ChatResponse,
     ChatStreamChoice,
+    PromptLogprobs,
     ToolCallDelta,
     Usage,
 )
@@ -61,7 +62,8 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     usage = Usage.of(len(prompt.token_ids), sum(len(u.output.token_ids) for u in last.values()),
                      cached_prompt_tokens(last.values()), prediction_counts(last.values()))
     response = ChatResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage,
-                            tokenmill=Timings.of(last.values()).extension(), service_tier=ctx.service_tier)
+                            tokenmill=Timings.of(last.values()).extension(), service_tier=ctx.service_tier,
+                            prompt_logprobs=ctx.prompt_entries(last[min(last)]))
     return JSONResponse(response.model_dump(mode="json"))
 
 
@@ -80,6 +82,13 @@ class _Context:
         if not self.body.logprobs:
             return None
         return chat_logprobs(self.texts, token_ids, logprobs or [], self.body.top_logprobs or 0)
+
+
+    def prompt_entries(self, update: ChoiceUpdate) -> PromptLogprobs | None:
+        """vLLM's, once for the response (every choice has the same prompt)."""
+        if self.body.prompt_logprobs is None or update.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(self.texts, self.prompt.token_ids, update.prompt_logprobs, self.body.prompt_logprobs)
 
 
 def _choice(ctx: _Context, update: ChoiceUpdate) -> ChatChoice:

@@ -17,10 +17,11 @@ from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.engine.service_class import ServiceClass
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_counts
-from tokenmill.server.logprob_format import completion_logprobs
+from tokenmill.server.logprob_format import completion_logprobs, prompt_logprobs
 from tokenmill.server.openai_inputs import completion_inputs
 from tokenmill.server.pipeline import collect, get_state, now_s, salted, service_class_for, start_run
-from tokenmill.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from tokenmill.server.protocol import CompletionRequest
+from tokenmill.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from tokenmill.server.sse import sse_response
 from tokenmill.server.state import TokenTexts
 from tokenmill.server.timings import Timings
@@ -84,10 +85,14 @@ def _choice(ctx: _Context, update: ChoiceUpdate, text: str, token_ids: list[int]
         lps = [*(update.prompt_logprobs or [None] * len(prompt.token_ids)), *lps]
     legacy = None
     if ctx.body.logprobs is not None:
-        legacy = completion_logprobs(ctx.texts, ids, lps, first_offset, ctx.body.return_tokens_as_token_ids)
+        legacy = completion_logprobs(ctx.texts, ids, lps, first_offset, ctx.body.logprobs,
+                                     ctx.body.return_tokens_as_token_ids)
+    prompt_lps = None
+    if ctx.body.prompt_logprobs is not None and update.prompt_logprobs is not None:
+        prompt_lps = prompt_logprobs(ctx.texts, prompt.token_ids, update.prompt_logprobs, ctx.body.prompt_logprobs)
     return CompletionChoice(index=update.child.index, text=(ctx.echo_text(prompt) if echo else "") + text,
                             logprobs=legacy, finish_reason=update.finish_reason,
-                            stop_reason=update.output.stop_reason)
+                            stop_reason=update.output.stop_reason, prompt_logprobs=prompt_lps)
 
 
 @dataclass(slots=True)

@@ -28,8 +28,7 @@ _GREEDY_BELOW = 1e-5  # vLLM's threshold: smaller temperatures overflow the logi
 # vLLM request fields tokenmill does not honour, with the value that asks for nothing: any other value is a
 # 400 naming the field (a client relying on it must not get an answer that silently ignored it)
 _UNHONOURED: dict[str, object] = {
-    "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None,
-    "guided_whitespace_pattern": None}
+    "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "guided_whitespace_pattern": None}
 # What the chat template is rendered with already: chat_template_kwargs may not replace it
 _TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
                                 "raise_exception", "strftime_now"})
@@ -64,10 +63,10 @@ def completion_inputs(body: CompletionRequest, tokenizer: Tokenizer, limits: Req
     prompts = [_as_sent(p, body, limits) for p in prompts]
     token_fields = _token_fields(body, tokenizer, limits)
     children: list[ChildRequest] = []
-    prompt_logprobs = body.logprobs if body.echo else None
+    echo_logprobs = body.logprobs if body.echo else None
     for i, prompt in enumerate(prompts):
         max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_tokens)
-        params = sampling_params(body, limits, max_tokens, body.logprobs, prompt_logprobs)
+        params = sampling_params(body, limits, max_tokens, body.logprobs, echo_logprobs)
         params = replace(params, structured=structured, stop_token_ids=[*params.stop_token_ids, *stops],
                          **token_fields)
         children.extend(fan_out(i, prompt, params))
@@ -105,7 +104,7 @@ def chat_inputs(body: ChatRequest, tokenizer: Tokenizer, limits: RequestLimits,
     prompt = _as_sent(prompt, body, limits)
     max_tokens = limits.resolve_max_tokens(len(prompt.token_ids), body.max_output_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = replace(sampling_params(body, limits, max_tokens, logprobs, None), structured=structured,
+    params = replace(sampling_params(body, limits, max_tokens, logprobs), structured=structured,
                      **_token_fields(body, tokenizer, limits))
     return EngineInputs([prompt], fan_out(0, prompt, params), plan)
 
@@ -317,7 +316,13 @@ def _refuse_unsupported_chat(body: ChatRequest) -> None:
 
 
 def sampling_params(body: GenerationRequest, limits: RequestLimits, max_tokens: int, logprobs: int | None,
-                    prompt_logprobs: int | None) -> SamplingParams:
+                    echo_logprobs: int | None = None) -> SamplingParams:
+    """`echo_logprobs`: the top-n a completion's echoed prompt shows; the engine computes the larger of it
+    and the body's `prompt_logprobs` once, and each format keeps its own top-n."""
+    if body.prompt_logprobs is not None and body.stream:
+        # vLLM's rule too: a prompt's logprobs come whole with the first token, not as stream deltas
+        raise RequestValidationError("prompt_logprobs is not available with stream=true", "prompt_logprobs")
+    asked = [n for n in (echo_logprobs, body.prompt_logprobs) if n is not None]
     logit_bias = _logit_bias(body.logit_bias)
     limits.check_token_ids(list(logit_bias or ()), "logit_bias")
     limits.check_token_ids(body.allowed_token_ids or [], "allowed_token_ids")
@@ -332,8 +337,8 @@ def sampling_params(body: GenerationRequest, limits: RequestLimits, max_tokens: 
         frequency_penalty=body.frequency_penalty, seed=body.seed, n=body.n, stop=body.stop_strings,
         stop_token_ids=list(stop_token_ids), include_stop_str_in_output=body.include_stop_str_in_output,
         ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens, logit_bias=logit_bias,
-        allowed_token_ids=body.allowed_token_ids)
+        prompt_logprobs=max(asked) if asked else None, skip_special_tokens=body.skip_special_tokens,
+        logit_bias=logit_bias, allowed_token_ids=body.allowed_token_ids)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

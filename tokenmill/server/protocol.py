@@ -1,4 +1,4 @@
-"""Request and response bodies of the OpenAI-compatible API, with OpenAI's field names.
+"""Request bodies of the OpenAI-compatible API, with OpenAI's field names (the responses: responses.py).
 
 Requests validate strictly (a string is not a number, 1 is not `true`, NaN is refused) and
 pass unknown fields, so clients written for newer API versions still work; vLLM fields tokenmill does
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -94,6 +94,8 @@ class GenerationRequest(_Body):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1)  # vLLM's: only these may be sampled
     bad_words: list[str] | None = Field(default=None, max_length=64)  # vLLM's: words never generated
+    # vLLM's: the top-N logprobs (and the prompt token's own) at each prompt position, not streamed
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     logit_bias: dict[str, float] | None = None
     # Structured outputs (engine/structured): OpenAI's response_format, or vLLM's extra fields.
     response_format: ResponseFormat | None = None
@@ -191,204 +193,3 @@ class TokenizeChatRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: TokenIds
-
-
-# ---------------------------------------------------------------------------- responses
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
-
-
-class CompletionTokensDetails(BaseModel):
-    """Predicted outputs' counts: prediction tokens the answer took, and those verification refused."""
-
-    accepted_prediction_tokens: int = 0
-    rejected_prediction_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
-    completion_tokens_details: CompletionTokensDetails | None = None  # only for requests with a prediction
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-           prediction: tuple[int, int] | None = None) -> Usage:
-        details = None if prediction is None else CompletionTokensDetails(
-            accepted_prediction_tokens=prediction[0], rejected_prediction_tokens=prediction[1])
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-                   completion_tokens_details=details)
-
-
-class PhaseTimes(BaseModel):
-    """One choice's engine request, in seconds, measured as the server's histograms measure it:
-    queue (arrival → first scheduled), prefill (→ first token), decode (→ finish), ttft, e2e."""
-
-    index: int
-    queue_s: float | None
-    prefill_s: float | None
-    decode_s: float | None
-    ttft_s: float | None
-    e2e_s: float | None
-
-
-class TokenmillExtension(BaseModel):
-    """`"tokenmill": {"timings": [...]}`: on non-streamed bodies and on a stream's final usage chunk.
-    Not in the OpenAI API; its clients keep unknown fields (`response.model_extra["tokenmill"]`)."""
-
-    timings: list[PhaseTimes]
-
-
-def _omit_none(value: Any) -> bool:
-    return value is None
-
-
-class CompletionLogprobs(BaseModel):
-    """The legacy completions format: parallel lists, one entry per token."""
-
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    service_tier: str | None = Field(default=None, exclude_if=_omit_none)  # the class the request ran in
-    tokenmill: TokenmillExtension | None = Field(default=None, exclude_if=_omit_none)
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprobOut(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprobOut] | None = None
-
-
-class FunctionCallOut(BaseModel):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCallOut(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallOut
-
-
-class ChatMessageOut(BaseModel):
-    role: str = "assistant"
-    content: str | None = None
-    tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=_omit_none)
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class ChatResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    service_tier: str | None = Field(default=None, exclude_if=_omit_none)  # the class the request ran in
-    tokenmill: TokenmillExtension | None = Field(default=None, exclude_if=_omit_none)
-
-
-class FunctionCallDelta(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class ToolCallDelta(BaseModel):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionCallDelta | None = None
-
-
-class ChatDelta(BaseModel):
-    role: str | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # OpenAI sends {"content": "x"}, not {"role": null, "content": "x"}; strict clients notice.
-        data: dict[str, Any] = handler(self)
-        return {key: value for key, value in data.items() if value is not None}
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class ChatChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-    service_tier: str | None = Field(default=None, exclude_if=_omit_none)  # the class the request runs in
-    tokenmill: TokenmillExtension | None = Field(default=None, exclude_if=_omit_none)
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "tokenmill"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: TokenIds
-    token_strs: list[str] | None = None
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.outputs import RequestMetrics
 from tokenmill.server.fanout import ChoiceUpdate
-from tokenmill.server.protocol import PhaseTimes, TokenmillExtension
+from tokenmill.server.responses import PhaseTimes, TokenmillExtension
 
 
 @dataclass(slots=True)

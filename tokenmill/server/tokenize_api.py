@@ -9,13 +9,8 @@ from fastapi import APIRouter, Request
 
 from tokenmill.server.openai_inputs import chat_prompt, encode_text
 from tokenmill.server.pipeline import get_state
-from tokenmill.server.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    TokenizeChatRequest,
-    TokenizeResponse,
-    TokenizeTextRequest,
-)
+from tokenmill.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeTextRequest
+from tokenmill.server.responses import DetokenizeResponse, TokenizeResponse
 
 router = APIRouter()
 
