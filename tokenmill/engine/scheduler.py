@@ -286,7 +286,10 @@ class Scheduler(ClassScheduling):
                 # Rejected proposals' KV is garbage: computed stops after the last accepted one, so
                 # commit_computed below publishes verified blocks only.
                 request.num_computed_tokens += s.num_new_tokens - num_rejected
-            request.prompt_logprobs.extend(result.prompt_logprobs.get(request.request_id, []))
+            # Entry i scores prompt token i + 1. A preempted request recomputes its prompt from position 0:
+            # the positions it already scored keep their first entries.
+            scored = result.prompt_logprobs.get(request.request_id, [])
+            request.prompt_logprobs.extend(scored[max(0, len(request.prompt_logprobs) - start):])
             if request.status is RequestStatus.RUNNING:
                 self.kv.commit_computed(request)
             if sampled is not None:
