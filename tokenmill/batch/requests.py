@@ -19,15 +19,18 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from tokenmill.engine.inputs import ChildRequest, EncodedPrompt, RequestLimits
-from tokenmill.engine.outputs import CompletionOutput
+from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.service_class import ServiceClass
 from tokenmill.engine.structured.manager import StructuredOutputs
 from tokenmill.errors import RequestValidationError, TokenmillError
 from tokenmill.models.loading.tokenizer import Tokenizer
+from tokenmill.server.choices import chat_choice, chat_prompt_logprobs, completion_choice
+from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_counts
 from tokenmill.server.openai_inputs import chat_inputs, completion_inputs, requested_service_class
-from tokenmill.server.openai_tools import ToolPlan, parse_tool_calls, tool_calls_out
+from tokenmill.server.openai_tools import ToolPlan
 from tokenmill.server.protocol import ChatRequest, CompletionRequest
-from tokenmill.server.responses import ChatMessageOut
+from tokenmill.server.responses import PromptLogprobs, Usage
+from tokenmill.server.state import TokenTexts
 from tokenmill.server.validation_errors import describe_validation_errors
 
 _BodyT = TypeVar("_BodyT", CompletionRequest, ChatRequest)
@@ -62,6 +65,7 @@ class BatchRequest:
     service_class: ServiceClass = ServiceClass.BATCH
     priority: int = 0  # orders lines within the class
     tools: ToolPlan | None = None  # chat with tools: answers are parsed for tool calls, as the server does
+    body: CompletionRequest | ChatRequest | None = None  # what the answer's format asks (logprobs, echo)
 
     @property
     def num_choices(self) -> int:
@@ -116,17 +120,13 @@ def build_request(custom_id: str, endpoint: Endpoint, body: dict[str, Any], toke
     try:
         if endpoint is Endpoint.CHAT:
             chat = _parse(ChatRequest, body)
-            _refuse_logprobs({"logprobs": chat.logprobs, "top_logprobs": chat.top_logprobs or None,
-                              "prompt_logprobs": chat.prompt_logprobs})
             inputs, parsed = chat_inputs(chat, tokenizer, limits, grammars), chat
         else:
             completion = _parse(CompletionRequest, body)
-            _refuse_logprobs({"logprobs": completion.logprobs, "echo": completion.echo,
-                              "prompt_logprobs": completion.prompt_logprobs})
             inputs, parsed = completion_inputs(completion, tokenizer, limits, grammars), completion
         service_class = requested_service_class(parsed) or ServiceClass.BATCH
         return BatchRequest(custom_id, endpoint, inputs.prompts, inputs.children, service_class, parsed.priority,
-                            tools=inputs.tools)
+                            tools=inputs.tools, body=parsed)
     except RequestValidationError as exc:
         raise BatchLineError(str(exc), param=exc.param) from exc
     except TokenmillError as exc:
@@ -141,60 +141,42 @@ def _parse(model: type[_BodyT], body: dict[str, Any]) -> _BodyT:
         raise BatchLineError(message, param=param) from exc
 
 
-def _refuse_logprobs(fields: dict[str, object]) -> None:
-    # Silently ignoring these would hand back results that look right and are not what was asked.
-    # 0 asks for something (the chosen token's logprob), so only None and False ask for nothing
-    asked = next((name for name, value in fields.items() if value is not None and value is not False), None)
-    if asked is not None:
-        raise BatchLineError("logprobs and echo are not supported by tokenmill batch yet: use tokenmill serve",
-                             param=asked)
-
-
 # ------------------------------------------------------------------------------ result lines
 
 
-def success_line(request: BatchRequest, choices: list[CompletionOutput], model: str,
-                 cached_tokens: list[int] | None = None,
-                 predicted: list[tuple[int, int]] | None = None) -> dict[str, Any]:
-    """The Batch API output line for a request whose choices are in index order; `cached_tokens[i]`:
-    choice i's prompt tokens served from the prefix cache; `predicted[i]`: its prediction tokens accepted
-    and rejected (usage.completion_tokens_details where the request sent a prediction)."""
-    num_prompt = sum(len(p.token_ids) for p in request.prompts)
-    num_completion = sum(len(c.token_ids) for c in choices)
-    # As the server counts it (fanout.cached_prompt_tokens): once per prompt, the most of its children.
-    best: dict[int, int] = {}
-    for child, cached in zip(request.children, cached_tokens or [0] * len(choices), strict=True):
-        best[child.prompt_index] = max(best.get(child.prompt_index, 0), cached)
-    usage: dict[str, Any] = {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-                             "total_tokens": num_prompt + num_completion,
-                             "prompt_tokens_details": {"cached_tokens": sum(best.values())}}
-    if any(child.params.prediction for child in request.children):
-        usage["completion_tokens_details"] = {"accepted_prediction_tokens": sum(a for a, _ in predicted or []),
-                                              "rejected_prediction_tokens": sum(r for _, r in predicted or [])}
-    body = {
+def success_line(request: BatchRequest, outputs: list[RequestOutput], model: str, texts: TokenTexts) -> dict[str, Any]:
+    """The Batch API output line for a request whose finished engine requests (one per choice) are in
+    index order: the body the server would answer with, choices built by the same code."""
+    updates = [ChoiceUpdate(child, output.outputs[0], True, output.prompt_logprobs, output.metrics)
+               for child, output in zip(request.children, outputs, strict=True)]
+    usage = Usage.of(sum(len(p.token_ids) for p in request.prompts), sum(len(u.output.token_ids) for u in updates),
+                     cached_prompt_tokens(updates), prediction_counts(updates))
+    body: dict[str, Any] = {
         "id": f"{'chatcmpl' if request.endpoint is Endpoint.CHAT else 'cmpl'}-{uuid.uuid4().hex}",
         "object": "chat.completion" if request.endpoint is Endpoint.CHAT else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [_choice(request, i, c) for i, c in enumerate(choices)],
-        "usage": usage,
+        "choices": [_choice(request, texts, update) for update in updates],
+        "usage": usage.model_dump(mode="json"),
     }
+    if isinstance(request.body, ChatRequest) and updates:
+        prompt_lps = chat_prompt_logprobs(request.body, texts, updates[0])
+        if prompt_lps is not None:
+            body["prompt_logprobs"] = _dump_prompt_logprobs(prompt_lps)
     return _line(request.custom_id, {"status_code": 200, "request_id": _request_id(), "body": body}, None)
 
 
-def _choice(request: BatchRequest, index: int, c: CompletionOutput) -> dict[str, Any]:
-    reason = c.finish_reason.value if c.finish_reason is not None else None
-    if request.endpoint is Endpoint.CHAT:
-        message = ChatMessageOut(content=c.text)
-        if request.tools is not None:  # the server's parsing (openai_chat._choice): same calls, same content
-            content, calls = parse_tool_calls(request.tools, c.text)
-            if calls:
-                message = ChatMessageOut(content=content, tool_calls=tool_calls_out(calls))
-                reason = "tool_calls" if reason == "stop" else reason
-        return {"index": index, "message": message.model_dump(mode="json"), "logprobs": None,
-                "finish_reason": reason}
-    return {"index": index, "text": c.text, "logprobs": None, "finish_reason": reason,
-            "stop_reason": c.stop_reason}
+def _choice(request: BatchRequest, texts: TokenTexts, update: ChoiceUpdate) -> dict[str, Any]:
+    if isinstance(request.body, ChatRequest):
+        return chat_choice(request.body, texts, request.tools, update).model_dump(mode="json")
+    assert isinstance(request.body, CompletionRequest)
+    out = update.output
+    choice = completion_choice(request.body, texts, update, out.text, out.token_ids, out.logprobs)
+    return choice.model_dump(mode="json")
+
+
+def _dump_prompt_logprobs(entries: PromptLogprobs) -> list[dict[str, Any] | None]:
+    return [None if e is None else {k: v.model_dump(mode="json") for k, v in e.items()} for e in entries]
 
 
 def error_line(custom_id: str | None, error: BatchLineError, line_no: int) -> dict[str, Any]:

@@ -32,8 +32,10 @@ from tokenmill.batch.requests import (
     read_envelope,
     success_line,
 )
-from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.request import TokenLogprob
 from tokenmill.llm import LLM
+from tokenmill.server.state import TokenTexts
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +58,7 @@ class BatchSummary:
 @dataclass(slots=True)
 class _InFlight:
     request: BatchRequest
-    choices: dict[int, CompletionOutput] = field(default_factory=dict)
-    cached_tokens: dict[int, int] = field(default_factory=dict)  # per choice: prompt tokens from the prefix cache
-    predicted: dict[int, tuple[int, int]] = field(default_factory=dict)  # per choice: prediction tokens taken, refused
+    outputs: dict[int, RequestOutput] = field(default_factory=dict)  # the finished engine request of each choice
 
 
 # ---------------------------------------------------------------------------- resume bookkeeping
@@ -136,9 +136,11 @@ class BatchJob:
         self.engine = llm.engine
         self.output = output
         self.model_name = model_name
+        self.texts = TokenTexts(llm.engine.tokenizer)  # logprobs' token texts, cached across lines
         self.max_in_flight = max_in_flight
         self.bar = bar
         self.in_flight: dict[str, _InFlight] = {}
+        self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}  # by engine request id, until it ends
         self.num_engine_requests = 0
         self.summary = BatchSummary()
         self._started = time.monotonic()
@@ -187,26 +189,25 @@ class BatchJob:
     def _step(self) -> None:
         step = self.engine.step()
         self.summary.num_generated_tokens += step.stats.num_generation_tokens
-        for output in step.finished:
-            self._finish_choice(output.request_id, output)
+        for output in step.outputs:
+            # A request's prompt logprobs come with its first output only; its finishing output carries them on
+            if output.prompt_logprobs is not None:
+                self._prompt_logprobs[output.request_id] = output.prompt_logprobs
+            if output.finished:
+                output.prompt_logprobs = self._prompt_logprobs.pop(output.request_id, None)
+                self._finish_choice(output.request_id, output)
         self._show_rate()
 
     def _finish_choice(self, engine_id: str, output: RequestOutput) -> None:
         key, _, index = engine_id.partition("/")
         entry = self.in_flight[key]
-        entry.choices[int(index)] = output.outputs[0]
-        entry.cached_tokens[int(index)] = output.num_cached_tokens
-        metrics = output.metrics
-        entry.predicted[int(index)] = (0, 0) if metrics is None else (
-            metrics.accepted_prediction_tokens, metrics.rejected_prediction_tokens)
+        entry.outputs[int(index)] = output
         self.num_engine_requests -= 1
-        if len(entry.choices) < entry.request.num_choices:
+        if len(entry.outputs) < entry.request.num_choices:
             return
         del self.in_flight[key]
-        choices = [entry.choices[i] for i in range(entry.request.num_choices)]
-        cached = [entry.cached_tokens[i] for i in range(entry.request.num_choices)]
-        predicted = [entry.predicted[i] for i in range(entry.request.num_choices)]
-        self._write(success_line(entry.request, choices, self.model_name, cached, predicted))
+        outputs = [entry.outputs[i] for i in range(entry.request.num_choices)]
+        self._write(success_line(entry.request, outputs, self.model_name, self.texts))
         self.summary.num_succeeded += 1
 
     def _write(self, record: dict[str, Any]) -> None:

@@ -16,21 +16,18 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.engine.service_class import ServiceClass
+from tokenmill.server.choices import chat_choice, chat_choice_logprobs, chat_prompt_logprobs, tool_finish
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_counts
-from tokenmill.server.logprob_format import chat_logprobs, prompt_logprobs
 from tokenmill.server.openai_inputs import chat_inputs
-from tokenmill.server.openai_tools import ToolPlan, ToolStream, parse_tool_calls, tool_calls_out
+from tokenmill.server.openai_tools import ToolPlan, ToolStream
 from tokenmill.server.pipeline import collect, get_state, now_s, salted, service_class_for, start_run
 from tokenmill.server.protocol import ChatRequest
 from tokenmill.server.responses import (
-    ChatChoice,
     ChatChunk,
     ChatDelta,
     ChatLogprobs,
-    ChatMessageOut,
     ChatResponse,
     ChatStreamChoice,
-    PromptLogprobs,
     ToolCallDelta,
     Usage,
 )
@@ -58,12 +55,12 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     if body.stream:
         return sse_response(run, _ChatChunks(ctx), state)
     last = await collect(run, request)
-    choices = [_choice(ctx, last[i]) for i in sorted(last)]
+    choices = [chat_choice(body, texts, inputs.tools, last[i]) for i in sorted(last)]
     usage = Usage.of(len(prompt.token_ids), sum(len(u.output.token_ids) for u in last.values()),
                      cached_prompt_tokens(last.values()), prediction_counts(last.values()))
     response = ChatResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage,
                             tokenmill=Timings.of(last.values()).extension(), service_tier=ctx.service_tier,
-                            prompt_logprobs=ctx.prompt_entries(last[min(last)]))
+                            prompt_logprobs=chat_prompt_logprobs(body, texts, last[min(last)]))
     return JSONResponse(response.model_dump(mode="json"))
 
 
@@ -79,34 +76,7 @@ class _Context:
     tools: ToolPlan | None = None  # the answer may hold tool calls: parse them out
 
     def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
-        if not self.body.logprobs:
-            return None
-        return chat_logprobs(self.texts, token_ids, logprobs or [], self.body.top_logprobs or 0)
-
-
-    def prompt_entries(self, update: ChoiceUpdate) -> PromptLogprobs | None:
-        """vLLM's, once for the response (every choice has the same prompt)."""
-        if self.body.prompt_logprobs is None or update.prompt_logprobs is None:
-            return None
-        return prompt_logprobs(self.texts, self.prompt.token_ids, update.prompt_logprobs, self.body.prompt_logprobs)
-
-
-def _choice(ctx: _Context, update: ChoiceUpdate) -> ChatChoice:
-    out = update.output
-    message, finish_reason = ChatMessageOut(content=out.text), update.finish_reason
-    if ctx.tools is not None:
-        content, calls = parse_tool_calls(ctx.tools, out.text)
-        if calls:
-            message = ChatMessageOut(content=content, tool_calls=tool_calls_out(calls))
-            finish_reason = _tool_finish(finish_reason)
-    return ChatChoice(index=update.child.index, message=message,
-                      logprobs=ctx.logprobs(out.token_ids, out.logprobs), finish_reason=finish_reason,
-                      stop_reason=out.stop_reason)
-
-
-def _tool_finish(reason: str | None) -> str | None:
-    # OpenAI: "tool_calls" when the model stopped to call tools; a cut-off answer stays "length".
-    return "tool_calls" if reason == "stop" else reason
+        return chat_choice_logprobs(self.body, self.texts, token_ids, logprobs)
 
 
 @dataclass(slots=True)
@@ -138,7 +108,7 @@ class _ChatChunks:
                 more, last_calls = stream.finish()
                 content, calls = content + more, calls + last_calls
                 if stream.num_calls:
-                    finish_reason = _tool_finish(finish_reason)
+                    finish_reason = tool_finish(finish_reason)
         if not (content or calls or update.is_finished or (self.ctx.body.logprobs and new_ids)):
             return []  # nothing new to say yet (held-back text or an unfinished character)
         new_lps = out.logprobs[sent:] if out.logprobs is not None else None

@@ -14,10 +14,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.inputs import EncodedPrompt
-from tokenmill.engine.request import TokenLogprob
 from tokenmill.engine.service_class import ServiceClass
+from tokenmill.server.choices import completion_choice
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_counts
-from tokenmill.server.logprob_format import completion_logprobs, prompt_logprobs
 from tokenmill.server.openai_inputs import completion_inputs
 from tokenmill.server.pipeline import collect, get_state, now_s, salted, service_class_for, start_run
 from tokenmill.server.protocol import CompletionRequest
@@ -45,8 +44,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.stream:
         return sse_response(run, _CompletionChunks(ctx), state)
     last = await collect(run, request)
-    choices = [_choice(ctx, last[i], last[i].output.text, last[i].output.token_ids, last[i].output.logprobs)
-               for i in sorted(last)]
+    choices = [completion_choice(body, texts, last[i], last[i].output.text, last[i].output.token_ids,
+                                 last[i].output.logprobs) for i in sorted(last)]
     usage = Usage.of(ctx.num_prompt_tokens, sum(len(u.output.token_ids) for u in last.values()),
                      cached_prompt_tokens(last.values()), prediction_counts(last.values()))
     response = CompletionResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage,
@@ -67,32 +66,6 @@ class _Context:
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(p.token_ids) for p in self.prompts)
-
-    def echo_text(self, prompt: EncodedPrompt) -> str:
-        if prompt.text is not None:
-            return prompt.text
-        return self.texts.decode(prompt.token_ids)
-
-
-def _choice(ctx: _Context, update: ChoiceUpdate, text: str, token_ids: list[int],
-            logprobs: list[TokenLogprob] | None, first_offset: int = 0, with_prompt: bool = True) -> CompletionChoice:
-    """A choice from `text` and its tokens; the prompt goes first when echoing (and `with_prompt`)."""
-    prompt = update.child.prompt
-    echo = ctx.body.echo and with_prompt
-    ids: list[int] = [*prompt.token_ids, *token_ids] if echo else list(token_ids)
-    lps: list[TokenLogprob | None] = list(logprobs or [])
-    if echo:
-        lps = [*(update.prompt_logprobs or [None] * len(prompt.token_ids)), *lps]
-    legacy = None
-    if ctx.body.logprobs is not None:
-        legacy = completion_logprobs(ctx.texts, ids, lps, first_offset, ctx.body.logprobs,
-                                     ctx.body.return_tokens_as_token_ids)
-    prompt_lps = None
-    if ctx.body.prompt_logprobs is not None and update.prompt_logprobs is not None:
-        prompt_lps = prompt_logprobs(ctx.texts, prompt.token_ids, update.prompt_logprobs, ctx.body.prompt_logprobs)
-    return CompletionChoice(index=update.child.index, text=(ctx.echo_text(prompt) if echo else "") + text,
-                            logprobs=legacy, finish_reason=update.finish_reason,
-                            stop_reason=update.output.stop_reason, prompt_logprobs=prompt_lps)
 
 
 @dataclass(slots=True)
@@ -120,8 +93,8 @@ class _CompletionChunks:
         wants_logprobs = self.ctx.body.logprobs is not None and bool(new_ids)
         if not (out.text_delta or update.is_finished or wants_logprobs or (update.is_first and self.ctx.body.echo)):
             return []  # nothing new to say yet (held-back text or an unfinished character)
-        choice = _choice(self.ctx, update, out.text_delta, new_ids, new_lps, self.text_offsets.get(index, 0),
-                         with_prompt=update.is_first)
+        choice = completion_choice(self.ctx.body, self.ctx.texts, update, out.text_delta, new_ids, new_lps,
+                                   self.text_offsets.get(index, 0), with_prompt=update.is_first)
         self.text_offsets[index] = _next_offset(choice.logprobs, self.text_offsets.get(index, 0))
         usage = None
         if self.ctx.body.continuous_usage:  # vLLM's: the usage so far on every chunk

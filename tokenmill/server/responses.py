@@ -13,6 +13,10 @@ from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_seri
 from tokenmill.server.protocol import TokenIds
 
 
+def _omit_none(value: Any) -> bool:
+    return value is None
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
@@ -29,7 +33,8 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
-    completion_tokens_details: CompletionTokensDetails | None = None  # only for requests with a prediction
+    # only for requests with a prediction (left out of the JSON otherwise)
+    completion_tokens_details: CompletionTokensDetails | None = Field(default=None, exclude_if=_omit_none)
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
@@ -59,10 +64,6 @@ class TokenmillExtension(BaseModel):
     Not in the OpenAI API; its clients keep unknown fields (`response.model_extra["tokenmill"]`)."""
 
     timings: list[PhaseTimes]
-
-
-def _omit_none(value: Any) -> bool:
-    return value is None
 
 
 class CompletionLogprobs(BaseModel):
