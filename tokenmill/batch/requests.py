@@ -29,7 +29,7 @@ from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, predicti
 from tokenmill.server.openai_inputs import chat_inputs, completion_inputs, requested_service_class
 from tokenmill.server.openai_tools import ToolPlan
 from tokenmill.server.protocol import ChatRequest, CompletionRequest
-from tokenmill.server.responses import PromptLogprobs, Usage
+from tokenmill.server.response_bodies import PromptLogprobs, Usage
 from tokenmill.server.state import TokenTexts
 from tokenmill.server.validation_errors import describe_validation_errors
 

@@ -27,7 +27,7 @@ from tokenmill.server import openai_chat, openai_completions, tokenize_api
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.middleware import ApiKeyMiddleware, RequestIdMiddleware
 from tokenmill.server.pipeline import get_state
-from tokenmill.server.responses import ModelCard, ModelList
+from tokenmill.server.response_bodies import ModelCard, ModelList
 from tokenmill.server.state import ServerState, monitor_engine
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from tokenmill.server.fanout import ChoiceUpdate
 from tokenmill.server.logprob_format import chat_logprobs, completion_logprobs, prompt_logprobs
 from tokenmill.server.openai_tools import ToolPlan, parse_tool_calls, tool_calls_out
 from tokenmill.server.protocol import ChatRequest, CompletionRequest
-from tokenmill.server.responses import ChatChoice, ChatLogprobs, ChatMessageOut, CompletionChoice, PromptLogprobs
+from tokenmill.server.response_bodies import ChatChoice, ChatLogprobs, ChatMessageOut, CompletionChoice, PromptLogprobs
 from tokenmill.server.state import TokenTexts
 
 

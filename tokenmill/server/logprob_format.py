@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.server.pipeline import finite_logprob
-from tokenmill.server.responses import (
+from tokenmill.server.response_bodies import (
     ChatLogprobs,
     CompletionLogprobs,
     PromptLogprob,

@@ -22,7 +22,7 @@ from tokenmill.server.openai_inputs import chat_inputs
 from tokenmill.server.openai_tools import ToolPlan, ToolStream
 from tokenmill.server.pipeline import collect, get_state, now_s, salted, service_class_for, start_run
 from tokenmill.server.protocol import ChatRequest
-from tokenmill.server.responses import (
+from tokenmill.server.response_bodies import (
     ChatChunk,
     ChatDelta,
     ChatLogprobs,

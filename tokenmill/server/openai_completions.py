@@ -20,7 +20,7 @@ from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, predicti
 from tokenmill.server.openai_inputs import completion_inputs
 from tokenmill.server.pipeline import collect, get_state, now_s, salted, service_class_for, start_run
 from tokenmill.server.protocol import CompletionRequest
-from tokenmill.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
+from tokenmill.server.response_bodies import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from tokenmill.server.sse import sse_response
 from tokenmill.server.state import TokenTexts
 from tokenmill.server.timings import Timings

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from tokenmill.engine.structured import StructuredOutputParams
 from tokenmill.errors import RequestValidationError
 from tokenmill.server.protocol import ChatRequest
-from tokenmill.server.responses import FunctionCallDelta, FunctionCallOut, ToolCallDelta, ToolCallOut
+from tokenmill.server.response_bodies import FunctionCallDelta, FunctionCallOut, ToolCallDelta, ToolCallOut
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)

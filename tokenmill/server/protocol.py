@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI-compatible API, with OpenAI's field names (the responses: responses.py).
+"""Request bodies of the OpenAI-compatible API, with OpenAI's field names (the responses: response_bodies.py).
 
 Requests validate strictly (a string is not a number, 1 is not `true`, NaN is refused) and
 pass unknown fields, so clients written for newer API versions still work; vLLM fields tokenmill does

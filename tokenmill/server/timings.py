@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.outputs import RequestMetrics
 from tokenmill.server.fanout import ChoiceUpdate
-from tokenmill.server.responses import PhaseTimes, TokenmillExtension
+from tokenmill.server.response_bodies import PhaseTimes, TokenmillExtension
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from tokenmill.server.openai_inputs import chat_prompt, encode_text
 from tokenmill.server.pipeline import get_state
 from tokenmill.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeTextRequest
-from tokenmill.server.responses import DetokenizeResponse, TokenizeResponse
+from tokenmill.server.response_bodies import DetokenizeResponse, TokenizeResponse
 
 router = APIRouter()
 
