@@ -55,6 +55,14 @@ def test_routing_key_from_prompts_messages_and_session_headers() -> None:
         {"type": "text", "text": "hi"}]}]}
     assert route_prefix(chat, {}, 100) == "system: be brief\nuser: hi\n"
     assert route_prefix(chat, {"x-session-id": "s1"}, 100) == "session:s1"
+    # the Responses API: the same conversation keys the same as its chat form, calls included
+    responses = {"instructions": "be brief", "input": [{"role": "user", "content": [{"type": "input_text",
+                                                                                     "text": "hi"}]}]}
+    assert route_prefix(responses, {}, 100) == route_prefix(chat, {}, 100)
+    assert route_prefix({"instructions": "be brief", "input": "hi"}, {}, 100) == route_prefix(chat, {}, 100)
+    turn = {"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "name": "f", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c", "output": "7"}]}
+    assert route_prefix(turn, {}, 100) == "user: hi\nfunction_call: f{}\nfunction_call_output: 7\n"
     assert route_prefix(None, {}, 100) is None and route_prefix({"n": 1}, {}, 100) is None
     # a salted request reuses only its salt's blocks: the salt is part of where its prefix lives
     assert route_prefix({"prompt": "abcdef", "cache_salt": "t1"}, {}, 3) == "salt:t1\nabc"

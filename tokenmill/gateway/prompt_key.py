@@ -36,6 +36,8 @@ def _prompt_text(body: dict[str, Any]) -> str | None:
     messages = body.get("messages")
     if isinstance(messages, list):
         return "".join(_message_text(m) for m in messages if isinstance(m, dict))
+    if "input" in body:  # the Responses API: instructions, then the input string or items
+        return _responses_text(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of prompts: route by the first
@@ -51,3 +53,21 @@ def _message_text(message: dict[str, Any]) -> str:
     if isinstance(content, list):  # content parts: keep the text ones
         content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
     return f"{message.get('role', '')}: {content if isinstance(content, str) else ''}\n"
+
+
+def _responses_text(body: dict[str, Any]) -> str | None:
+    instructions = body.get("instructions")
+    text = f"system: {instructions}\n" if isinstance(instructions, str) and instructions else ""
+    items = body.get("input")
+    if isinstance(items, str):
+        return text + f"user: {items}\n"
+    if not isinstance(items, list):
+        return text or None
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        if item.get("type", "message") == "message":
+            text += _message_text(item)
+        else:  # function calls and their outputs: the history an agent's next turn repeats
+            text += f"{item.get('type')}: {item.get('name', '')}{item.get('arguments', '')}{item.get('output', '')}\n"
+    return text

@@ -6,7 +6,7 @@
 
     /health  liveness: the process answers           /ready  200 only when requests can be served
     /metrics Prometheus                              /v1/models, /tokenize, /detokenize, /tokenizer_info
-    /v1/completions, /v1/chat/completions            (bearer auth on /v1/* when an API key is set)
+    /v1/completions, /v1/chat/completions, /v1/responses    (bearer auth on /v1/* when an API key is set)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.service_class import ServiceClass, parse_service_tier
-from tokenmill.server import openai_chat, openai_completions, tokenize_api
+from tokenmill.server import openai_chat, openai_completions, openai_responses, tokenize_api
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.middleware import ApiKeyMiddleware, RequestIdMiddleware
 from tokenmill.server.pipeline import get_state
@@ -79,7 +79,8 @@ def build_app(engine: AsyncEngine | EngineLoader, config: ServerConfig) -> FastA
     app.state.tokenmill = state
     app.state.started_at = time.time()
     install_error_handlers(app)
-    for router in (_ops, tokenize_api.router, openai_completions.router, openai_chat.router):
+    for router in (_ops, tokenize_api.router, openai_completions.router, openai_chat.router,
+                   openai_responses.router):
         app.include_router(router)
     api_keys = accepted_api_keys(config)
     if api_keys:

@@ -57,6 +57,19 @@ class StructuredOutputsSpec(_Body):
     json_object: bool | None = None
 
 
+class ContentPart(_Body):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    type: str
+    text: str | None = None
+
+
+class Prediction(_Body):
+    """OpenAI's Predicted Outputs: text the answer is expected to contain (engine/spec/prediction.py)."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+
 class GenerationRequest(_Body):
     """Fields both endpoints share: the model, sampling knobs, streaming and scheduling."""
 
@@ -128,19 +141,6 @@ class CompletionRequest(GenerationRequest):
     echo: bool = False
     suffix: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprob tokens as "token_id:N"
-
-
-class ContentPart(_Body):
-    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
-    type: str
-    text: str | None = None
-
-
-class Prediction(_Body):
-    """OpenAI's Predicted Outputs: text the answer is expected to contain (engine/spec/prediction.py)."""
-
-    type: Literal["content"]
-    content: str | list[ContentPart]
 
 
 class ChatMessage(_Body):

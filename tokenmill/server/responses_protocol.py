@@ -1,0 +1,181 @@
+"""OpenAI's Responses API (POST /v1/responses) as a chat request: its input items become chat messages,
+its function tools and `text.format` the chat's tools and `response_format`, so both endpoints share one
+path to the engine (chat template, tool parsing, grammars).
+
+Mapping: `instructions` → a leading system message; an input string → one user message; message
+items (roles user, assistant, system, developer → system; content a string or `input_text` /
+`output_text` parts) → messages; `function_call` items → the assistant's `tool_calls` (consecutive
+calls join one message); `function_call_output` items → `tool` messages. Tools are
+`{"type": "function", "name", "description", "parameters"}` (the Responses API's flat form). The
+server keeps no state: `store` is answered `false`, and `previous_response_id` (which needs a stored
+response) is a 400 naming it, as are item and tool types the engine cannot run (images, files,
+built-in tools).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tokenmill.errors import RequestValidationError
+from tokenmill.server.protocol import MAX_LOGPROBS, ChatRequest, GenerationRequest
+from tokenmill.server.validation_errors import describe_validation_errors
+
+# Responses fields that need state or features this server does not have: a 400 naming them when set
+_STATEFUL = ("previous_response_id", "conversation", "prompt")
+_LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# GenerationRequest fields the Responses API has no use for (it has no n, and streams have no options)
+_NOT_COPIED = frozenset({"n", "stream_options"})
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    format: TextFormat = Field(default_factory=TextFormat)
+
+
+class ResponsesRequest(GenerationRequest):
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    include: list[str] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    background: bool = False
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.top_logprobs is not None or _LOGPROBS_INCLUDE in (self.include or [])
+
+
+def as_chat_request(body: ResponsesRequest) -> ChatRequest:
+    """The chat request that asks the engine what `body` asks (400s name the Responses field at fault)."""
+    extra = body.model_extra or {}
+    for name in _STATEFUL:
+        if extra.get(name) is not None:
+            raise RequestValidationError(f"{name} is not supported: this server stores no responses or "
+                                         "conversations; send the whole input each time", name)
+    if body.background:
+        raise RequestValidationError("background responses are not supported: leave background out", "background")
+    if body.n != 1:
+        raise RequestValidationError("n is not part of the Responses API: use /v1/chat/completions for n > 1", "n")
+    shared = {name: getattr(body, name) for name in GenerationRequest.model_fields
+              if name not in _NOT_COPIED and name in body.model_fields_set}
+    chat: dict[str, Any] = {
+        **shared, "messages": _messages(body),
+        "max_completion_tokens": body.max_output_tokens,
+        "logprobs": body.wants_logprobs, "top_logprobs": body.top_logprobs if body.wants_logprobs else None,
+        "parallel_tool_calls": body.parallel_tool_calls,
+    }
+    if body.tools:
+        chat["tools"] = [_chat_tool(i, tool) for i, tool in enumerate(body.tools)]
+    if body.tool_choice is not None:
+        chat["tool_choice"] = _chat_tool_choice(body.tool_choice)
+    if body.text is not None and body.text.format.type != "text":
+        chat["response_format"] = _response_format(body.text.format)
+    try:
+        return ChatRequest.model_validate(chat)
+    except ValidationError as exc:
+        message, param = describe_validation_errors(exc.errors())
+        raise RequestValidationError(message, "input" if param == "messages" else param) from exc
+
+
+def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        return [*messages, {"role": "user", "content": body.input}]
+    if not body.input:
+        raise RequestValidationError("input must hold at least one item", "input")
+    for i, item in enumerate(body.input):
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(i, item))
+        elif kind == "function_call":
+            call = {"id": _text(item, "call_id", i), "type": "function",
+                    "function": {"name": _text(item, "name", i), "arguments": _text(item, "arguments", i)}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                output = _parts_text(i, output)
+            messages.append({"role": "tool", "tool_call_id": _text(item, "call_id", i), "content": output})
+        else:
+            raise RequestValidationError(f"input.{i}: items of type {kind!r} are not supported (message, "
+                                         "function_call and function_call_output are)", "input")
+    return messages
+
+
+def _message(i: int, item: dict[str, Any]) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ("user", "assistant", "system", "developer"):
+        raise RequestValidationError(f"input.{i}.role must be user, assistant, system or developer", "input")
+    content = item.get("content")
+    text = content if isinstance(content, str) else _parts_text(i, content)
+    return {"role": "system" if role == "developer" else role, "content": text}
+
+
+def _parts_text(i: int, parts: Any) -> str:
+    if not isinstance(parts, list):
+        raise RequestValidationError(f"input.{i}.content must be a string or a list of text parts", "input")
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise RequestValidationError(f"input.{i}.content: parts of type {kind!r} are not supported (this "
+                                         "model reads text: input_text and output_text parts)", "input")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _text(item: dict[str, Any], key: str, i: int) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise RequestValidationError(f"input.{i}.{key} must be a string", "input")
+    return value
+
+
+def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+    if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        raise RequestValidationError(f"tools.{i} must be {{\"type\": \"function\", \"name\": ..., \"parameters\": "
+                                     f"...}} (built-in tools are not supported)", "tools")
+    fn = {key: tool[key] for key in ("name", "description", "parameters", "strict") if tool.get(key) is not None}
+    return {"type": "function", "function": fn}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    if isinstance(choice, str):
+        return choice
+    raise RequestValidationError('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                 '"name": ...}', "tool_choice")
+
+
+def _response_format(fmt: TextFormat) -> dict[str, Any]:
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.schema_ is None:
+        raise RequestValidationError("text.format of type json_schema needs a schema", "text")
+    return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_,
+                                                   "strict": fmt.strict}}
