@@ -75,3 +75,26 @@ def test_streamed_tool_call_deltas_reassemble_to_the_non_streamed_calls(qwen: Li
                     for c in whole.message.tool_calls or []]
         assert expected and [calls[i] for i in sorted(calls)] == expected, choice
         assert (content or None) == whole.message.content and finish == whole.finish_reason == "tool_calls"
+
+
+def test_the_responses_api_calls_the_tool_then_answers_from_its_output(qwen: LiveServer) -> None:
+    """An agent's loop over /v1/responses with free (auto) decoding: the model's `<tool_call>` block is a
+    function_call item, streamed or not; its output sent back as a function_call_output item is read."""
+    client = qwen.client()
+    fn = WEATHER["function"]
+    tools: Any = [{"type": "function", "name": fn["name"], "description": fn["description"],
+                   "parameters": fn["parameters"]}]
+    ask: Any = [{"role": "user", "content": ASK[0]["content"]}]
+    r = client.responses.create(model=MODEL, input=ask, tools=tools, max_output_tokens=80, temperature=0.0)
+    (call,) = [item for item in r.output if item.type == "function_call"]
+    assert r.status == "completed" and call.name == "get_weather"
+    assert "paris" in json.loads(call.arguments)["city"].lower()
+    with client.responses.stream(model=MODEL, input=ask, tools=tools, max_output_tokens=80,
+                                 temperature=0.0) as stream:
+        streamed = stream.get_final_response()
+    assert [(i.type, getattr(i, "arguments", None)) for i in streamed.output] == \
+        [(i.type, getattr(i, "arguments", None)) for i in r.output]
+    turn = [*ask, {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 21, "sky": "sunny"}'}]
+    final = client.responses.create(model=MODEL, input=turn, tools=tools, max_output_tokens=40, temperature=0.0)
+    assert "21" in final.output_text
