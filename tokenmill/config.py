@@ -356,8 +356,12 @@ class ServerConfig:
     # salt is the key's, plus the body's), so tenants with different keys cannot learn from a cache hit's
     # latency what another sent, whatever their clients send. Needs api_key or api_key_classes.
     cache_isolation: str = "shared"
+    # /v1/responses kept in memory for previous_response_id and GET /v1/responses/{id}, least recently used
+    # forgotten first; 0: none kept (store answered false, previous_response_id a 400)
+    responses_store_size: int = 1000
 
     def __post_init__(self) -> None:
+        _require(self.responses_store_size >= 0, "responses_store_size must be >= 0")
         _require(0.0 <= self.interactive_queue_reserve < 1.0, "interactive_queue_reserve must be in [0, 1)")
         _require(self.cache_isolation in CACHE_ISOLATIONS,
                  f"cache_isolation must be one of {', '.join(CACHE_ISOLATIONS)}")

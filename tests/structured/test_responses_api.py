@@ -4,6 +4,7 @@ on the tiny random model: text, streaming events, function calls, structured tex
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -11,7 +12,10 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import MODEL, LiveServer
+from tests.server.conftest import MODEL, LiveServer, start_server, tiny_engine_config
+from tokenmill.config import ServerConfig
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.server.response_store import ResponseStore, StoredResponse
 
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
@@ -121,7 +125,7 @@ def test_json_schema_text_format_and_logprobs(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input"),
@@ -140,3 +144,88 @@ def test_what_the_server_cannot_do_is_a_400_naming_the_field(structured_live: Li
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_previous_response_id_continues_the_stored_conversation(client: openai.OpenAI) -> None:
+    first = _respond(client, input="My name is Ann.", instructions="Be brief.", max_output_tokens=5,
+                     extra_body={"ignore_eos": True})
+    assert first.store is True
+    events = _events(client, previous_response_id=first.id, input="And yours?", max_output_tokens=5,
+                     extra_body={"ignore_eos": True})
+    second = events[-1].response
+    assert second.previous_response_id == first.id
+    # the engine saw the conversation: the first turn's input and answer, then the new input (the first
+    # turn's instructions are not carried over, as OpenAI's are not)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=5, temperature=0.0, extra_body={"ignore_eos": True},
+                                          messages=[{"role": "user", "content": "My name is Ann."},
+                                                    {"role": "assistant", "content": first.output_text},
+                                                    {"role": "user", "content": "And yours?"}])
+    assert second.output[0].content[0].text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    third = _respond(client, previous_response_id=second.id, input="Thanks.", max_output_tokens=2)
+    assert third.usage is not None and third.usage.input_tokens > second.usage.input_tokens  # a streamed one is stored
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        _respond(client, previous_response_id=first.id, input="x", max_output_tokens=2)
+    assert caught.value.body["param"] == "previous_response_id"  # type: ignore[index]
+
+
+def test_store_false_keeps_nothing(client: openai.OpenAI) -> None:
+    r = _respond(client, input="secret", store=False, max_output_tokens=2)
+    assert r.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+
+
+def _own_engine(live: LiveServer) -> AsyncEngine:
+    # another server gets an engine of its own (over the same weights): one engine's metrics have one home
+    return AsyncEngine.from_config(tiny_engine_config(Path(live.engine.loaded.source.path)))
+
+
+def test_a_stored_response_belongs_to_its_api_key(structured_live: LiveServer) -> None:
+    engine = _own_engine(structured_live)
+    server = start_server(engine, ServerConfig(served_model_name=MODEL,
+                                               api_key_classes=(("key-a", "interactive"), ("key-b", "interactive"))))
+    try:
+        a, b = server.client(api_key="key-a"), server.client(api_key="key-b")
+        r = a.responses.create(model=MODEL, input="mine", max_output_tokens=2)
+        assert a.responses.retrieve(r.id).id == r.id
+        for attempt in (lambda: b.responses.retrieve(r.id), lambda: b.responses.delete(r.id),
+                        lambda: b.responses.create(model=MODEL, previous_response_id=r.id, input="x",
+                                                   max_output_tokens=2)):
+            with pytest.raises(openai.NotFoundError):
+                attempt()
+        assert a.responses.retrieve(r.id).id == r.id  # b's delete did not remove it
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+def test_a_server_without_a_store_says_so(structured_live: LiveServer) -> None:
+    engine = _own_engine(structured_live)
+    server = start_server(engine, ServerConfig(served_model_name=MODEL, responses_store_size=0))
+    try:
+        r = server.client().responses.create(model=MODEL, input="x", max_output_tokens=2)
+        assert r.store is False
+        with pytest.raises(openai.BadRequestError, match="keeps no responses"):
+            server.client().responses.create(model=MODEL, input="x", previous_response_id=r.id, max_output_tokens=2)
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+def test_the_store_forgets_the_least_recently_used_first() -> None:
+    store = ResponseStore(2)
+    for name in ("r1", "r2"):
+        store.put(name, StoredResponse(None, [], {"id": name}))
+    assert store.get("r1", None) is not None  # r1 is now the most recently used
+    store.put("r3", StoredResponse(None, [], {"id": "r3"}))
+    assert [store.get(n, None) is not None for n in ("r1", "r2", "r3")] == [True, False, True]
+    assert store.get("r1", "someone-else") is None and not store.delete("r1", "someone-else")
+    got = store.get("r1", None)
+    assert got is not None
+    got.history.append({"role": "user"})
+    assert store.get("r1", None).history == []  # type: ignore[union-attr]  # readers get copies

@@ -159,6 +159,9 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="profile N engine steps (phase times, then a torch trace and the engine thread's "
                              "Python stacks, folded for flame graphs) into --profile-dir")
     parser.add_argument("--profile-dir", default="tokenmill-profile", help="where --profile-steps writes its files")
+    parser.add_argument("--responses-store-size", type=int, default=1000,
+                        help="/v1/responses kept in memory for previous_response_id (least recently used "
+                             "forgotten first; 0: none)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -194,7 +197,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_queue_tokens=args.max_queue_tokens, drain_timeout_s=args.drain_timeout, log_requests=args.log_requests,
         interactive_queue_reserve=args.interactive_queue_reserve, api_key_classes=api_key_classes(args),
         cache_isolation=args.cache_isolation,
-        batch_stream_interval_s=args.batch_stream_interval,
+        batch_stream_interval_s=args.batch_stream_interval, responses_store_size=args.responses_store_size,
     )
     return run_server(engine_config, server_config)
 

@@ -7,6 +7,9 @@ each with a `sequence_number`: `response.created`, `response.in_progress`, then 
 `content_part.done` | `function_call_arguments.delta`, `function_call_arguments.done`) →
 `output_item.done`, and last `response.completed` (or `response.incomplete` when `max_output_tokens`
 cut the answer) with the whole response. Streamed and non-streamed answers have the same items.
+
+Responses are stored (response_store.py; unless `store: false` or the server keeps none) once answered in
+full: `previous_response_id` continues one, GET /v1/responses/{id} reads it, DELETE forgets it.
 """
 
 from __future__ import annotations
@@ -21,14 +24,17 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.engine.service_class import ServiceClass
+from tokenmill.server.errors import ApiError
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens
 from tokenmill.server.logprob_format import chat_logprobs
+from tokenmill.server.middleware import API_KEY_ID_STATE
 from tokenmill.server.openai_inputs import chat_inputs
 from tokenmill.server.openai_tools import ToolPlan, ToolStream, parse_tool_calls
 from tokenmill.server.pipeline import collect, get_state, now_s, salted, service_class_for, start_run
-from tokenmill.server.responses_protocol import ResponsesRequest, as_chat_request
+from tokenmill.server.response_store import ResponseStore, StoredResponse
+from tokenmill.server.responses_protocol import ResponsesRequest, as_chat_request, input_messages, output_message
 from tokenmill.server.sse import sse_response
-from tokenmill.server.state import TokenTexts
+from tokenmill.server.state import ServerState, TokenTexts
 
 router = APIRouter()
 Json = dict[str, Any]
@@ -39,13 +45,19 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
     engine = state.require_engine()
-    chat = salted(request, as_chat_request(body), state.config.cache_isolation)
+    owner = _owner(request)
+    history: list[Json] = []
+    if body.previous_response_id is not None:
+        history = _stored(state, body.previous_response_id, owner, "previous_response_id").history
+    conversation = history + input_messages(body)
+    chat = salted(request, as_chat_request(body, conversation), state.config.cache_isolation)
     inputs = chat_inputs(chat, engine.tokenizer, engine.limits, engine.structured)
     (prompt,) = inputs.prompts
     service_class = service_class_for(request, chat, ServiceClass.INTERACTIVE)
     run, response_id = start_run(state, request, inputs.children, "resp", chat.priority, service_class)
+    store = state.responses if body.store is not False else None
     ctx = _Context(body, state.require_texts(), response_id, state.config.served_model_name, now_s(),
-                   service_class.value, inputs.tools, len(prompt.token_ids))
+                   service_class.value, inputs.tools, len(prompt.token_ids), store, owner, conversation)
     if body.stream:
         return sse_response(run, _ResponseEvents(ctx), state)
     (update,) = (await collect(run, request)).values()
@@ -58,7 +70,40 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if content or not calls:
         items.append(_message(_new_id("msg"), content, ctx.logprobs(out.token_ids, out.logprobs), _status(update)))
     items.extend(_function_call(_new_id("fc"), *call) for call in calls)
-    return JSONResponse(ctx.response(items, update))
+    return JSONResponse(ctx.finish(items, update))
+
+
+@router.get("/v1/responses/{response_id}", response_model=None)
+async def get_response(response_id: str, request: Request) -> Response:
+    return JSONResponse(_stored(get_state(request), response_id, _owner(request), None).response)
+
+
+@router.delete("/v1/responses/{response_id}", response_model=None)
+async def delete_response(response_id: str, request: Request) -> Response:
+    state = get_state(request)
+    if state.responses is None or not state.responses.delete(response_id, _owner(request)):
+        raise _not_found(response_id, None)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+def _owner(request: Request) -> str | None:
+    key_id = getattr(request.state, API_KEY_ID_STATE, None)
+    return key_id if isinstance(key_id, str) else None
+
+
+def _stored(state: ServerState, response_id: str, owner: str | None, param: str | None) -> StoredResponse:
+    if state.responses is None:
+        raise ApiError(400, "this server keeps no responses (--responses-store-size 0): send the whole "
+                       "conversation as input", param=param)
+    stored = state.responses.get(response_id, owner)
+    if stored is None:
+        raise _not_found(response_id, param)
+    return stored
+
+
+def _not_found(response_id: str, param: str | None) -> ApiError:
+    # Unknown, forgotten (the store is bounded) or another API key's: the same answer, as OpenAI's
+    return ApiError(404, f"response {response_id!r} not found", param=param)
 
 
 def _new_id(prefix: str) -> str:
@@ -80,6 +125,17 @@ class _Context:
     service_tier: str
     tools: ToolPlan | None
     num_prompt_tokens: int
+    store: ResponseStore | None  # where the finished response goes (None: not stored)
+    owner: str | None
+    conversation: list[Json]  # the chat messages it answered (history and input, no instructions)
+
+    def finish(self, output: list[Json], update: ChoiceUpdate) -> Json:
+        """The finished response object, stored with the conversation through it."""
+        response = self.response(output, update)
+        if self.store is not None:
+            history = [*self.conversation, output_message(output)]
+            self.store.put(self.response_id, StoredResponse(self.owner, history, response))
+        return response
 
     def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> list[Json] | None:
         if not self.body.wants_logprobs:
@@ -107,7 +163,8 @@ class _Context:
                 "top_p": body.top_p, "top_logprobs": body.top_logprobs,
                 "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
                 "tools": body.tools or [], "text": {"format": text}, "truncation": "disabled", "usage": usage,
-                "store": False, "background": False, "metadata": body.metadata or {}, "user": body.user,
+                "store": self.store is not None, "previous_response_id": body.previous_response_id,
+                "background": False, "metadata": body.metadata or {}, "user": body.user,
                 "service_tier": self.service_tier, "reasoning": None}
 
 
@@ -185,7 +242,7 @@ class _ResponseEvents:
         if self.last is None:
             return []
         kind = "response.incomplete" if _cut(self.last) else "response.completed"
-        return [self._event(kind, response=self.ctx.response(self.items, self.last))]
+        return [self._event(kind, response=self.ctx.finish(self.items, self.last))]
 
     def _open_message(self) -> list[Json]:
         if self.message_id is not None:

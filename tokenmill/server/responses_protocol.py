@@ -7,9 +7,9 @@ items (roles user, assistant, system, developer → system; content a string or 
 `output_text` parts) → messages; `function_call` items → the assistant's `tool_calls` (consecutive
 calls join one message); `function_call_output` items → `tool` messages. Tools are
 `{"type": "function", "name", "description", "parameters"}` (the Responses API's flat form). The
-server keeps no state: `store` is answered `false`, and `previous_response_id` (which needs a stored
-response) is a 400 naming it, as are item and tool types the engine cannot run (images, files,
-built-in tools).
+conversation a request continues (`previous_response_id`) comes from the server's response store
+(response_store.py) as chat messages that go before the new input. Item and tool types the engine
+cannot run (images, files, built-in tools) are 400s naming the field.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tokenmill.server.protocol import MAX_LOGPROBS, ChatRequest, GenerationReque
 from tokenmill.server.validation_errors import describe_validation_errors
 
 # Responses fields that need state or features this server does not have: a 400 naming them when set
-_STATEFUL = ("previous_response_id", "conversation", "prompt")
+_STATEFUL = ("conversation", "prompt")
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # GenerationRequest fields the Responses API has no use for (it has no n, and streams have no options)
 _NOT_COPIED = frozenset({"n", "stream_options"})
@@ -57,14 +57,16 @@ class ResponsesRequest(GenerationRequest):
     metadata: dict[str, str] | None = None
     user: str | None = None
     background: bool = False
+    previous_response_id: str | None = Field(default=None, min_length=1, max_length=256)
 
     @property
     def wants_logprobs(self) -> bool:
         return self.top_logprobs is not None or _LOGPROBS_INCLUDE in (self.include or [])
 
 
-def as_chat_request(body: ResponsesRequest) -> ChatRequest:
-    """The chat request that asks the engine what `body` asks (400s name the Responses field at fault)."""
+def as_chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatRequest:
+    """The chat request that asks the engine what `body` asks, over `conversation` (the stored history it
+    continues, then `input_messages(body)`); 400s name the Responses field at fault."""
     extra = body.model_extra or {}
     for name in _STATEFUL:
         if extra.get(name) is not None:
@@ -77,7 +79,7 @@ def as_chat_request(body: ResponsesRequest) -> ChatRequest:
     shared = {name: getattr(body, name) for name in GenerationRequest.model_fields
               if name not in _NOT_COPIED and name in body.model_fields_set}
     chat: dict[str, Any] = {
-        **shared, "messages": _messages(body),
+        **shared, "messages": _instructions(body) + conversation,
         "max_completion_tokens": body.max_output_tokens,
         "logprobs": body.wants_logprobs, "top_logprobs": body.top_logprobs if body.wants_logprobs else None,
         "parallel_tool_calls": body.parallel_tool_calls,
@@ -95,12 +97,15 @@ def as_chat_request(body: ResponsesRequest) -> ChatRequest:
         raise RequestValidationError(message, "input" if param == "messages" else param) from exc
 
 
-def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+def _instructions(body: ResponsesRequest) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": body.instructions}] if body.instructions else []
+
+
+def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as chat messages (without its instructions: a continuation does not keep them)."""
     messages: list[dict[str, Any]] = []
-    if body.instructions:
-        messages.append({"role": "system", "content": body.instructions})
     if isinstance(body.input, str):
-        return [*messages, {"role": "user", "content": body.input}]
+        return [{"role": "user", "content": body.input}]
     if not body.input:
         raise RequestValidationError("input must hold at least one item", "input")
     for i, item in enumerate(body.input):
@@ -179,3 +184,15 @@ def _response_format(fmt: TextFormat) -> dict[str, Any]:
         raise RequestValidationError("text.format of type json_schema needs a schema", "text")
     return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_,
                                                    "strict": fmt.strict}}
+
+
+def output_message(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """A response's output items as the assistant's chat message: its text and its calls."""
+    text = "".join(part["text"] for item in items if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in items if item["type"] == "function_call"]
+    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = calls
+    return message

@@ -16,6 +16,7 @@ from tokenmill.server.class_metrics import ClassMetrics
 from tokenmill.server.errors import ApiError
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.request_log import log_request
+from tokenmill.server.response_store import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class ServerState:
         self.metrics: ServerMetrics | None = None
         self.class_metrics: ClassMetrics | None = None  # per service class, on the same registry
         self.texts: TokenTexts | None = None
+        self.responses = ResponseStore(config.responses_store_size) if config.responses_store_size else None
         self.load_error: str | None = None
         self.is_engine_healthy = True
         self._seen_restarts = 0
