@@ -1,12 +1,5 @@
-"""POST /v1/responses: OpenAI's Responses API over the chat path (responses_protocol.py maps the request).
-
-The answer is a list of output items: one `message` with an `output_text` part (its logprobs when asked)
-and one `function_call` item per tool call parsed out of the text. A stream sends OpenAI's typed events,
-each with a `sequence_number`: `response.created`, `response.in_progress`, then per item
-`output_item.added` → (`content_part.added`, `output_text.delta`..., `output_text.done`,
-`content_part.done` | `function_call_arguments.delta`, `function_call_arguments.done`) →
-`output_item.done`, and last `response.completed` (or `response.incomplete` when `max_output_tokens`
-cut the answer) with the whole response. Streamed and non-streamed answers have the same items.
+"""POST /v1/responses (OpenAI's Responses API over the chat path: responses_protocol.py maps the request,
+responses_output.py builds the answer and a stream's events), GET and DELETE /v1/responses/{id}.
 
 Responses are stored (response_store.py; unless `store: false` or the server keeps none) once answered in
 full: `previous_response_id` continues one, GET /v1/responses/{id} reads it, DELETE forgets it.
@@ -14,30 +7,21 @@ full: `previous_response_id` continues one, GET /v1/responses/{id} reads it, DEL
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.engine.request import TokenLogprob
 from tokenmill.engine.service_class import ServiceClass
 from tokenmill.server.errors import ApiError
-from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens
-from tokenmill.server.logprob_format import chat_logprobs
 from tokenmill.server.middleware import API_KEY_ID_STATE
 from tokenmill.server.openai_inputs import chat_inputs
-from tokenmill.server.openai_tools import ToolPlan, ToolStream, parse_tool_calls
 from tokenmill.server.pipeline import collect, get_state, now_s, salted, service_class_for, start_run
-from tokenmill.server.response_store import ResponseStore, StoredResponse
-from tokenmill.server.responses_protocol import ResponsesRequest, as_chat_request, input_messages, output_message
+from tokenmill.server.response_store import StoredResponse
+from tokenmill.server.responses_output import Json, ResponseContext, ResponseEvents, answer_items
+from tokenmill.server.responses_protocol import ResponsesRequest, as_chat_request, input_messages
 from tokenmill.server.sse import sse_response
-from tokenmill.server.state import ServerState, TokenTexts
+from tokenmill.server.state import ServerState
 
 router = APIRouter()
-Json = dict[str, Any]
 
 
 @router.post("/v1/responses", response_model=None)
@@ -56,21 +40,12 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     service_class = service_class_for(request, chat, ServiceClass.INTERACTIVE)
     run, response_id = start_run(state, request, inputs.children, "resp", chat.priority, service_class)
     store = state.responses if body.store is not False else None
-    ctx = _Context(body, state.require_texts(), response_id, state.config.served_model_name, now_s(),
-                   service_class.value, inputs.tools, len(prompt.token_ids), store, owner, conversation)
+    ctx = ResponseContext(body, state.require_texts(), response_id, state.config.served_model_name, now_s(),
+                          service_class.value, inputs.tools, len(prompt.token_ids), store, owner, conversation)
     if body.stream:
-        return sse_response(run, _ResponseEvents(ctx), state)
+        return sse_response(run, ResponseEvents(ctx), state)
     (update,) = (await collect(run, request)).values()
-    out = update.output
-    items: list[Json] = []
-    content, calls = out.text, []
-    if ctx.tools is not None:
-        parsed, found = parse_tool_calls(ctx.tools, out.text)
-        content, calls = parsed or "", [(_new_id("call"), c.name, c.arguments) for c in found]
-    if content or not calls:
-        items.append(_message(_new_id("msg"), content, ctx.logprobs(out.token_ids, out.logprobs), _status(update)))
-    items.extend(_function_call(_new_id("fc"), *call) for call in calls)
-    return JSONResponse(ctx.finish(items, update))
+    return JSONResponse(ctx.finish(answer_items(ctx, update), update))
 
 
 @router.get("/v1/responses/{response_id}", response_model=None)
@@ -106,181 +81,3 @@ def _not_found(response_id: str, param: str | None) -> ApiError:
     return ApiError(404, f"response {response_id!r} not found", param=param)
 
 
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _function_call(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> Json:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
-
-
-@dataclass(slots=True)
-class _Context:
-    body: ResponsesRequest
-    texts: TokenTexts
-    response_id: str
-    model: str
-    created: int
-    service_tier: str
-    tools: ToolPlan | None
-    num_prompt_tokens: int
-    store: ResponseStore | None  # where the finished response goes (None: not stored)
-    owner: str | None
-    conversation: list[Json]  # the chat messages it answered (history and input, no instructions)
-
-    def finish(self, output: list[Json], update: ChoiceUpdate) -> Json:
-        """The finished response object, stored with the conversation through it."""
-        response = self.response(output, update)
-        if self.store is not None:
-            history = [*self.conversation, output_message(output)]
-            self.store.put(self.response_id, StoredResponse(self.owner, history, response))
-        return response
-
-    def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> list[Json] | None:
-        if not self.body.wants_logprobs:
-            return None
-        entries = chat_logprobs(self.texts, token_ids, logprobs or [], self.body.top_logprobs or 0).content or []
-        return [e.model_dump(mode="json") for e in entries]
-
-    def response(self, output: list[Json], update: ChoiceUpdate | None) -> Json:
-        """The response object; `update` None: in progress (no usage yet)."""
-        body, usage, incomplete = self.body, None, None
-        status = "in_progress"
-        if update is not None:
-            status = _status(update)
-            incomplete = {"reason": "max_output_tokens"} if _cut(update) else None
-            num_output = len(update.output.token_ids)
-            usage = {"input_tokens": self.num_prompt_tokens,
-                     "input_tokens_details": {"cached_tokens": cached_prompt_tokens([update])},
-                     "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
-                     "total_tokens": self.num_prompt_tokens + num_output}
-        text = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text else {"type": "text"}
-        return {"id": self.response_id, "object": "response", "created_at": self.created, "status": status,
-                "error": None, "incomplete_details": incomplete, "instructions": body.instructions,
-                "max_output_tokens": body.max_output_tokens, "model": self.model, "output": output,
-                "parallel_tool_calls": body.parallel_tool_calls, "temperature": body.temperature,
-                "top_p": body.top_p, "top_logprobs": body.top_logprobs,
-                "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
-                "tools": body.tools or [], "text": {"format": text}, "truncation": "disabled", "usage": usage,
-                "store": self.store is not None, "previous_response_id": body.previous_response_id,
-                "background": False, "metadata": body.metadata or {}, "user": body.user,
-                "service_tier": self.service_tier, "reasoning": None}
-
-
-def _cut(update: ChoiceUpdate) -> bool:
-    return update.finish_reason == "length"
-
-
-def _status(update: ChoiceUpdate) -> str:
-    return "incomplete" if _cut(update) else "completed"
-
-
-def _message(item_id: str, text: str, logprobs: list[Json] | None, status: str) -> Json:
-    """A message item; "in_progress": a stream's opening of it, before its one text part exists."""
-    parts = [] if status == "in_progress" else [_text_part(text, logprobs)]
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": parts}
-
-
-def _text_part(text: str, logprobs: list[Json] | None) -> Json:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-
-
-@dataclass(slots=True)
-class _ResponseEvents:
-    """The stream's events, from one choice's updates. A message item opens at the first text and closes
-    before a function call or at the end; an answer with neither gets one empty message, as unstreamed."""
-
-    ctx: _Context
-    sequence: int = 0
-    items: list[Json] = field(default_factory=list)  # finished output items, in output order
-    message_id: str | None = None  # the open message item
-    text: str = ""  # the open message's text so far
-    message_lps: list[Json] = field(default_factory=list)  # its logprobs so far
-    num_sent_tokens: int = 0
-    tool_stream: ToolStream | None = None
-    last: ChoiceUpdate | None = None
-
-    def opening(self) -> Iterable[Json]:
-        snapshot = self.ctx.response([], None)
-        return [self._event("response.created", response=snapshot),
-                self._event("response.in_progress", response=snapshot)]
-
-    def render(self, update: ChoiceUpdate) -> Iterable[Json]:
-        out = update.output
-        new_lps = self.ctx.logprobs(out.token_ids[self.num_sent_tokens:],
-                                    out.logprobs[self.num_sent_tokens:] if out.logprobs is not None else None)
-        self.num_sent_tokens = len(out.token_ids)
-        content, calls = out.text_delta, []
-        if self.ctx.tools is not None:
-            self.tool_stream = self.tool_stream or ToolStream(self.ctx.tools)
-            content, deltas = self.tool_stream.feed(out.text_delta)
-            if update.is_finished:
-                more, last_deltas = self.tool_stream.finish()
-                content, deltas = content + more, deltas + last_deltas
-            calls = [(d.id or _new_id("call"), d.function.name or "", d.function.arguments or "")
-                     for d in deltas if d.function is not None]
-        events: list[Json] = []
-        self.message_lps.extend(new_lps or [])
-        if content:
-            events.extend(self._open_message())
-            self.text += content
-            events.append(self._event("response.output_text.delta", item_id=self.message_id,
-                                      output_index=len(self.items), content_index=0, delta=content,
-                                      logprobs=new_lps or []))
-        for call_id, name, arguments in calls:
-            events.extend(self._close_message(update))
-            events.extend(self._call_events(_new_id("fc"), call_id, name, arguments))
-        if update.is_finished:
-            self.last = update
-            if not self.items and self.message_id is None:
-                events.extend(self._open_message())  # an empty answer is one empty message
-            events.extend(self._close_message(update))
-        return events
-
-    def closing(self) -> Iterable[Json]:
-        if self.last is None:
-            return []
-        kind = "response.incomplete" if _cut(self.last) else "response.completed"
-        return [self._event(kind, response=self.ctx.finish(self.items, self.last))]
-
-    def _open_message(self) -> list[Json]:
-        if self.message_id is not None:
-            return []
-        self.message_id, self.text = _new_id("msg"), ""
-        index = len(self.items)
-        return [self._event("response.output_item.added", output_index=index,
-                            item=_message(self.message_id, "", None, "in_progress")),
-                self._event("response.content_part.added", item_id=self.message_id, output_index=index,
-                            content_index=0, part=_text_part("", None))]
-
-    def _close_message(self, update: ChoiceUpdate) -> list[Json]:
-        if self.message_id is None:
-            return []
-        item_id, index = self.message_id, len(self.items)
-        # A message closed before a function call is complete; one closed at the end shares the answer's fate
-        item = _message(item_id, self.text, self.message_lps, _status(update) if update.is_finished else "completed")
-        self.items.append(item)
-        self.message_id, self.message_lps = None, []
-        return [self._event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                            text=self.text, logprobs=item["content"][0]["logprobs"]),
-                self._event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
-                            part=item["content"][0]),
-                self._event("response.output_item.done", output_index=index, item=item)]
-
-    def _call_events(self, item_id: str, call_id: str, name: str, arguments: str) -> list[Json]:
-        index = len(self.items)
-        item = _function_call(item_id, call_id, name, arguments)
-        self.items.append(item)
-        return [self._event("response.output_item.added", output_index=index,
-                            item=_function_call(item_id, call_id, name, "", "in_progress")),
-                self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
-                            delta=arguments),
-                self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
-                            name=name, arguments=arguments),
-                self._event("response.output_item.done", output_index=index, item=item)]
-
-    def _event(self, kind: str, **fields: Any) -> Json:
-        event = {"type": kind, "sequence_number": self.sequence, **fields}
-        self.sequence += 1
-        return event
