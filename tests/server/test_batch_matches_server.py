@@ -1,5 +1,6 @@
-"""`tokenmill batch` answers a body as the server does: the same choices, logprobs in each format, echo and
-prompt_logprobs (both build choices with server/choices.py; this holds them to it)."""
+"""`tokenmill batch` answers a body as the server does: the same choices, logprobs in each format, echo,
+prompt_logprobs and Responses API items (both build answers with server/choices.py and
+server/responses_output.py; this holds the batch job's plumbing to it)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,17 @@ BODIES: list[tuple[str, dict[str, Any]]] = [
                          "return_tokens_as_token_ids": True}),
     ("/v1/chat/completions", {"messages": _CHAT, "max_tokens": 4, "logprobs": True, "top_logprobs": 2}),
     ("/v1/chat/completions", {"messages": _CHAT, "max_tokens": 2, "n": 2, "prompt_logprobs": 1}),
+    ("/v1/responses", {"input": "Name a colour.", "instructions": "Be brief.", "max_output_tokens": 4,
+                       "top_logprobs": 2, "store": False}),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+                       "max_output_tokens": 40, "store": False, "tool_choice": "required", "ignore_eos": False,
+                       "parallel_tool_calls": False,
+                       "tools": [{"type": "function", "name": "f", "parameters": {
+                           "type": "object", "properties": {"x": {"enum": ["a", "b"]}}, "required": ["x"]}}]}),
 ]
-_IGNORED = {"id", "created", "tokenmill", "service_tier", "prompt_tokens_details"}
+# ids, times and what differs by design (the server's class and cache hits; a batch line's class is batch)
+_IGNORED = {"id", "created", "created_at", "call_id", "tokenmill", "service_tier", "prompt_tokens_details",
+            "input_tokens_details"}
 
 
 def _same(a: Any, b: Any, where: str) -> None:
@@ -62,4 +72,6 @@ def test_batch_lines_answer_as_the_server(live: LiveServer, batch_llm: LLM, tmp_
         served = httpx.post(f"{live.url}{url}", json={**common, **body}, timeout=60)
         assert served.status_code == 200, served.text
         assert answered[str(i)]["status_code"] == 200
+        if body.get("tools"):
+            assert [item["type"] for item in served.json()["output"]] == ["function_call"]  # not vacuous
         _same(served.json(), answered[str(i)]["body"], f"{url} {body}")

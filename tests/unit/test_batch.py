@@ -233,3 +233,10 @@ def test_a_speculative_batch_answers_as_the_plain_one(model_dir: Path, tmp_path:
     assert "completion_tokens_details" not in _read_output(tmp_path / "plain.jsonl")[0]["response"]["body"]["usage"]
     kwargs = _engine_kwargs(build_parser().parse_args([*common, "-o", "x", "--speculative", "suffix"]))
     assert kwargs["speculative"] == "suffix" and kwargs["suffix_cache_tokens"] == 65536
+
+
+def test_a_responses_line_cannot_continue_a_stored_response(llm: LLM) -> None:
+    with pytest.raises(BatchLineError) as caught:
+        _build(llm, {"input": "x", "previous_response_id": "resp_1"}, Endpoint.RESPONSES)
+    assert caught.value.param == "previous_response_id"
+    assert _build(llm, {"input": "x", "max_output_tokens": 3}, Endpoint.RESPONSES).children[0].params.max_tokens == 3

@@ -1,6 +1,6 @@
 """OpenAI Batch API lines in, engine requests out; result bodies back.
 
-An input line is `{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions",
+An input line is `{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions" | "/v1/responses",
 "body": {...}}`. The body is what the server takes over HTTP: parsed by the server's protocol
 models and turned into engine requests by `server/openai_inputs.py`, so a body means the same
 in both. Every way a line can be wrong raises `BatchLineError`, which the job writes as an
@@ -30,15 +30,18 @@ from tokenmill.server.openai_inputs import chat_inputs, completion_inputs, reque
 from tokenmill.server.openai_tools import ToolPlan
 from tokenmill.server.protocol import ChatRequest, CompletionRequest
 from tokenmill.server.response_bodies import PromptLogprobs, Usage
+from tokenmill.server.responses_output import ResponseContext, answer_items, new_id
+from tokenmill.server.responses_protocol import ResponsesRequest, as_chat_request, input_messages
 from tokenmill.server.state import TokenTexts
 from tokenmill.server.validation_errors import describe_validation_errors
 
-_BodyT = TypeVar("_BodyT", CompletionRequest, ChatRequest)
+_BodyT = TypeVar("_BodyT", CompletionRequest, ChatRequest, ResponsesRequest)
 
 
 class Endpoint(enum.Enum):
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
+    RESPONSES = "/v1/responses"
 
 
 class BatchLineError(Exception):
@@ -65,7 +68,7 @@ class BatchRequest:
     service_class: ServiceClass = ServiceClass.BATCH
     priority: int = 0  # orders lines within the class
     tools: ToolPlan | None = None  # chat with tools: answers are parsed for tool calls, as the server does
-    body: CompletionRequest | ChatRequest | None = None  # what the answer's format asks (logprobs, echo)
+    body: CompletionRequest | ChatRequest | ResponsesRequest | None = None  # what the answer's format asks
 
     @property
     def num_choices(self) -> int:
@@ -118,15 +121,25 @@ def build_request(custom_id: str, endpoint: Endpoint, body: dict[str, Any], toke
                   limits: RequestLimits, grammars: StructuredOutputs | None = None) -> BatchRequest:
     parsed: ChatRequest | CompletionRequest
     try:
+        answered: ChatRequest | CompletionRequest | ResponsesRequest
         if endpoint is Endpoint.CHAT:
             chat = _parse(ChatRequest, body)
             inputs, parsed = chat_inputs(chat, tokenizer, limits, grammars), chat
+        elif endpoint is Endpoint.RESPONSES:
+            answered = _parse(ResponsesRequest, body)
+            if answered.previous_response_id is not None:
+                raise BatchLineError("previous_response_id is not supported in a batch file (nothing is stored): "
+                                     "send the whole conversation as input", param="previous_response_id")
+            parsed = as_chat_request(answered, input_messages(answered))
+            inputs = chat_inputs(parsed, tokenizer, limits, grammars)
         else:
             completion = _parse(CompletionRequest, body)
             inputs, parsed = completion_inputs(completion, tokenizer, limits, grammars), completion
+        if endpoint is not Endpoint.RESPONSES:
+            answered = parsed
         service_class = requested_service_class(parsed) or ServiceClass.BATCH
         return BatchRequest(custom_id, endpoint, inputs.prompts, inputs.children, service_class, parsed.priority,
-                            tools=inputs.tools, body=parsed)
+                            tools=inputs.tools, body=answered)
     except RequestValidationError as exc:
         raise BatchLineError(str(exc), param=exc.param) from exc
     except TokenmillError as exc:
@@ -149,6 +162,10 @@ def success_line(request: BatchRequest, outputs: list[RequestOutput], model: str
     index order: the body the server would answer with, choices built by the same code."""
     updates = [ChoiceUpdate(child, output.outputs[0], True, output.prompt_logprobs, output.metrics)
                for child, output in zip(request.children, outputs, strict=True)]
+    if isinstance(request.body, ResponsesRequest):
+        return _line(request.custom_id, {"status_code": 200, "request_id": _request_id(),
+                                         "body": _response_body(request, request.body, updates[0], model, texts)},
+                     None)
     usage = Usage.of(sum(len(p.token_ids) for p in request.prompts), sum(len(u.output.token_ids) for u in updates),
                      cached_prompt_tokens(updates), prediction_counts(updates))
     body: dict[str, Any] = {
@@ -173,6 +190,14 @@ def _choice(request: BatchRequest, texts: TokenTexts, update: ChoiceUpdate) -> d
     out = update.output
     choice = completion_choice(request.body, texts, update, out.text, out.token_ids, out.logprobs)
     return choice.model_dump(mode="json")
+
+
+def _response_body(request: BatchRequest, body: ResponsesRequest, update: ChoiceUpdate, model: str,
+                   texts: TokenTexts) -> dict[str, Any]:
+    """The Responses API's answer, as the server builds it (nothing stored: a batch file has no follow-ups)."""
+    ctx = ResponseContext(body, texts, new_id("resp"), model, int(time.time()), request.service_class.value,
+                          request.tools, len(request.prompts[0].token_ids), None, None, [])
+    return ctx.finish(answer_items(ctx, update), update)
 
 
 def _dump_prompt_logprobs(entries: PromptLogprobs) -> list[dict[str, Any] | None]:
