@@ -43,6 +43,7 @@ class Behaviour:
     num_requests_unready: int = 0  # of those, received while not ready
     num_probes: int = 0  # /ready requests received
     prompts: list[str] = field(default_factory=list)
+    responses: set[str] = field(default_factory=set)  # /v1/responses ids this replica stores
 
     def take_failure(self) -> int | None:
         if self.fail_status is None or self.num_failures == 0:
@@ -74,6 +75,22 @@ def build_fake_app(behaviour: Behaviour, name: str = "fake") -> FastAPI:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": name}]}
 
+    @app.post("/v1/responses")
+    async def respond(request: Request) -> Response:
+        previous = (await request.json()).get("previous_response_id")
+        if previous is not None and previous not in behaviour.responses:
+            return _not_stored(previous)
+        response_id = f"resp_{name}_{len(behaviour.responses)}"
+        behaviour.responses.add(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "previous_response_id": previous},
+                            headers={"x-tokenmill-response-id": response_id})
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored(response_id: str) -> Response:
+        if response_id not in behaviour.responses:
+            return _not_stored(response_id)
+        return JSONResponse({"id": response_id, "object": "response"})
+
     @app.post("/v1/completions")
     @app.post("/v1/chat/completions")
     async def complete(request: Request) -> Response:
@@ -97,6 +114,11 @@ def build_fake_app(behaviour: Behaviour, name: str = "fake") -> FastAPI:
                              "choices": [{"index": 0, "text": text, "finish_reason": "length"}]})
 
     return app
+
+
+def _not_stored(response_id: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": f"response {response_id!r} not found", "type": "not_found_error",
+                                   "code": None}}, status_code=404)
 
 
 async def _events(behaviour: Behaviour, is_chat: bool, name: str) -> AsyncIterator[bytes]:

@@ -184,3 +184,32 @@ def test_a_client_that_leaves_mid_stream_closes_the_upstream_and_is_counted(fake
     wait_until(lambda: live.metric("client_closed") == 1 and replica.num_outstanding == 0, timeout_s=5,
                what="the relay to close")
     assert replica.breaker.num_consecutive_failures == 0  # the client left: not the replica's fault
+
+
+def test_a_stored_response_is_continued_and_read_on_the_replica_that_stores_it(fakes: Fakes,
+                                                                             gateway_for: GatewayFor) -> None:
+    """Round robin would scatter a conversation's turns over the fleet, and each replica stores only the
+    responses it answered: the gateway sends previous_response_id and GET /v1/responses/{id} home."""
+    fleet = fakes(3)
+    live = gateway_for([f.url for f in fleet], policy="round_robin")
+    wait_ready(live, 3)
+    first = [httpx.post(f"{live.url}/v1/responses", json={"model": "fake", "input": f"q{i}"}) for i in range(6)]
+    assert len({r.headers["x-tokenmill-replica"] for r in first}) == 3
+    for response in first:
+        turn = response.json()["id"]
+        for _ in range(2):
+            follow = httpx.post(f"{live.url}/v1/responses", json={"model": "fake", "input": "more",
+                                                                  "previous_response_id": turn})
+            assert follow.status_code == 200, follow.text
+            assert follow.headers["x-tokenmill-replica"] == response.headers["x-tokenmill-replica"]
+            turn = follow.json()["id"]  # the continuation is stored where its conversation is
+        assert httpx.get(f"{live.url}/v1/responses/{turn}").status_code == 200
+    assert live.sample("tokenmill:gateway_routing_decisions_total", policy="round_robin",
+                       reason="stored_response") == 6 * 3
+    # the home replica gone, the conversation is gone with it: the client hears 404, not a hang
+    home = next(f for f in fleet if f.url.endswith(first[0].headers["x-tokenmill-replica"]))
+    home.stop()
+    wait_ready(live, 2)
+    lost = httpx.post(f"{live.url}/v1/responses", json={"model": "fake", "input": "x",
+                                                        "previous_response_id": first[0].json()["id"]})
+    assert lost.status_code == 404

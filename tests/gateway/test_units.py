@@ -16,6 +16,7 @@ from tokenmill.gateway.app import HTTP_CLIENT_LOGGERS, quiet_http_client_logs
 from tokenmill.gateway.config import GatewayConfig, RetryConfig
 from tokenmill.gateway.prompt_key import route_prefix
 from tokenmill.gateway.replica import parse_engine_load
+from tokenmill.gateway.response_homes import ResponseHomes, referenced_response
 from tokenmill.gateway.retry import backoff_s
 from tokenmill.gateway.sse import carries_output, error_event, event_data, split_events
 
@@ -118,3 +119,17 @@ def test_http_client_request_lines_show_only_at_debug(log_level: str, expected: 
         monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
     quiet_http_client_logs(log_level)
     assert [logging.getLogger(name).level for name in HTTP_CLIENT_LOGGERS] == [expected, expected]
+
+
+def test_requests_name_the_stored_response_they_need_and_homes_forget_the_oldest() -> None:
+    assert referenced_response("POST", "/v1/responses", {"previous_response_id": "resp_1", "input": "x"}) == "resp_1"
+    assert referenced_response("GET", "/v1/responses/resp_2", None) == "resp_2"
+    assert referenced_response("DELETE", "/v1/responses/resp_3?x=1", None) == "resp_3"
+    assert referenced_response("POST", "/v1/responses", {"input": "x"}) is None
+    assert referenced_response("POST", "/v1/chat/completions", {"previous_response_id": "resp_1"}) is None
+    homes = ResponseHomes(capacity=2)
+    homes.note("a", "r1")
+    homes.note("b", "r2")
+    assert homes.home_of("a") == "r1"  # now the most recently used
+    homes.note("c", "r3")
+    assert (homes.home_of("a"), homes.home_of("b"), homes.home_of("c"), homes.home_of(None)) == ("r1", None, "r3", None)

@@ -229,3 +229,13 @@ def test_the_store_forgets_the_least_recently_used_first() -> None:
     assert got is not None
     got.history.append({"role": "user"})
     assert store.get("r1", None).history == []  # type: ignore[union-attr]  # readers get copies
+
+
+def test_every_answer_names_its_response_in_a_header_for_the_gateway(structured_live: LiveServer) -> None:
+    for stream in (False, True):
+        with httpx.stream("POST", f"{structured_live.url}/v1/responses",
+                          json={"model": MODEL, "input": "x", "max_output_tokens": 2, "stream": stream}) as answer:
+            text = "".join(answer.iter_text())
+            assert answer.status_code == 200
+            response_id = answer.headers["x-tokenmill-response-id"]
+        assert response_id.startswith("resp") and f'"id":"{response_id}"' in text.replace(" ", "")

@@ -25,11 +25,12 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.gateway.config import GatewayConfig
 from tokenmill.gateway.metrics import GatewayMetrics
-from tokenmill.gateway.policies import RouteKey, RoutingPolicy
+from tokenmill.gateway.policies import Decision, RouteKey, RoutingPolicy
 from tokenmill.gateway.prompt_key import route_prefix
 from tokenmill.gateway.relay import Accounting, RelayResponse, StreamRelay
 from tokenmill.gateway.replica import Replica
 from tokenmill.gateway.replica_set import ReplicaSet
+from tokenmill.gateway.response_homes import RESPONSE_ID_HEADER, ResponseHomes, referenced_response
 from tokenmill.gateway.retry import Failure, Verdict, backoff_s, status_failure, transport_failure
 from tokenmill.gateway.sse import carries_output, error_body, is_error_event, split_events
 
@@ -54,6 +55,7 @@ class Outbound:
     key: RouteKey
     is_stream: bool
     received: float  # time.monotonic() at arrival
+    home: str | None = None  # the replica that stores the response this request refers to (response_homes.py)
 
 
 class Proxy:
@@ -65,6 +67,7 @@ class Proxy:
         self.config = config
         self.metrics = metrics
         self.accounting = Accounting(metrics)
+        self.homes = ResponseHomes()
 
     async def forward(self, request: Request) -> Response:
         outbound = await self._outbound(request)
@@ -93,14 +96,17 @@ class Proxy:
             method=request.method, path=request.url.path + (f"?{query}" if query else ""),
             headers={k: v for k, v in request.headers.items() if k.lower() not in _DROPPED_HEADERS},
             body=body, key=RouteKey(route_prefix(payload, request.headers, self.config.affinity_prefix_chars)),
-            is_stream=isinstance(payload, dict) and payload.get("stream") is True, received=time.monotonic())
+            is_stream=isinstance(payload, dict) and payload.get("stream") is True, received=time.monotonic(),
+            home=self.homes.home_of(referenced_response(request.method, request.url.path, payload)))
 
     async def _pick(self, outbound: Outbound, tried: list[Replica], deadline: float) -> Replica | None:
         timeout_s = max(0.0, deadline - time.monotonic())
         candidates = await self.replicas.wait_candidates({r.name for r in tried}, timeout_s)
         if not candidates:
             return None
-        decision = self.policy.choose(candidates, outbound.key)
+        home = next((r for r in candidates if r.name == outbound.home), None)
+        decision = Decision(home, "stored_response") if home is not None else self.policy.choose(candidates,
+                                                                                                  outbound.key)
         self.metrics.routing.labels(self.policy.name, decision.reason).inc()
         return decision.replica
 
@@ -122,6 +128,8 @@ class Proxy:
             return self._failed(replica, transport_failure(exc, replica.name))
         if response.status_code in self.config.retry.retry_statuses:
             return self._failed(replica, await _read_status_failure(response))
+        if response.status_code < 300 and RESPONSE_ID_HEADER in response.headers:
+            self.homes.note(response.headers[RESPONSE_ID_HEADER], replica.name)
         if outbound.is_stream and response.headers.get("content-type", "").startswith("text/event-stream"):
             return await self._open_stream(replica, response, outbound)
         return await self._unary(replica, response, outbound)

@@ -22,6 +22,9 @@ from tokenmill.server.sse import sse_response
 from tokenmill.server.state import ServerState
 
 router = APIRouter()
+# Names the response on every /v1/responses answer: the gateway learns from it which replica stores it
+# (gateway/response_homes.py, which spells the same name: the gateway imports nothing from the server)
+RESPONSE_ID_HEADER = "x-tokenmill-response-id"
 
 
 @router.post("/v1/responses", response_model=None)
@@ -42,10 +45,11 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     store = state.responses if body.store is not False else None
     ctx = ResponseContext(body, state.require_texts(), response_id, state.config.served_model_name, now_s(),
                           service_class.value, inputs.tools, len(prompt.token_ids), store, owner, conversation)
+    headers = {RESPONSE_ID_HEADER: response_id}
     if body.stream:
-        return sse_response(run, ResponseEvents(ctx), state)
+        return sse_response(run, ResponseEvents(ctx), state, headers)
     (update,) = (await collect(run, request)).values()
-    return JSONResponse(ctx.finish(answer_items(ctx, update), update))
+    return JSONResponse(ctx.finish(answer_items(ctx, update), update), headers=headers)
 
 
 @router.get("/v1/responses/{response_id}", response_model=None)

@@ -75,5 +75,6 @@ class EventStreamResponse(StreamingResponse):
             self._on_close()
 
 
-def sse_response(run: GenerationRun, renderer: ChunkRenderer, state: ServerState) -> EventStreamResponse:
-    return EventStreamResponse(stream_events(run, renderer, state), on_close=run.close)
+def sse_response(run: GenerationRun, renderer: ChunkRenderer, state: ServerState,
+                 headers: dict[str, str] | None = None) -> EventStreamResponse:
+    return EventStreamResponse(stream_events(run, renderer, state), on_close=run.close, headers=headers)

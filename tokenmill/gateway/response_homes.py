@@ -1,0 +1,49 @@
+"""Where each stored Responses API response lives, so its continuation finds it.
+
+A replica keeps the responses it answered in its own memory (server/response_store.py). A follow-up
+(`previous_response_id`) or a GET/DELETE of `/v1/responses/{id}` only works on that replica, and its
+body (just the new input) shares no prompt prefix with the first request to route by. Replicas name
+the response id in a header on every /v1/responses answer; the gateway remembers id → replica (bounded,
+least recently used forgotten first) and sends a request that refers to the id there while that replica
+is routable. If it is gone, the request goes wherever the policy says and gets the replica's 404: the
+conversation died with the replica's memory, and the client must resend it whole.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+RESPONSE_ID_HEADER = "x-tokenmill-response-id"  # the replica's header (server/openai_responses.py sets it)
+_RESPONSES_PATH = "/v1/responses"
+
+
+class ResponseHomes:
+    def __init__(self, capacity: int = 100_000) -> None:
+        self.capacity = capacity
+        self._homes: OrderedDict[str, str] = OrderedDict()
+
+    def note(self, response_id: str, replica: str) -> None:
+        self._homes[response_id] = replica
+        self._homes.move_to_end(response_id)
+        while len(self._homes) > self.capacity:
+            self._homes.popitem(last=False)
+
+    def home_of(self, response_id: str | None) -> str | None:
+        if response_id is None:
+            return None
+        replica = self._homes.get(response_id)
+        if replica is not None:
+            self._homes.move_to_end(response_id)
+        return replica
+
+
+def referenced_response(method: str, path: str, payload: Any) -> str | None:
+    """The stored response a request needs: a continuation's previous_response_id, or the id in
+    /v1/responses/{id} (GET, DELETE)."""
+    if path.startswith(_RESPONSES_PATH + "/"):
+        return path[len(_RESPONSES_PATH) + 1:].split("/", 1)[0].split("?", 1)[0] or None
+    if method == "POST" and path.split("?", 1)[0] == _RESPONSES_PATH and isinstance(payload, dict):
+        previous = payload.get("previous_response_id")
+        return previous if isinstance(previous, str) and previous else None
+    return None
