@@ -141,8 +141,12 @@ def _server_config(settings: RayDeploySettings) -> Any:
     from tokenmill.models.resolve import resolve_model
 
     name = settings.served_model_name or resolve_model(settings.model).name
-    # Host and port are Ray's (its proxy owns the socket); the draining is Ray's graceful shutdown.
-    return ServerConfig(served_model_name=name, drain_timeout_s=settings.graceful_shutdown_timeout_s)
+    # Host and port are Ray's (its proxy owns the socket); the draining is Ray's graceful shutdown. No
+    # /v1/responses store: Ray's router does not send a continuation to the replica that stored its
+    # response (tokenmill's gateway does), so a per-replica store would answer previous_response_id at
+    # random; without one it is a clear 400 (send the whole conversation).
+    return ServerConfig(served_model_name=name, drain_timeout_s=settings.graceful_shutdown_timeout_s,
+                        responses_store_size=0)
 
 
 def build_application(settings: RayDeploySettings) -> Any:
