@@ -106,3 +106,35 @@ def test_a_bare_call_object_is_a_call_in_auto_mode() -> None:
     assert stream.feed(bare[:10]) == ("", []) and stream.feed(bare[10:]) == ("", [])
     content, deltas = stream.finish()
     assert content == "" and [d.function.name for d in deltas if d.function] == ["f"]
+
+
+def _stream_all(plan: Any, text: str, size: int) -> tuple[str, list[tuple[str | None, str | None]], list[str]]:
+    """Everything a stream emits for `text` fed `size` characters at a time, and what each feed emitted."""
+    stream, streamed, calls, emitted = ToolStream(plan), "", [], []
+    for at in range(0, len(text), size):
+        part, deltas = stream.feed(text[at:at + size])
+        streamed += part
+        emitted.append(part)
+        calls += [(d.function.name, d.function.arguments) for d in deltas if d.function]
+    part, deltas = stream.finish()
+    return streamed + part, calls + [(d.function.name, d.function.arguments) for d in deltas if d.function], emitted
+
+
+def test_a_fenced_call_block_is_a_call_and_code_blocks_still_stream() -> None:
+    """Qwen2.5-Coder-1.5B answers a call as one ```json block; only a block that opens with a declared
+    tool's name is held back whole, so ordinary code answers stream as they come."""
+    plan = tool_plan(_body())
+    assert plan is not None
+    fenced = '```json\n{\n  "name": "f",\n  "arguments": {"x": 3}\n}\n```'
+    assert [(c.name, json.loads(c.arguments)) for c in parse_tool_calls(plan, fenced)[1]] == [("f", {"x": 3})]
+    assert parse_tool_calls(plan, fenced)[0] is None
+    other = '```json\n{"name": "g", "arguments": {}}\n```'  # not a tool: content
+    code = "```python\ndef f(x):\n    return x + 1\n```\nThat adds one."
+    trailing = fenced + "\nThen I will answer."  # a call block followed by prose is not one whole call
+    for size in (1, 2, 5, 1000):
+        assert _stream_all(plan, fenced, size)[:2] == ("", [("f", parse_tool_calls(plan, fenced)[1][0].arguments)])
+        for text in (other, code, trailing):
+            streamed, calls, _ = _stream_all(plan, text, size)
+            assert (streamed or None, calls) == (parse_tool_calls(plan, text)[0], []), (text, size)
+        if size < len(code):  # held no further than "```p": the code flows before its end
+            assert "".join(_stream_all(plan, code, size)[2][:-1]).startswith("```python\ndef")

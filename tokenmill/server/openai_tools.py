@@ -27,6 +27,9 @@ from tokenmill.server.response_bodies import FunctionCallDelta, FunctionCallOut,
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+# A whole answer that is one fenced JSON block (Qwen2.5-Coder-1.5B answers a call so, without the tags)
+_FENCED = re.compile(r"\A\s*```(?:json)?\s*(.*?)\s*```\s*\Z", re.DOTALL)
+_FENCE, _CALL_OPENING = "```json", '{"name":"'
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,12 +171,14 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[Functi
 
 
 def _bare_call(plan: ToolPlan, text: str) -> FunctionCallOut | None:
-    """A whole answer that is one `{"name": <a tool>, "arguments": ...}` object, without the tags
-    (small Qwen2.5-Coder models answer so)."""
-    if not text.lstrip().startswith("{"):
+    """A whole answer that is one `{"name": <a tool>, "arguments": ...}` object without the tags, bare or
+    in one fenced code block (small Qwen2.5-Coder models answer so)."""
+    fenced = _FENCED.match(text)
+    body = fenced.group(1) if fenced is not None else text
+    if not body.lstrip().startswith("{"):
         return None
     try:
-        call = _call_of(json.loads(text))
+        call = _call_of(json.loads(body))
     except ValueError:
         return None
     return call if call is not None and call.name in plan.functions else None
@@ -202,7 +207,7 @@ class ToolStream:
 
     def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
         self.text += delta
-        if self.plan.mode != "auto" or (not self._seen_content and self.text.lstrip().startswith("{")):
+        if self._whole():
             return "", []  # the whole text is parsed at the end (one JSON value, maybe a bare call)
         content, calls = "", []
         while True:
@@ -231,7 +236,7 @@ class ToolStream:
         return self._content(content), calls
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        if self.plan.mode != "auto" or (not self._seen_content and self.text.lstrip().startswith("{")):
+        if self._whole():
             content, calls = parse_tool_calls(self.plan, self.text[self.emitted:])
             return self._content(content or ""), [self._delta(c) for c in calls]
         rest = self.text[self.emitted:]
@@ -241,6 +246,29 @@ class ToolStream:
                 return "", [call]
             return self._content(_OPEN + rest), []
         return self._content(rest.strip() if self.num_calls else rest.rstrip()), []
+
+    def _whole(self) -> bool:
+        """Whether the text must wait for its end: a required/named answer (one JSON value), or an auto
+        answer that so far is, or may still become, a bare or fenced call (`_bare_call`); a fence that turns
+        out to open anything else (code) is released as soon as that shows."""
+        if self.plan.mode != "auto":
+            return True
+        if self._seen_content:
+            return False
+        text = self.text.lstrip()
+        if text.startswith("{") or (text and _FENCE.startswith(text)):
+            return True
+        if not text.startswith("```"):
+            return False
+        rest = re.sub(r"\s+", "", text[3:].removeprefix("json"))  # whitespace outside the name is JSON's
+        if len(rest) <= len(_CALL_OPENING):
+            return _CALL_OPENING.startswith(rest)
+        if not rest.startswith(_CALL_OPENING):
+            return False
+        name = rest[len(_CALL_OPENING):]
+        if '"' in name:
+            return name[:name.index('"')] in self.plan.functions  # a call: wait for the fence to close
+        return any(tool.startswith(name) for tool in self.plan.functions)
 
     def _content(self, text: str) -> str:
         if not self._seen_content:
