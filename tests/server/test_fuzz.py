@@ -73,6 +73,25 @@ def _bodies(draw: st.DrawFn, required: dict[str, Any], optional: dict[str, Any])
 COMPLETION = _bodies({"prompt": PROMPT, "max_tokens": st.integers(1, 6)}, COMPLETION_FIELDS)
 CHAT = _bodies({"messages": st.lists(MESSAGE, min_size=1, max_size=3), "max_tokens": st.integers(1, 6)},
                CHAT_FIELDS)
+TOOL = st.fixed_dictionaries({"type": st.just("function"), "name": st.sampled_from(["f", "g"]),
+                              "parameters": st.just({"type": "object", "properties": {"x": {"type": "integer"}}})})
+ITEM = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "developer"]),
+                           "content": st.one_of(st.text(max_size=24), st.lists(st.fixed_dictionaries(
+                               {"type": st.just("input_text"), "text": st.text(max_size=8)}), max_size=2))}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.text(max_size=4),
+                           "name": st.sampled_from(["f", "g"]), "arguments": st.text(max_size=8)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.text(max_size=4),
+                           "output": st.text(max_size=8)}))
+RESPONSES_FIELDS = {
+    **{k: v for k, v in SAMPLING.items() if k not in ("n", "stream_options")},
+    "instructions": st.text(max_size=16), "top_logprobs": st.integers(0, 5), "store": st.booleans(),
+    "tools": st.lists(TOOL, max_size=2), "tool_choice": st.sampled_from(["auto", "none", "required"]),
+    "text": st.fixed_dictionaries({"format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])}),
+    "previous_response_id": st.text(max_size=8),
+}
+RESPONSES = _bodies({"input": st.one_of(st.text(min_size=1, max_size=24), st.lists(ITEM, min_size=1, max_size=3)),
+                     "max_output_tokens": st.integers(1, 6)}, RESPONSES_FIELDS)
 FUZZ_SETTINGS = settings(max_examples=120, deadline=None, database=None,
                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
@@ -106,6 +125,12 @@ def test_fuzzed_completion_bodies_never_5xx(http: httpx.Client, live: LiveServer
 @given(body=CHAT)
 def test_fuzzed_chat_bodies_never_5xx(http: httpx.Client, live: LiveServer, body: dict[str, Any]) -> None:
     _check(http, live, "/v1/chat/completions", body)
+
+
+@FUZZ_SETTINGS
+@given(body=RESPONSES)
+def test_fuzzed_responses_bodies_never_5xx(http: httpx.Client, live: LiveServer, body: dict[str, Any]) -> None:
+    _check(http, live, "/v1/responses", body)
 
 
 def test_server_is_ready_after_fuzzing(http: httpx.Client, live: LiveServer) -> None:
