@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tokenmill.errors import RequestValidationError
+from tokenmill.server.openai_inputs import refuse_unhonoured
 from tokenmill.server.protocol import MAX_LOGPROBS, ChatRequest, GenerationRequest
 from tokenmill.server.validation_errors import describe_validation_errors
 
@@ -70,8 +71,9 @@ def as_chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) 
     extra = body.model_extra or {}
     for name in _STATEFUL:
         if extra.get(name) is not None:
-            raise RequestValidationError(f"{name} is not supported: this server stores no responses or "
-                                         "conversations; send the whole input each time", name)
+            raise RequestValidationError(f"{name} is not supported: send the conversation as input, or continue "
+                                         "a stored response with previous_response_id", name)
+    refuse_unhonoured(body)  # vLLM's fields tokenmill does not honour (best_of, ...), as on chat
     if body.background:
         raise RequestValidationError("background responses are not supported: leave background out", "background")
     if body.n != 1:
