@@ -120,15 +120,18 @@ def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:
     assert call.function.name == "get_time" and _arguments_valid(call)["zone"] in ("utc", "cet")
 
 
-def test_streamed_tool_call_deltas_reassemble_to_the_same_call(client: openai.OpenAI) -> None:
-    kwargs: Any = {"model": MODEL, "messages": MESSAGES, "tools": [WEATHER, TIME], "tool_choice": "required",
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_tool_call_deltas_reassemble_to_the_same_call(client: openai.OpenAI, tool_choice: Any) -> None:
+    """required: the calls whole in the last chunk; named: its arguments as they come (OpenAI's way)."""
+    kwargs: Any = {"model": MODEL, "messages": MESSAGES, "tools": [WEATHER, TIME], "tool_choice": tool_choice,
                    "max_tokens": 160, "seed": 5}
     whole = client.chat.completions.create(**kwargs)
     calls: dict[int, dict[str, str]] = {}
-    finish = None
+    finish, num_chunks = None, 0
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         if not chunk.choices:
             continue
+        num_chunks += bool(chunk.choices[0].delta.tool_calls)
         for d in chunk.choices[0].delta.tool_calls or []:
             entry = calls.setdefault(d.index, {"name": "", "arguments": "", "id": ""})
             entry["id"] += d.id or ""
@@ -139,6 +142,7 @@ def test_streamed_tool_call_deltas_reassemble_to_the_same_call(client: openai.Op
     assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == expected and expected
     assert all(calls[i]["id"].startswith("call_") for i in calls)
     assert finish == "tool_calls"
+    assert num_chunks > 1 if isinstance(tool_choice, dict) else num_chunks == 1  # required: parsed at the end
 
 
 def test_tool_results_round_trip(client: openai.OpenAI) -> None:

@@ -90,6 +90,8 @@ def test_a_named_function_is_called_with_arguments_that_match_its_schema(client:
         output = events[-1].response.output
         done = [e for e in events if e.type == "response.function_call_arguments.done"]
         assert [e.arguments for e in done] == [output[0].arguments]
+        deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+        assert len(deltas) > 1 and "".join(deltas) == output[0].arguments  # the arguments as they come
     else:
         output = _respond(client, **kwargs).output
     assert [item.type for item in output] == ["function_call"]

@@ -138,3 +138,20 @@ def test_a_fenced_call_block_is_a_call_and_code_blocks_still_stream() -> None:
             assert (streamed or None, calls) == (parse_tool_calls(plan, text)[0], []), (text, size)
         if size < len(code):  # held no further than "```p": the code flows before its end
             assert "".join(_stream_all(plan, code, size)[2][:-1]).startswith("```python\ndef")
+
+
+def test_a_named_call_streams_its_arguments_as_they_come() -> None:
+    plan = tool_plan(_body(tool_choice={"type": "function", "function": {"name": "f"}}))
+    assert plan is not None
+    text = '{"x": 12}'
+    assert [(c.name, c.arguments) for c in parse_tool_calls(plan, text)[1]] == [("f", text)]
+    assert parse_tool_calls(plan, '{"x": 1')[1][0].arguments == '{"x": 1'  # cut short: still the call, as written
+    stream = ToolStream(plan)
+    deltas = [d for at in range(0, len(text), 2) for d in stream.feed(text[at:at + 2])[1]]
+    assert stream.finish() == ("", [])
+    assert deltas[0].id is not None and deltas[0].function is not None and deltas[0].function.name == "f"
+    assert all(d.id is None and d.function is not None and d.function.name is None for d in deltas[1:])
+    assert "".join(d.function.arguments or "" for d in deltas if d.function) == text and len(deltas) == 5
+    empty = ToolStream(plan)
+    (only,) = empty.finish()[1]
+    assert only.function is not None and (only.function.name, only.function.arguments) == ("f", "")

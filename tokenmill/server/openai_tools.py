@@ -139,14 +139,16 @@ def _call_of(obj: Any, name: str | None = None) -> FunctionCallOut | None:
 
 def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[FunctionCallOut]]:
     """The message's content and its calls. Text that does not parse stays content."""
-    if plan.mode in ("named", "required"):
+    if plan.mode == "named":
+        # The grammar made the text that function's arguments: they are the call as written (a stream sends
+        # them as they come), cut short too where max_tokens cut the answer (as OpenAI's forced calls are)
+        assert plan.named is not None
+        return None, [FunctionCallOut(name=plan.named, arguments=text)]
+    if plan.mode == "required":
         try:
             value = json.loads(text)
         except ValueError:
             return text, []
-        if plan.mode == "named":
-            call = _call_of(value, plan.named)
-            return (None, [call]) if call is not None else (text, [])
         found = [c for c in (_call_of(v) for v in (value if isinstance(value, list) else [value])) if c is not None]
         return (None, found) if found else (text, [])
     bare = _bare_call(plan, text)
@@ -194,8 +196,9 @@ class ToolStream:
 
     `auto`: content flows until `<tool_call>` (a partial tag and trailing whitespace are held
     back); each block becomes one `delta.tool_calls` entry (id, name and all arguments) when it
-    closes, or at the end. `required`/named: everything is held and parsed at the end (the text is
-    one JSON value). Streamed and non-streamed answers carry the same calls and the same content.
+    closes, or at the end. `required`: everything is held and parsed at the end (the text is one JSON
+    value). Named: the text is the call's arguments, sent as they come (the first delta with the id and
+    name). Streamed and non-streamed answers carry the same calls and the same content.
     """
 
     plan: ToolPlan
@@ -207,6 +210,8 @@ class ToolStream:
 
     def feed(self, delta: str) -> tuple[str, list[ToolCallDelta]]:
         self.text += delta
+        if self.plan.mode == "named":
+            return "", [self._named_delta(delta)] if delta else []
         if self._whole():
             return "", []  # the whole text is parsed at the end (one JSON value, maybe a bare call)
         content, calls = "", []
@@ -236,6 +241,8 @@ class ToolStream:
         return self._content(content), calls
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        if self.plan.mode == "named":
+            return "", [] if self.num_calls else [self._named_delta("")]
         if self._whole():
             content, calls = parse_tool_calls(self.plan, self.text[self.emitted:])
             return self._content(content or ""), [self._delta(c) for c in calls]
@@ -246,6 +253,13 @@ class ToolStream:
                 return "", [call]
             return self._content(_OPEN + rest), []
         return self._content(rest.strip() if self.num_calls else rest.rstrip()), []
+
+    def _named_delta(self, arguments: str) -> ToolCallDelta:
+        """A named call's arguments as they come: the first delta opens the call (id, name), as OpenAI's do."""
+        if self.num_calls:
+            return ToolCallDelta(index=0, function=FunctionCallDelta(arguments=arguments))
+        assert self.plan.named is not None
+        return self._delta(FunctionCallOut(name=self.plan.named, arguments=arguments))
 
     def _whole(self) -> bool:
         """Whether the text must wait for its end: a required/named answer (one JSON value), or an auto

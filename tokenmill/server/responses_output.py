@@ -21,6 +21,7 @@ from tokenmill.engine.request import TokenLogprob
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens
 from tokenmill.server.logprob_format import chat_logprobs
 from tokenmill.server.openai_tools import ToolPlan, ToolStream, parse_tool_calls
+from tokenmill.server.response_bodies import ToolCallDelta
 from tokenmill.server.response_store import ResponseStore, StoredResponse
 from tokenmill.server.responses_protocol import ResponsesRequest, output_message
 from tokenmill.server.state import TokenTexts
@@ -135,6 +136,7 @@ class ResponseEvents:
     message_lps: list[Json] = field(default_factory=list)  # its logprobs so far
     num_sent_tokens: int = 0
     tool_stream: ToolStream | None = None
+    call: Json | None = None  # the function_call item being written (its arguments so far)
     last: ChoiceUpdate | None = None
 
     def opening(self) -> Iterable[Json]:
@@ -147,28 +149,37 @@ class ResponseEvents:
         new_lps = self.ctx.logprobs(out.token_ids[self.num_sent_tokens:],
                                     out.logprobs[self.num_sent_tokens:] if out.logprobs is not None else None)
         self.num_sent_tokens = len(out.token_ids)
-        content, calls = out.text_delta, []
+        content, deltas = out.text_delta, list[ToolCallDelta]()
         if self.ctx.tools is not None:
             self.tool_stream = self.tool_stream or ToolStream(self.ctx.tools)
             content, deltas = self.tool_stream.feed(out.text_delta)
             if update.is_finished:
                 more, last_deltas = self.tool_stream.finish()
                 content, deltas = content + more, deltas + last_deltas
-            calls = [(d.id or new_id("call"), d.function.name or "", d.function.arguments or "")
-                     for d in deltas if d.function is not None]
         events: list[Json] = []
         self.message_lps.extend(new_lps or [])
         if content:
+            events.extend(self._close_call())
             events.extend(self._open_message())
             self.text += content
             events.append(self._event("response.output_text.delta", item_id=self.message_id,
                                       output_index=len(self.items), content_index=0, delta=content,
                                       logprobs=new_lps or []))
-        for call_id, name, arguments in calls:
-            events.extend(self._close_message(update))
-            events.extend(self._call_events(new_id("fc"), call_id, name, arguments))
+        for delta in deltas:  # a delta with an id opens a call; one without adds to the open call's arguments
+            if delta.function is None:
+                continue
+            if delta.id is not None:
+                events.extend(self._close_call())
+                events.extend(self._close_message(update))
+                events.extend(self._open_call(delta.id, delta.function.name or ""))
+            assert self.call is not None, "arguments before their call opened"
+            if delta.function.arguments:
+                self.call["arguments"] += delta.function.arguments
+                events.append(self._event("response.function_call_arguments.delta", item_id=self.call["id"],
+                                          output_index=len(self.items), delta=delta.function.arguments))
         if update.is_finished:
             self.last = update
+            events.extend(self._close_call())
             if not self.items and self.message_id is None:
                 events.extend(self._open_message())  # an empty answer is one empty message
             events.extend(self._close_message(update))
@@ -204,16 +215,18 @@ class ResponseEvents:
                             part=item["content"][0]),
                 self._event("response.output_item.done", output_index=index, item=item)]
 
-    def _call_events(self, item_id: str, call_id: str, name: str, arguments: str) -> list[Json]:
-        index = len(self.items)
-        item = _function_call(item_id, call_id, name, arguments)
+    def _open_call(self, call_id: str, name: str) -> list[Json]:
+        self.call = _function_call(new_id("fc"), call_id, name, "", "in_progress")
+        return [self._event("response.output_item.added", output_index=len(self.items), item=dict(self.call))]
+
+    def _close_call(self) -> list[Json]:
+        if self.call is None:
+            return []
+        item, index = {**self.call, "status": "completed"}, len(self.items)
         self.items.append(item)
-        return [self._event("response.output_item.added", output_index=index,
-                            item=_function_call(item_id, call_id, name, "", "in_progress")),
-                self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
-                            delta=arguments),
-                self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
-                            name=name, arguments=arguments),
+        self.call = None
+        return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            name=item["name"], arguments=item["arguments"]),
                 self._event("response.output_item.done", output_index=index, item=item)]
 
     def _event(self, kind: str, **fields: Any) -> Json:
