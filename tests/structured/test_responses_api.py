@@ -242,3 +242,22 @@ def test_every_answer_names_its_response_in_a_header_for_the_gateway(structured_
             assert answer.status_code == 200
             response_id = answer.headers["x-tokenmill-response-id"]
         assert response_id.startswith("resp") and f'"id":"{response_id}"' in text.replace(" ", "")
+
+
+def test_a_continuation_repeats_the_tokens_the_model_wrote_so_the_prefix_cache_holds_them(
+        client: openai.OpenAI) -> None:
+    """A call the model wrote freely (auto; here a bare call object, pinned by a schema) is kept as its text:
+    the next turn's prompt starts with every token of the first turn, so all its full blocks are cache hits."""
+    call_schema = {"type": "object", "properties": {"name": {"const": "get_time"},
+                                                    "arguments": {"type": "object", "properties": {
+                                                        "zone": {"enum": ["utc"]}}, "required": ["zone"],
+                                                                  "additionalProperties": False}},
+                   "required": ["name", "arguments"], "additionalProperties": False}
+    first = _respond(client, input="What time is it? " * 6, tools=[WEATHER, TIME], max_output_tokens=60,
+                     text={"format": {"type": "json_schema", "name": "c", "schema": call_schema}})
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "get_time"
+    second = _respond(client, previous_response_id=first.id, tools=[WEATHER, TIME], max_output_tokens=2,
+                      input=[{"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}])
+    written = first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens == written - written % 16  # block size 16

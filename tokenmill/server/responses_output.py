@@ -67,11 +67,18 @@ class ResponseContext:
     conversation: list[Json]  # the chat messages it answered (history and input, no instructions)
 
     def finish(self, output: list[Json], update: ChoiceUpdate) -> Json:
-        """The finished response object, stored with the conversation through it."""
+        """The finished response object, stored with the conversation through it.
+
+        An answer the model wrote freely (no tools, or `auto`) goes into the history as its text, calls in
+        whatever form it wrote them: a continuation's prompt then repeats the tokens it generated, so the
+        prefix cache still holds them (re-rendered as structured calls, a ```json call became the template's
+        `<tool_call>` block and every turn re-ran the prefill from there). A grammar's answer (a required or
+        named call) goes in as structured calls, which the template shows in the model's own call format."""
         response = self.response(output, update)
         if self.store is not None:
-            history = [*self.conversation, output_message(output)]
-            self.store.put(self.response_id, StoredResponse(self.owner, history, response))
+            free = self.tools is None or self.tools.mode == "auto"
+            answer = {"role": "assistant", "content": update.output.text} if free else output_message(output)
+            self.store.put(self.response_id, StoredResponse(self.owner, [*self.conversation, answer], response))
         return response
 
     def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> list[Json] | None:
