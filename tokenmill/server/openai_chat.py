@@ -20,7 +20,7 @@ from tokenmill.server.choices import chat_choice, chat_choice_logprobs, chat_pro
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_counts
 from tokenmill.server.openai_inputs import chat_inputs
 from tokenmill.server.openai_tools import ToolPlan, ToolStream
-from tokenmill.server.pipeline import collect, get_state, now_s, salted, service_class_for, start_run
+from tokenmill.server.pipeline import api_key_id, collect, get_state, now_s, salted, service_class_for, start_run
 from tokenmill.server.protocol import ChatRequest
 from tokenmill.server.response_bodies import (
     ChatChunk,
@@ -34,6 +34,7 @@ from tokenmill.server.response_bodies import (
 from tokenmill.server.sse import sse_response
 from tokenmill.server.state import TokenTexts
 from tokenmill.server.timings import Timings
+from tokenmill.server.written_calls import WrittenCalls, calls_of
 
 router = APIRouter()
 
@@ -43,6 +44,9 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     state = get_state(request)
     state.check_model(body.model)
     engine = state.require_engine()
+    owner = api_key_id(request)
+    if any(m.tool_calls for m in body.messages if m.role == "assistant"):
+        body = body.model_copy(update={"messages": state.written_calls.restore(body.messages, owner)})
     inputs = chat_inputs(salted(request, body, state.config.cache_isolation), engine.tokenizer, engine.limits,
                          engine.structured)
     (prompt,) = inputs.prompts
@@ -51,11 +55,15 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     service_class = service_class_for(request, body, ServiceClass.INTERACTIVE)
     run, response_id = start_run(state, request, inputs.children, "chatcmpl", body.priority, service_class)
     ctx = _Context(body, prompt, texts, response_id, state.config.served_model_name, now_s(), service_class.value,
-                   inputs.tools)
+                   state.written_calls, owner, inputs.tools)
     if body.stream:
         return sse_response(run, _ChatChunks(ctx), state)
     last = await collect(run, request)
     choices = [chat_choice(body, texts, inputs.tools, last[i]) for i in sorted(last)]
+    for choice in choices:  # a grammar's calls (required, named) stay rendered as calls: see written_calls.py
+        if choice.message.tool_calls and inputs.tools is not None and inputs.tools.mode == "auto":
+            state.written_calls.note(owner, last[choice.index].output.text, choice.message.content,
+                                     calls_of(choice.message.tool_calls))
     usage = Usage.of(len(prompt.token_ids), sum(len(u.output.token_ids) for u in last.values()),
                      cached_prompt_tokens(last.values()), prediction_counts(last.values()))
     response = ChatResponse(id=response_id, created=ctx.created, model=ctx.model, choices=choices, usage=usage,
@@ -73,6 +81,8 @@ class _Context:
     model: str
     created: int
     service_tier: str  # the class the request runs in, on the response and on every streamed chunk
+    written: WrittenCalls  # where answers with calls are kept as written
+    owner: str | None  # the API key id they belong to
     tools: ToolPlan | None = None  # the answer may hold tool calls: parse them out
 
     def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
@@ -86,6 +96,8 @@ class _ChatChunks:
     timings: Timings = field(default_factory=Timings)
     finished: list[ChoiceUpdate] = field(default_factory=list)  # finishing updates: their cached tokens
     tool_streams: dict[int, ToolStream] = field(default_factory=dict)
+    sent_content: dict[int, str] = field(default_factory=dict)  # with tools: each choice's content so far...
+    sent_calls: dict[int, dict[int, list[str]]] = field(default_factory=dict)  # ...and calls (id, name, arguments)
 
     def opening(self) -> Iterable[ChatChunk]:
         return [self._chunk([ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
@@ -111,6 +123,8 @@ class _ChatChunks:
                     finish_reason = tool_finish(finish_reason)
         if not (content or calls or update.is_finished or (self.ctx.body.logprobs and new_ids)):
             return []  # nothing new to say yet (held-back text or an unfinished character)
+        if self.ctx.tools is not None and self.ctx.tools.mode == "auto":
+            self._keep_written(update, content, calls)
         new_lps = out.logprobs[sent:] if out.logprobs is not None else None
         choice = ChatStreamChoice(index=index, delta=ChatDelta(content=content or None, tool_calls=calls or None),
                                   logprobs=self.ctx.logprobs(new_ids, new_lps), finish_reason=finish_reason,
@@ -119,6 +133,19 @@ class _ChatChunks:
         if self.ctx.body.continuous_usage:  # vLLM's: the usage so far on every chunk
             usage = Usage.of(len(self.ctx.prompt.token_ids), sum(self.num_sent_tokens.values()))
         return [self._chunk([choice], usage)]
+
+    def _keep_written(self, update: ChoiceUpdate, content: str, calls: list[ToolCallDelta]) -> None:
+        """What the client got of an answer with calls, so the written text replaces it when sent back."""
+        index = update.child.index
+        self.sent_content[index] = self.sent_content.get(index, "") + content
+        for d in calls:
+            entry = self.sent_calls.setdefault(index, {}).setdefault(d.index, ["", "", ""])
+            entry[0] += d.id or ""
+            entry[1] += (d.function.name or "") if d.function else ""
+            entry[2] += (d.function.arguments or "") if d.function else ""
+        if update.is_finished and index in self.sent_calls:
+            written = [(i, n, a) for i, n, a in (v for _, v in sorted(self.sent_calls[index].items()))]
+            self.ctx.written.note(self.ctx.owner, update.output.text, self.sent_content[index] or None, written)
 
     def closing(self) -> Iterable[ChatChunk]:
         if not self.ctx.body.include_usage:

@@ -12,9 +12,8 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.service_class import ServiceClass
 from tokenmill.server.errors import ApiError
-from tokenmill.server.middleware import API_KEY_ID_STATE
 from tokenmill.server.openai_inputs import chat_inputs
-from tokenmill.server.pipeline import collect, get_state, now_s, salted, service_class_for, start_run
+from tokenmill.server.pipeline import api_key_id, collect, get_state, now_s, salted, service_class_for, start_run
 from tokenmill.server.response_store import StoredResponse
 from tokenmill.server.responses_output import Json, ResponseContext, ResponseEvents, answer_items
 from tokenmill.server.responses_protocol import ResponsesRequest, as_chat_request, input_messages
@@ -32,7 +31,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
     engine = state.require_engine()
-    owner = _owner(request)
+    owner = api_key_id(request)
     history: list[Json] = []
     if body.previous_response_id is not None:
         history = _stored(state, body.previous_response_id, owner, "previous_response_id").history
@@ -54,20 +53,15 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
 @router.get("/v1/responses/{response_id}", response_model=None)
 async def get_response(response_id: str, request: Request) -> Response:
-    return JSONResponse(_stored(get_state(request), response_id, _owner(request), None).response)
+    return JSONResponse(_stored(get_state(request), response_id, api_key_id(request), None).response)
 
 
 @router.delete("/v1/responses/{response_id}", response_model=None)
 async def delete_response(response_id: str, request: Request) -> Response:
     state = get_state(request)
-    if state.responses is None or not state.responses.delete(response_id, _owner(request)):
+    if state.responses is None or not state.responses.delete(response_id, api_key_id(request)):
         raise _not_found(response_id, None)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
-
-
-def _owner(request: Request) -> str | None:
-    key_id = getattr(request.state, API_KEY_ID_STATE, None)
-    return key_id if isinstance(key_id, str) else None
 
 
 def _stored(state: ServerState, response_id: str, owner: str | None, param: str | None) -> StoredResponse:

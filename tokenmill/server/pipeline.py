@@ -77,6 +77,12 @@ def service_class_for(request: Request, body: GenerationRequest, default: Servic
     return key_class if isinstance(key_class, ServiceClass) else default
 
 
+def api_key_id(request: Request) -> str | None:
+    """Which accepted API key the request came with ("api-key-<i>", never the key); None without keys."""
+    key_id = getattr(request.state, API_KEY_ID_STATE, None)
+    return key_id if isinstance(key_id, str) else None
+
+
 def salted(request: Request, body: BodyT, isolation: str) -> BodyT:
     """The body with the salt its request's cached state is shared under: its own `cache_salt`, led by the
     API key's id when the server isolates caches by key (ServerConfig.cache_isolation)."""

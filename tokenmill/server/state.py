@@ -17,6 +17,7 @@ from tokenmill.server.errors import ApiError
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.request_log import log_request
 from tokenmill.server.response_store import ResponseStore
+from tokenmill.server.written_calls import WrittenCalls
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class ServerState:
         self.class_metrics: ClassMetrics | None = None  # per service class, on the same registry
         self.texts: TokenTexts | None = None
         self.responses = ResponseStore(config.responses_store_size) if config.responses_store_size else None
+        self.written_calls = WrittenCalls()  # chat answers with calls as the model wrote them (written_calls.py)
         self.load_error: str | None = None
         self.is_engine_healthy = True
         self._seen_restarts = 0

@@ -1,0 +1,78 @@
+"""Chat answers with tool calls, kept as the model wrote them, so that the next turn's prompt repeats them.
+
+An agent on /v1/chat/completions sends the assistant's message back with its `tool_calls`, and the chat
+template renders those calls in the template's own form: where the model wrote its call differently
+(Qwen2.5-Coder-1.5B writes a ```json block, the template a `<tool_call>` block; spacing differs even in
+the tagged form), the prompt's tokens stop matching the generated ones at the start of the assistant turn,
+so the prefix cache misses from there and the turn's whole answer is prefilled again, every turn. Here the
+server remembers each answer that carried calls (by its first call's id, bounded, least recently used
+forgotten first) and, when a request sends that message back unchanged (the same call ids, names,
+arguments and content, from the same API key), renders the message as the text the model wrote. A changed
+message is rendered from its fields as before. Only answers the model wrote freely (`tool_choice` auto) are
+kept: a grammar's answer (required: a JSON array; named: bare arguments) is not the model's own call format,
+and shown back as its turn it taught the model to answer the next turn the same way (Qwen2.5-Coder-0.5B
+answered a tool result with another JSON array). /v1/responses keeps its own history by the same rule
+(responses_output.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenmill.server.protocol import ChatMessage
+from tokenmill.server.response_bodies import ToolCallOut
+
+Call = tuple[str, str, str]  # (id, name, arguments) as the client received them
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    owner: str | None
+    text: str  # the answer as the model wrote it
+    content: str | None  # the message content the client received
+    calls: tuple[Call, ...]
+
+
+class WrittenCalls:
+    def __init__(self, capacity: int = 10_000) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[str, _Written] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def note(self, owner: str | None, text: str, content: str | None, calls: Sequence[Call]) -> None:
+        if not calls:
+            return
+        with self._lock:
+            self._entries[calls[0][0]] = _Written(owner, text, content or None, tuple(calls))
+            self._entries.move_to_end(calls[0][0])
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+
+    def restore(self, messages: list[ChatMessage], owner: str | None) -> list[ChatMessage]:
+        """`messages` with each unchanged assistant message that carries calls rendered as written."""
+        return [self._as_written(m, owner) for m in messages]
+
+    def _as_written(self, message: ChatMessage, owner: str | None) -> ChatMessage:
+        if message.role != "assistant" or not message.tool_calls or not isinstance(message.content, str | None):
+            return message
+        calls = tuple(_call(c) for c in message.tool_calls)
+        with self._lock:
+            written = self._entries.get(calls[0][0])
+        if written is None or written.owner != owner or written.calls != calls \
+                or written.content != (message.content or None):
+            return message
+        return ChatMessage(role="assistant", content=written.text)
+
+
+def calls_of(tool_calls: Sequence[ToolCallOut]) -> list[Call]:
+    return [(c.id, c.function.name, c.function.arguments) for c in tool_calls]
+
+
+def _call(call: dict[str, object]) -> Call:
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        return ("", "", "")
+    return (str(call.get("id", "")), str(fn.get("name", "")), str(fn.get("arguments", "")))
