@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MODEL
+from tests.server.conftest import MODEL, LiveServer
 from tokenmill.server.protocol import ChatMessage
 from tokenmill.server.written_calls import WrittenCalls
 
@@ -71,7 +72,8 @@ def _first_turn(client: openai.OpenAI, stream: bool) -> tuple[dict[str, Any], An
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_call_sent_back_unchanged_keeps_the_whole_turn_cached(client: openai.OpenAI, stream: bool) -> None:
+def test_a_call_sent_back_unchanged_keeps_the_whole_turn_cached(client: openai.OpenAI, structured_live: LiveServer,
+                                                               stream: bool) -> None:
     message, usage = _first_turn(client, stream)
     (call,) = message["tool_calls"]
     written = usage.prompt_tokens + usage.completion_tokens
@@ -80,6 +82,9 @@ def test_a_call_sent_back_unchanged_keeps_the_whole_turn_cached(client: openai.O
                                             max_tokens=2, temperature=0.0)
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
     assert second.usage.prompt_tokens_details.cached_tokens == written - written % 16  # every full block
+    counted = httpx.post(f"{structured_live.url}/tokenize", json={"messages": [*_ask(stream), message, result],
+                                                                  "tools": [TIME]}).json()["count"]
+    assert counted == second.usage.prompt_tokens  # /tokenize counts the prompt the request ran
     edited = call["function"]["arguments"] + " "  # the client touched it: rendered from its fields
     changed = {**message, "tool_calls": [{**call, "function": {**call["function"], "arguments": edited}}]}
     third = client.chat.completions.create(model=MODEL, messages=[*_ask(stream), changed, result], tools=[TIME],

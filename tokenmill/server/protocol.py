@@ -186,6 +186,7 @@ class TokenizeChatRequest(_Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # as ChatRequest's: the prompt a chat request would run
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # as ChatRequest's: the template shows them
     add_special_tokens: bool = False  # the template writes BOS itself where the model wants it
     return_token_strs: bool = False
 

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from tokenmill.server.openai_inputs import chat_prompt, encode_text
-from tokenmill.server.pipeline import get_state
+from tokenmill.server.pipeline import api_key_id, get_state
 from tokenmill.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeTextRequest
 from tokenmill.server.response_bodies import DetokenizeResponse, TokenizeResponse
 
@@ -23,7 +23,9 @@ async def tokenize(body: TokenizeTextRequest | TokenizeChatRequest, request: Req
     if isinstance(body, TokenizeTextRequest):
         token_ids = encode_text(engine.tokenizer, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
     else:
-        token_ids = chat_prompt(engine.tokenizer, body.messages, body.add_generation_prompt,
+        # the prompt a chat request with these messages runs: calls sent back unchanged as the model wrote them
+        messages = state.written_calls.restore(body.messages, api_key_id(request))
+        token_ids = chat_prompt(engine.tokenizer, messages, body.add_generation_prompt, body.tools,
                                 continue_final=body.continue_final_message,
                                 template_kwargs=body.chat_template_kwargs).token_ids
     strs = [engine.tokenizer.id_to_token(t) or "" for t in token_ids] if body.return_token_strs else None
