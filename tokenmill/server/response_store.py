@@ -3,7 +3,8 @@
 
 A stored response keeps its conversation as chat messages (every input and output through it, without
 its `instructions`, which OpenAI does not carry over to the next response) and the response object as
-answered. The store is bounded: past `capacity` the least recently used response is forgotten, and a
+answered. The store is bounded: past `capacity` responses or its size budget (the JSON of what it holds,
+256 MiB by default) the least recently used response is forgotten, and a
 continuation of a forgotten (or never stored) response is a 404, as OpenAI answers an unknown id. Behind
 API keys each response belongs to the key that created it: another key gets the same 404 (ids are
 random, but a leaked id must not hand one tenant another's conversation). Nothing survives a restart.
@@ -12,10 +13,11 @@ random, but a leaked id must not hand one tenant another's conversation). Nothin
 from __future__ import annotations
 
 import copy
-import threading
-from collections import OrderedDict
+import json
 from dataclasses import dataclass
 from typing import Any
+
+from tokenmill.server.bounded_lru import BoundedLru
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,36 +28,31 @@ class StoredResponse:
 
 
 class ResponseStore:
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError("a response store needs room for at least one response")
+    def __init__(self, capacity: int, max_bytes: int = 256 << 20) -> None:
+        """`capacity` responses, holding at most about `max_bytes` of text (their JSON), whichever binds first."""
         self.capacity = capacity
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._lock = threading.Lock()  # handlers run on the event loop, tests and tools may not
+        self._entries: BoundedLru[str, StoredResponse] = BoundedLru(capacity, max_bytes, _json_bytes)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
-        with self._lock:
-            self._entries[response_id] = stored
-            self._entries.move_to_end(response_id)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+        self._entries.put(response_id, stored)
 
     def get(self, response_id: str, owner: str | None) -> StoredResponse | None:
         """The response if it is stored and `owner` may read it; a copy, so callers cannot change it."""
-        with self._lock:
-            stored = self._entries.get(response_id)
-            if stored is None or stored.owner != owner:
-                return None
-            self._entries.move_to_end(response_id)
+        stored = self._entries.get(response_id)
+        if stored is None or stored.owner != owner:
+            return None
         return copy.deepcopy(stored)
 
     def delete(self, response_id: str, owner: str | None) -> bool:
-        with self._lock:
-            stored = self._entries.get(response_id)
-            if stored is None or stored.owner != owner:
-                return False
-            del self._entries[response_id]
-            return True
+        stored = self._entries.get(response_id)
+        if stored is None or stored.owner != owner:
+            return False
+        self._entries.pop(response_id)
+        return True
+
+
+def _json_bytes(stored: StoredResponse) -> int:
+    return len(json.dumps(stored.history, ensure_ascii=False)) + len(json.dumps(stored.response, ensure_ascii=False))

@@ -5,8 +5,8 @@ template renders those calls in the template's own form: where the model wrote i
 (Qwen2.5-Coder-1.5B writes a ```json block, the template a `<tool_call>` block; spacing differs even in
 the tagged form), the prompt's tokens stop matching the generated ones at the start of the assistant turn,
 so the prefix cache misses from there and the turn's whole answer is prefilled again, every turn. Here the
-server remembers each answer that carried calls (by its first call's id, bounded, least recently used
-forgotten first) and, when a request sends that message back unchanged (the same call ids, names,
+server remembers each answer that carried calls (by its first call's id, bounded in count and characters,
+least recently used forgotten first) and, when a request sends that message back unchanged (the same call ids, names,
 arguments and content, from the same API key), renders the message as the text the model wrote. A changed
 message is rendered from its fields as before. Only answers the model wrote freely (`tool_choice` auto) are
 kept: a grammar's answer (required: a JSON array; named: bare arguments) is not the model's own call format,
@@ -17,11 +17,10 @@ answered a tool result with another JSON array). /v1/responses keeps its own his
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenmill.server.bounded_lru import BoundedLru
 from tokenmill.server.protocol import ChatMessage
 from tokenmill.server.response_bodies import ToolCallOut
 
@@ -37,19 +36,12 @@ class _Written:
 
 
 class WrittenCalls:
-    def __init__(self, capacity: int = 10_000) -> None:
-        self.capacity = capacity
-        self._entries: OrderedDict[str, _Written] = OrderedDict()
-        self._lock = threading.Lock()
+    def __init__(self, capacity: int = 10_000, max_chars: int = 64 << 20) -> None:
+        self._entries: BoundedLru[str, _Written] = BoundedLru(capacity, max_chars, _chars)
 
     def note(self, owner: str | None, text: str, content: str | None, calls: Sequence[Call]) -> None:
-        if not calls:
-            return
-        with self._lock:
-            self._entries[calls[0][0]] = _Written(owner, text, content or None, tuple(calls))
-            self._entries.move_to_end(calls[0][0])
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+        if calls:
+            self._entries.put(calls[0][0], _Written(owner, text, content or None, tuple(calls)))
 
     def restore(self, messages: list[ChatMessage], owner: str | None) -> list[ChatMessage]:
         """`messages` with each unchanged assistant message that carries calls rendered as written."""
@@ -59,12 +51,15 @@ class WrittenCalls:
         if message.role != "assistant" or not message.tool_calls or not isinstance(message.content, str | None):
             return message
         calls = tuple(_call(c) for c in message.tool_calls)
-        with self._lock:
-            written = self._entries.get(calls[0][0])
+        written = self._entries.get(calls[0][0])
         if written is None or written.owner != owner or written.calls != calls \
                 or written.content != (message.content or None):
             return message
         return ChatMessage(role="assistant", content=written.text)
+
+
+def _chars(written: _Written) -> int:
+    return len(written.text) + len(written.content or "") + sum(len(i) + len(n) + len(a) for i, n, a in written.calls)
 
 
 def calls_of(tool_calls: Sequence[ToolCallOut]) -> list[Call]:
