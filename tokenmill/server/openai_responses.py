@@ -19,6 +19,7 @@ from tokenmill.server.responses_output import Json, ResponseContext, ResponseEve
 from tokenmill.server.responses_protocol import ResponsesRequest, as_chat_request, input_messages
 from tokenmill.server.sse import sse_response
 from tokenmill.server.state import ServerState
+from tokenmill.server.truncation import fit_chat_request
 
 router = APIRouter()
 # Names the response on every /v1/responses answer: the gateway learns from it which replica stores it
@@ -37,6 +38,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         history = _stored(state, body.previous_response_id, owner, "previous_response_id").history
     conversation = history + input_messages(body)
     chat = salted(request, as_chat_request(body, conversation), state.config.cache_isolation)
+    if body.truncation == "auto":
+        chat = fit_chat_request(chat, engine.tokenizer, engine.limits.max_model_len)
     inputs = chat_inputs(chat, engine.tokenizer, engine.limits, engine.structured)
     (prompt,) = inputs.prompts
     service_class = service_class_for(request, chat, ServiceClass.INTERACTIVE)

@@ -106,7 +106,7 @@ class ResponseContext:
                 "parallel_tool_calls": body.parallel_tool_calls, "temperature": body.temperature,
                 "top_p": body.top_p, "top_logprobs": body.top_logprobs,
                 "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
-                "tools": body.tools or [], "text": {"format": text}, "truncation": "disabled", "usage": usage,
+                "tools": body.tools or [], "text": {"format": text}, "truncation": body.truncation, "usage": usage,
                 "store": self.store is not None, "previous_response_id": body.previous_response_id,
                 "background": False, "metadata": body.metadata or {}, "user": body.user,
                 "service_tier": self.service_tier, "reasoning": None}

@@ -59,6 +59,8 @@ class ResponsesRequest(GenerationRequest):
     user: str | None = None
     background: bool = False
     previous_response_id: str | None = Field(default=None, min_length=1, max_length=256)
+    # "auto": where the conversation does not fit the context, its oldest turns are left out (truncation.py)
+    truncation: Literal["auto", "disabled"] = "disabled"
 
     @property
     def wants_logprobs(self) -> bool:
