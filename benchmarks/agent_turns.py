@@ -6,8 +6,10 @@ A server is started on --model; the agent (system instructions, one `read_file` 
 invites a call, answers every call with a file's text, and asks a follow-up where the model answered in
 text, for --turns turns. Per turn it prints the prompt tokens, the cached ones, the tokens the conversation
 held before the turn (the previous prompt and answer: what a perfect cache could hold, to the block), their
-ratio, and the first-token time. The ratio is the figure: 1.0 means every full block of the earlier turns
-was reused (the history repeats the tokens the model wrote), and each turn pays only for its new input.
+ratio, and the first-event time. The ratio is the figure: 1.0 means every full block of the earlier turns
+was reused (the history repeats the tokens the model wrote), and each turn pays only for its new input. And
+how many turns called a tool again right after a tool result: an agent that does so every time never answers
+(how a history shown in a form the model did not learn showed itself; docs/structured_outputs.md).
 
     flock /tmp/tokenmill-bench.lock python benchmarks/agent_turns.py --model qwen2.5-coder-1.5b
 """
@@ -15,6 +17,7 @@ was reused (the history repeats the tokens the model wrote), and each turn pays 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -136,8 +139,13 @@ def main() -> None:
                        [[t["turn"], ",".join(t["items"]), t["input_tokens"], t["cached_tokens"], t["reusable_tokens"],
                          t["cached_of_reusable"], t["first_event_s"]] for t in turns])
     ratios = [t["cached_of_reusable"] for t in turns if t["cached_of_reusable"] is not None]
-    summary = {"min_cached_of_reusable": min(ratios) if ratios else None}
-    print(f"cached / reusable, the worst turn: {summary['min_cached_of_reusable']}")
+    # A turn that follows a tool result should answer; calling again is how a history the model misreads shows
+    # (an agent framework then loops to its turn limit)
+    recalls = sum("function_call" in later["items"] for earlier, later in itertools.pairwise(turns)
+                  if "function_call" in earlier["items"])
+    summary = {"min_cached_of_reusable": min(ratios) if ratios else None, "calls_right_after_a_result": recalls}
+    print(f"cached / reusable, the worst turn: {summary['min_cached_of_reusable']}; turns that called again right "
+          f"after a tool result: {recalls}")
     common.save_json(f"agent_turns_{args.api}", args.model, {"args": vars(args), "turns": turns, **summary})
 
 

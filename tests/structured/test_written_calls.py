@@ -16,11 +16,13 @@ from tokenmill.server.written_calls import WrittenCalls
 TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
                                        "required": ["zone"], "additionalProperties": False}}}
-# Pins the free (auto) answer to a bare call object, which the tiny random model would never write itself
-CALL = {"type": "json_schema", "json_schema": {"name": "c", "schema": {
+# Pins the free (auto) answer to a call in the template's own form, which the tiny random model would never write
+TAGGED = r'<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "(utc|cet)"\}\}\n</tool_call>'
+# ...and to a bare call object, which is a call too but not in the template's form
+BARE = {"type": "json_schema", "json_schema": {"name": "c", "schema": {
     "type": "object", "properties": {"name": {"const": "get_time"}, "arguments": TIME["function"]["parameters"]},
     "required": ["name", "arguments"], "additionalProperties": False}}}
-ASK: list[Any] = [{"role": "user", "content": "What time is it in the usual zone? " * 4}]
+ASK: list[Any] = [{"role": "user", "content": "What time is it in the usual zone? " * 3}]
 
 
 def _assistant(call_id: str, arguments: str, content: str | None = None) -> ChatMessage:
@@ -50,8 +52,8 @@ def _ask(stream: bool) -> list[Any]:
 
 
 def _first_turn(client: openai.OpenAI, stream: bool) -> tuple[dict[str, Any], Any]:
-    kwargs: Any = {"model": MODEL, "messages": _ask(stream), "tools": [TIME], "max_tokens": 60, "temperature": 0.0,
-                   "response_format": CALL}
+    kwargs: Any = {"model": MODEL, "messages": _ask(stream), "tools": [TIME], "max_tokens": 80, "temperature": 0.0,
+                   "extra_body": {"guided_regex": TAGGED}}
     if not stream:
         r = client.chat.completions.create(**kwargs)
         assert r.choices[0].finish_reason == "tool_calls"
@@ -93,13 +95,15 @@ def test_a_call_sent_back_unchanged_keeps_the_whole_turn_cached(client: openai.O
     assert third.usage.prompt_tokens_details.cached_tokens < written - written % 16  # rendered from its fields
 
 
-def test_a_grammars_call_is_rendered_from_its_fields(client: openai.OpenAI) -> None:
-    """tool_choice required: the answer is a JSON array the grammar made, not the model's call format; shown
-    back as the model's own turn, it would teach the model to answer in arrays (see written_calls.py)."""
-    ask = [{"role": "user", "content": "Required: " + ASK[0]["content"]}]
-    first = client.chat.completions.create(model=MODEL, messages=ask, tools=[TIME], tool_choice="required",
-                                           parallel_tool_calls=False,
-                                           max_tokens=60, temperature=0.0)
+@pytest.mark.parametrize("form", ["required", "bare"])
+def test_calls_not_written_in_the_templates_form_render_from_their_fields(client: openai.OpenAI, form: str) -> None:
+    """A grammar's JSON array (required) or a bare call object: shown back as the model's own turn they taught it
+    other call forms (see written_calls.py), so the template renders them."""
+    ask = [{"role": "user", "content": f"{form}: " + ASK[0]["content"]}]
+    how: Any = {"tool_choice": "required", "parallel_tool_calls": False} if form == "required" else \
+        {"response_format": BARE}
+    first = client.chat.completions.create(model=MODEL, messages=ask, tools=[TIME], max_tokens=60, temperature=0.0,
+                                           **how)
     message = first.choices[0].message.model_dump(exclude_none=True)
     assert first.usage is not None and message["tool_calls"]
     result = {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "12:00"}

@@ -19,7 +19,7 @@ from tokenmill.engine.service_class import ServiceClass
 from tokenmill.server.choices import chat_choice, chat_choice_logprobs, chat_prompt_logprobs, tool_finish
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_counts
 from tokenmill.server.openai_inputs import chat_inputs
-from tokenmill.server.openai_tools import ToolPlan, ToolStream
+from tokenmill.server.openai_tools import ToolPlan, ToolStream, calls_in_template_form
 from tokenmill.server.pipeline import api_key_id, collect, get_state, now_s, salted, service_class_for, start_run
 from tokenmill.server.protocol import ChatRequest
 from tokenmill.server.response_bodies import (
@@ -60,8 +60,9 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
         return sse_response(run, _ChatChunks(ctx), state)
     last = await collect(run, request)
     choices = [chat_choice(body, texts, inputs.tools, last[i]) for i in sorted(last)]
-    for choice in choices:  # a grammar's calls (required, named) stay rendered as calls: see written_calls.py
-        if choice.message.tool_calls and inputs.tools is not None and inputs.tools.mode == "auto":
+    for choice in choices:  # only calls written in the template's own form: see written_calls.py
+        if choice.message.tool_calls and inputs.tools is not None \
+                and calls_in_template_form(inputs.tools, last[choice.index].output.text):
             state.written_calls.note(owner, last[choice.index].output.text, choice.message.content,
                                      calls_of(choice.message.tool_calls))
     usage = Usage.of(len(prompt.token_ids), sum(len(u.output.token_ids) for u in last.values()),
@@ -143,7 +144,8 @@ class _ChatChunks:
             entry[0] += d.id or ""
             entry[1] += (d.function.name or "") if d.function else ""
             entry[2] += (d.function.arguments or "") if d.function else ""
-        if update.is_finished and index in self.sent_calls:
+        if update.is_finished and index in self.sent_calls and self.ctx.tools is not None \
+                and calls_in_template_form(self.ctx.tools, update.output.text):
             written = [(i, n, a) for i, n, a in (v for _, v in sorted(self.sent_calls[index].items()))]
             self.ctx.written.note(self.ctx.owner, update.output.text, self.sent_content[index] or None, written)
 

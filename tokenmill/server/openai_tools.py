@@ -137,6 +137,15 @@ def _call_of(obj: Any, name: str | None = None) -> FunctionCallOut | None:
                            else json.dumps(args, ensure_ascii=False))
 
 
+def calls_in_template_form(plan: ToolPlan, text: str) -> bool:
+    """Whether an answer's calls were written as the chat template writes calls (`<tool_call>` blocks, free
+    decoding): only such an answer can be shown back as written without teaching the model another form.
+    Measured with Qwen2.5-Coder-1.5B through the OpenAI Agents SDK: shown its ```json call back as written,
+    it called the tool again after every result until the run's turn limit; shown the template's form, it
+    answered."""
+    return plan.mode == "auto" and _OPEN in text and _bare_call(plan, text) is None
+
+
 def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[FunctionCallOut]]:
     """The message's content and its calls. Text that does not parse stays content."""
     if plan.mode == "named":

@@ -20,7 +20,7 @@ from typing import Any
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens
 from tokenmill.server.logprob_format import chat_logprobs
-from tokenmill.server.openai_tools import ToolPlan, ToolStream, parse_tool_calls
+from tokenmill.server.openai_tools import ToolPlan, ToolStream, calls_in_template_form, parse_tool_calls
 from tokenmill.server.response_bodies import ToolCallDelta
 from tokenmill.server.response_store import ResponseStore, StoredResponse
 from tokenmill.server.responses_protocol import ResponsesRequest, output_message
@@ -69,15 +69,16 @@ class ResponseContext:
     def finish(self, output: list[Json], update: ChoiceUpdate) -> Json:
         """The finished response object, stored with the conversation through it.
 
-        An answer the model wrote freely (no tools, or `auto`) goes into the history as its text, calls in
-        whatever form it wrote them: a continuation's prompt then repeats the tokens it generated, so the
-        prefix cache still holds them (re-rendered as structured calls, a ```json call became the template's
-        `<tool_call>` block and every turn re-ran the prefill from there). A grammar's answer (a required or
-        named call) goes in as structured calls, which the template shows in the model's own call format."""
+        An answer without calls, or with calls written in the template's own form (`<tool_call>` blocks),
+        goes into the history as the text the model wrote: a continuation's prompt then repeats the tokens it
+        generated, so the prefix cache holds them. Calls written otherwise (a ```json block, a bare object) or
+        made by a grammar (required, named) go in as structured calls, which the template shows in its form:
+        shown back as written they taught the model to call again after every result (calls_in_template_form)."""
         response = self.response(output, update)
         if self.store is not None:
-            free = self.tools is None or self.tools.mode == "auto"
-            answer = {"role": "assistant", "content": update.output.text} if free else output_message(output)
+            text, called = update.output.text, any(item["type"] == "function_call" for item in output)
+            as_written = not called or (self.tools is not None and calls_in_template_form(self.tools, text))
+            answer = {"role": "assistant", "content": text} if as_written else output_message(output)
             self.store.put(self.response_id, StoredResponse(self.owner, [*self.conversation, answer], response))
         return response
 

@@ -1,18 +1,19 @@
 """Chat answers with tool calls, kept as the model wrote them, so that the next turn's prompt repeats them.
 
 An agent on /v1/chat/completions sends the assistant's message back with its `tool_calls`, and the chat
-template renders those calls in the template's own form: where the model wrote its call differently
-(Qwen2.5-Coder-1.5B writes a ```json block, the template a `<tool_call>` block; spacing differs even in
-the tagged form), the prompt's tokens stop matching the generated ones at the start of the assistant turn,
-so the prefix cache misses from there and the turn's whole answer is prefilled again, every turn. Here the
-server remembers each answer that carried calls (by its first call's id, bounded in count and characters,
-least recently used forgotten first) and, when a request sends that message back unchanged (the same call ids, names,
-arguments and content, from the same API key), renders the message as the text the model wrote. A changed
-message is rendered from its fields as before. Only answers the model wrote freely (`tool_choice` auto) are
-kept: a grammar's answer (required: a JSON array; named: bare arguments) is not the model's own call format,
-and shown back as its turn it taught the model to answer the next turn the same way (Qwen2.5-Coder-0.5B
-answered a tool result with another JSON array). /v1/responses keeps its own history by the same rule
-(responses_output.py).
+template renders those calls in its own form: where the model wrote a call differently (spacing, key order),
+the prompt's tokens stop matching the generated ones at the start of the assistant turn, so the prefix cache
+misses from there and the turn's answer is prefilled again. Here the server remembers each answer with calls
+(by its first call's id, bounded in count and characters, least recently used forgotten first) and, when a
+request sends that message back unchanged (the same call ids, names, arguments and content, from the same API
+key), renders the message as the text the model wrote; a changed message renders from its fields.
+
+Only answers whose calls the model wrote in the template's own form (`<tool_call>` blocks, free decoding:
+openai_tools.calls_in_template_form) are kept: there the written text and the rendering differ in spacing
+and key order only. A call written otherwise (Qwen2.5-Coder-1.5B's ```json blocks), shown back as written,
+taught the model to call the tool again after every result (the OpenAI Agents SDK's run hit its turn limit),
+and a grammar's answer (required: a JSON array) to answer the next turn in arrays; both render from their
+fields. /v1/responses keeps its own history by the same rule (responses_output.py).
 """
 
 from __future__ import annotations
