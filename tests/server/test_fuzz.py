@@ -48,10 +48,12 @@ PROMPT = st.one_of(st.text(min_size=1, max_size=24), st.lists(st.integers(0, 262
                    st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=3),
                    st.lists(st.lists(st.integers(0, 262), min_size=1, max_size=4), min_size=1, max_size=2))
 PART = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)})
+CALL = st.fixed_dictionaries({"id": st.text(max_size=6), "type": st.just("function"), "function": st.one_of(
+    st.fixed_dictionaries({"name": st.text(max_size=4), "arguments": st.text(max_size=8)}), JSON)})
 MESSAGE = st.fixed_dictionaries({
-    "role": st.sampled_from(["system", "user", "assistant"]),
-    "content": st.one_of(st.text(max_size=24), st.lists(PART, max_size=2)),
-})
+    "role": st.sampled_from(["system", "user", "assistant", "tool"]),
+    "content": st.one_of(st.none(), st.text(max_size=24), st.lists(PART, max_size=2)),
+}, optional={"tool_calls": st.lists(CALL, max_size=2), "tool_call_id": st.text(max_size=6)})
 COMPLETION_FIELDS = {**SAMPLING, "logprobs": st.integers(0, 5), "echo": st.booleans()}
 CHAT_FIELDS = {**SAMPLING, "max_completion_tokens": st.integers(1, 6), "logprobs": st.booleans(),
                "top_logprobs": st.integers(0, 5), "response_format": st.fixed_dictionaries({"type": st.just("text")})}
