@@ -20,7 +20,15 @@ from tokenmill.server.choices import chat_choice, chat_choice_logprobs, chat_pro
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_counts
 from tokenmill.server.openai_inputs import chat_inputs
 from tokenmill.server.openai_tools import ToolPlan, ToolStream, calls_in_template_form
-from tokenmill.server.pipeline import api_key_id, collect, get_state, now_s, salted, service_class_for, start_run
+from tokenmill.server.pipeline import (
+    api_key_id,
+    collect,
+    now_s,
+    salted,
+    service_class_for,
+    serving,
+    start_run,
+)
 from tokenmill.server.protocol import ChatRequest
 from tokenmill.server.response_bodies import (
     ChatChunk,
@@ -41,9 +49,7 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatRequest, request: Request) -> Response:
-    state = get_state(request)
-    state.check_model(body.model)
-    engine = state.require_engine()
+    state, engine = serving(request, body.model)
     owner = api_key_id(request)
     if any(m.tool_calls for m in body.messages if m.role == "assistant"):
         body = body.model_copy(update={"messages": state.written_calls.restore(body.messages, owner)})

@@ -18,7 +18,7 @@ from tokenmill.engine.service_class import ServiceClass
 from tokenmill.server.choices import completion_choice
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_counts
 from tokenmill.server.openai_inputs import completion_inputs
-from tokenmill.server.pipeline import collect, get_state, now_s, salted, service_class_for, start_run
+from tokenmill.server.pipeline import collect, now_s, salted, service_class_for, serving, start_run
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.response_bodies import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from tokenmill.server.sse import sse_response
@@ -30,9 +30,7 @@ router = APIRouter()
 
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    state = get_state(request)
-    state.check_model(body.model)
-    engine = state.require_engine()
+    state, engine = serving(request, body.model)
     inputs = completion_inputs(salted(request, body, state.config.cache_isolation), engine.tokenizer, engine.limits,
                                engine.structured)
     texts = state.require_texts()

@@ -13,7 +13,16 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill.engine.service_class import ServiceClass
 from tokenmill.server.errors import ApiError
 from tokenmill.server.openai_inputs import chat_inputs
-from tokenmill.server.pipeline import api_key_id, collect, get_state, now_s, salted, service_class_for, start_run
+from tokenmill.server.pipeline import (
+    api_key_id,
+    collect,
+    get_state,
+    now_s,
+    salted,
+    service_class_for,
+    serving,
+    start_run,
+)
 from tokenmill.server.response_store import StoredResponse
 from tokenmill.server.responses_output import Json, ResponseContext, ResponseEvents, answer_items
 from tokenmill.server.responses_protocol import ResponsesRequest, as_chat_request, input_messages
@@ -29,9 +38,7 @@ RESPONSE_ID_HEADER = "x-tokenmill-response-id"
 
 @router.post("/v1/responses", response_model=None)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
-    state = get_state(request)
-    state.check_model(body.model)
-    engine = state.require_engine()
+    state, engine = serving(request, body.model)
     owner = api_key_id(request)
     history: list[Json] = []
     if body.previous_response_id is not None:

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
 from tokenmill.engine.inputs import ChildRequest
 from tokenmill.engine.service_class import ServiceClass, parse_service_tier
 from tokenmill.errors import RequestValidationError, TokenmillError
@@ -35,6 +35,13 @@ SERVICE_TIER_HEADER = "x-tokenmill-service-tier"
 def get_state(request: Request) -> ServerState:
     state: ServerState = request.app.state.tokenmill
     return state
+
+
+def serving(request: Request, model: str | None) -> tuple[ServerState, AsyncEngine]:
+    """The state and engine a generation request runs on: a 404 if it names another model, a 503 while loading."""
+    state = get_state(request)
+    state.check_model(model)
+    return state, state.require_engine()
 
 
 def request_id_of(request: Request) -> str:
