@@ -359,9 +359,11 @@ class ServerConfig:
     # /v1/responses kept in memory for previous_response_id and GET /v1/responses/{id}, least recently used
     # forgotten first; 0: none kept (store answered false, previous_response_id a 400)
     responses_store_size: int = 1000
+    responses_store_mb: int = 256  # ...holding at most this much of their JSON
 
     def __post_init__(self) -> None:
-        _require(self.responses_store_size >= 0, "responses_store_size must be >= 0")
+        _require(self.responses_store_size >= 0 and self.responses_store_mb >= 1,
+                 "responses_store_size must be >= 0 and responses_store_mb >= 1")
         _require(0.0 <= self.interactive_queue_reserve < 1.0, "interactive_queue_reserve must be in [0, 1)")
         _require(self.cache_isolation in CACHE_ISOLATIONS,
                  f"cache_isolation must be one of {', '.join(CACHE_ISOLATIONS)}")

@@ -25,12 +25,13 @@ def test_api_key_from_the_environment_and_engine_flags(captured: dict[str, Any],
     monkeypatch.setenv("TOKENMILL_API_KEY", "from-env")
     argv = ["serve", str(tiny_model_dir), "--port", "9001", "--max-model-len", "128", "--dtype", "float32",
             "--num-kv-blocks", "32", "--max-num-seqs", "4", "--max-queue-requests", "7", "--max-queue-tokens", "99",
-            "--log-requests", "ids+text"]
+            "--log-requests", "ids+text", "--responses-store-size", "12", "--responses-store-mb", "3"]
     assert cli.main(argv) == 0
     server: ServerConfig = captured["server"]
     engine: EngineConfig = captured["engine"]
     assert server.api_key == "from-env" and server.port == 9001
     assert (server.max_queue_requests, server.max_queue_tokens, server.log_requests) == (7, 99, "ids+text")
+    assert (server.responses_store_size, server.responses_store_mb) == (12, 3)
     assert (engine.model.max_model_len, engine.model.dtype) == (128, "float32")
     assert (engine.cache.num_blocks, engine.scheduler.max_num_seqs) == (32, 4)
 

@@ -162,6 +162,8 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--responses-store-size", type=int, default=1000,
                         help="/v1/responses kept in memory for previous_response_id (least recently used "
                              "forgotten first; 0: none)")
+    parser.add_argument("--responses-store-mb", type=int, default=256,
+                        help="the most memory those responses may hold (their JSON, MiB)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -198,6 +200,7 @@ def run_serve(args: argparse.Namespace) -> int:
         interactive_queue_reserve=args.interactive_queue_reserve, api_key_classes=api_key_classes(args),
         cache_isolation=args.cache_isolation,
         batch_stream_interval_s=args.batch_stream_interval, responses_store_size=args.responses_store_size,
+        responses_store_mb=args.responses_store_mb,
     )
     return run_server(engine_config, server_config)
 

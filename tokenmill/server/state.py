@@ -54,7 +54,8 @@ class ServerState:
         self.metrics: ServerMetrics | None = None
         self.class_metrics: ClassMetrics | None = None  # per service class, on the same registry
         self.texts: TokenTexts | None = None
-        self.responses = ResponseStore(config.responses_store_size) if config.responses_store_size else None
+        self.responses = ResponseStore(config.responses_store_size, config.responses_store_mb << 20) \
+            if config.responses_store_size else None
         self.written_calls = WrittenCalls()  # chat answers with calls as the model wrote them (written_calls.py)
         self.load_error: str | None = None
         self.is_engine_healthy = True
