@@ -152,7 +152,7 @@ class _ChatChunks:
             entry[2] += (d.function.arguments or "") if d.function else ""
         if update.is_finished and index in self.sent_calls and self.ctx.tools is not None \
                 and calls_in_template_form(self.ctx.tools, update.output.text):
-            written = [(i, n, a) for i, n, a in (v for _, v in sorted(self.sent_calls[index].items()))]
+            written = [(i, n, a) for _, (i, n, a) in sorted(self.sent_calls[index].items())]
             self.ctx.written.note(self.ctx.owner, update.output.text, self.sent_content[index] or None, written)
 
     def closing(self) -> Iterable[ChatChunk]:

@@ -126,10 +126,8 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call_of(obj: Any, name: str | None = None) -> FunctionCallOut | None:
-    """{"name", "arguments"} (or "parameters") → a call; with `name`, `obj` is the arguments."""
-    if name is not None:
-        return FunctionCallOut(name=name, arguments=json.dumps(obj, ensure_ascii=False))
+def _call_of(obj: Any) -> FunctionCallOut | None:
+    """{"name", "arguments"} (or "parameters") → a call."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -271,7 +269,7 @@ class ToolStream:
         return self._delta(FunctionCallOut(name=self.plan.named, arguments=arguments))
 
     def _whole(self) -> bool:
-        """Whether the text must wait for its end: a required/named answer (one JSON value), or an auto
+        """Whether the text must wait for its end: a required answer (one JSON value), or an auto
         answer that so far is, or may still become, a bare or fenced call (`_bare_call`); a fence that turns
         out to open anything else (code) is released as soon as that shows."""
         if self.plan.mode != "auto":

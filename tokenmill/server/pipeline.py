@@ -38,7 +38,7 @@ def get_state(request: Request) -> ServerState:
 
 
 def serving(request: Request, model: str | None) -> tuple[ServerState, AsyncEngine]:
-    """The state and engine a generation request runs on: a 404 if it names another model, a 503 while loading."""
+    """The state and engine a request for `model` runs on: a 404 if it names another model, a 503 while loading."""
     state = get_state(request)
     state.check_model(model)
     return state, state.require_engine()
@@ -95,8 +95,8 @@ def salted(request: Request, body: BodyT, isolation: str) -> BodyT:
     API key's id when the server isolates caches by key (ServerConfig.cache_isolation)."""
     if isolation != "api-key":
         return body
-    key_id = getattr(request.state, API_KEY_ID_STATE, None)
-    assert isinstance(key_id, str), "cache isolation by API key runs only behind ApiKeyMiddleware"
+    key_id = api_key_id(request)
+    assert key_id is not None, "cache isolation by API key runs only behind ApiKeyMiddleware"
     salt = key_id if body.cache_salt is None else f"{key_id}/{body.cache_salt}"
     return body.model_copy(update={"cache_salt": salt})
 

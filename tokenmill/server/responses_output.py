@@ -196,8 +196,7 @@ class ResponseEvents:
     def closing(self) -> Iterable[Json]:
         if self.last is None:
             return []
-        kind = "response.incomplete" if _cut(self.last) else "response.completed"
-        return [self._event(kind, response=self.ctx.finish(self.items, self.last))]
+        return [self._event(f"response.{_status(self.last)}", response=self.ctx.finish(self.items, self.last))]
 
     def _open_message(self) -> list[Json]:
         if self.message_id is not None:

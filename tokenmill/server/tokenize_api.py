@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from tokenmill.server.openai_inputs import chat_prompt, encode_text
-from tokenmill.server.pipeline import api_key_id, get_state
+from tokenmill.server.pipeline import api_key_id, get_state, serving
 from tokenmill.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeTextRequest
 from tokenmill.server.response_bodies import DetokenizeResponse, TokenizeResponse
 
@@ -17,9 +17,7 @@ router = APIRouter()
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeTextRequest | TokenizeChatRequest, request: Request) -> TokenizeResponse:
-    state = get_state(request)
-    state.check_model(body.model)
-    engine = state.require_engine()
+    state, engine = serving(request, body.model)
     if isinstance(body, TokenizeTextRequest):
         token_ids = encode_text(engine.tokenizer, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
     else:
@@ -35,9 +33,7 @@ async def tokenize(body: TokenizeTextRequest | TokenizeChatRequest, request: Req
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-    state = get_state(request)
-    state.check_model(body.model)
-    engine = state.require_engine()
+    _, engine = serving(request, body.model)
     engine.limits.check_token_ids(body.tokens, "tokens")
     return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
 
