@@ -29,7 +29,7 @@ from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, predicti
 from tokenmill.server.openai_inputs import chat_inputs, completion_inputs, requested_service_class
 from tokenmill.server.openai_tools import ToolPlan
 from tokenmill.server.protocol import ChatRequest, CompletionRequest
-from tokenmill.server.response_bodies import PromptLogprobs, Usage
+from tokenmill.server.response_bodies import ChatResponse, CompletionResponse, Usage
 from tokenmill.server.responses_output import ResponseContext, answer_items, new_id
 from tokenmill.server.responses_protocol import ResponsesRequest, as_chat_request, input_messages
 from tokenmill.server.state import TokenTexts
@@ -119,12 +119,12 @@ def _endpoint_and_body(record: dict[str, Any]) -> tuple[Endpoint, dict[str, Any]
 
 def build_request(custom_id: str, endpoint: Endpoint, body: dict[str, Any], tokenizer: Tokenizer,
                   limits: RequestLimits, grammars: StructuredOutputs | None = None) -> BatchRequest:
-    parsed: ChatRequest | CompletionRequest
+    parsed: ChatRequest | CompletionRequest  # what the engine runs
+    answered: ChatRequest | CompletionRequest | ResponsesRequest  # what the answer's format follows
     try:
-        answered: ChatRequest | CompletionRequest | ResponsesRequest
         if endpoint is Endpoint.CHAT:
-            chat = _parse(ChatRequest, body)
-            inputs, parsed = chat_inputs(chat, tokenizer, limits, grammars), chat
+            answered = parsed = _parse(ChatRequest, body)
+            inputs = chat_inputs(parsed, tokenizer, limits, grammars)
         elif endpoint is Endpoint.RESPONSES:
             answered = _parse(ResponsesRequest, body)
             if answered.previous_response_id is not None:
@@ -133,10 +133,8 @@ def build_request(custom_id: str, endpoint: Endpoint, body: dict[str, Any], toke
             parsed = as_chat_request(answered, input_messages(answered))
             inputs = chat_inputs(parsed, tokenizer, limits, grammars)
         else:
-            completion = _parse(CompletionRequest, body)
-            inputs, parsed = completion_inputs(completion, tokenizer, limits, grammars), completion
-        if endpoint is not Endpoint.RESPONSES:
-            answered = parsed
+            answered = parsed = _parse(CompletionRequest, body)
+            inputs = completion_inputs(parsed, tokenizer, limits, grammars)
         service_class = requested_service_class(parsed) or ServiceClass.BATCH
         return BatchRequest(custom_id, endpoint, inputs.prompts, inputs.children, service_class, parsed.priority,
                             tools=inputs.tools, body=answered)
@@ -163,33 +161,29 @@ def success_line(request: BatchRequest, outputs: list[RequestOutput], model: str
     updates = [ChoiceUpdate(child, output.outputs[0], True, output.prompt_logprobs, output.metrics)
                for child, output in zip(request.children, outputs, strict=True)]
     if isinstance(request.body, ResponsesRequest):
-        return _line(request.custom_id, {"status_code": 200, "request_id": _request_id(),
-                                         "body": _response_body(request, request.body, updates[0], model, texts)},
-                     None)
-    usage = Usage.of(sum(len(p.token_ids) for p in request.prompts), sum(len(u.output.token_ids) for u in updates),
-                     cached_prompt_tokens(updates), prediction_counts(updates))
-    body: dict[str, Any] = {
-        "id": f"{'chatcmpl' if request.endpoint is Endpoint.CHAT else 'cmpl'}-{uuid.uuid4().hex}",
-        "object": "chat.completion" if request.endpoint is Endpoint.CHAT else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [_choice(request, texts, update) for update in updates],
-        "usage": usage.model_dump(mode="json"),
-    }
-    if isinstance(request.body, ChatRequest) and updates:
-        prompt_lps = chat_prompt_logprobs(request.body, texts, updates[0])
-        if prompt_lps is not None:
-            body["prompt_logprobs"] = _dump_prompt_logprobs(prompt_lps)
+        body = _response_body(request, request.body, updates[0], model, texts)
+    else:
+        body = _choices_body(request, updates, model, texts)
     return _line(request.custom_id, {"status_code": 200, "request_id": _request_id(), "body": body}, None)
 
 
-def _choice(request: BatchRequest, texts: TokenTexts, update: ChoiceUpdate) -> dict[str, Any]:
+def _choices_body(request: BatchRequest, updates: list[ChoiceUpdate], model: str, texts: TokenTexts) -> dict[str, Any]:
+    """A chat or completions answer, built as the server builds it."""
+    usage = Usage.of(sum(len(p.token_ids) for p in request.prompts), sum(len(u.output.token_ids) for u in updates),
+                     cached_prompt_tokens(updates), prediction_counts(updates))
+    response_id = f"{'chatcmpl' if request.endpoint is Endpoint.CHAT else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    answer: ChatResponse | CompletionResponse
     if isinstance(request.body, ChatRequest):
-        return chat_choice(request.body, texts, request.tools, update).model_dump(mode="json")
-    assert isinstance(request.body, CompletionRequest)
-    out = update.output
-    choice = completion_choice(request.body, texts, update, out.text, out.token_ids, out.logprobs)
-    return choice.model_dump(mode="json")
+        answer = ChatResponse(id=response_id, created=created, model=model, usage=usage,
+                              choices=[chat_choice(request.body, texts, request.tools, u) for u in updates],
+                              prompt_logprobs=chat_prompt_logprobs(request.body, texts, updates[0]))
+    else:
+        assert isinstance(request.body, CompletionRequest)
+        answer = CompletionResponse(id=response_id, created=created, model=model, usage=usage, choices=[
+            completion_choice(request.body, texts, u, u.output.text, u.output.token_ids, u.output.logprobs)
+            for u in updates])
+    return answer.model_dump(mode="json")
 
 
 def _response_body(request: BatchRequest, body: ResponsesRequest, update: ChoiceUpdate, model: str,
@@ -198,10 +192,6 @@ def _response_body(request: BatchRequest, body: ResponsesRequest, update: Choice
     ctx = ResponseContext(body, texts, new_id("resp"), model, int(time.time()), request.service_class.value,
                           request.tools, len(request.prompts[0].token_ids), None, None, [])
     return ctx.finish(answer_items(ctx, update), update)
-
-
-def _dump_prompt_logprobs(entries: PromptLogprobs) -> list[dict[str, Any] | None]:
-    return [None if e is None else {k: v.model_dump(mode="json") for k, v in e.items()} for e in entries]
 
 
 def error_line(custom_id: str | None, error: BatchLineError, line_no: int) -> dict[str, Any]:
