@@ -21,8 +21,8 @@ from tokenmill.config import (
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.inputs import fan_out
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.outputs import CompletionOutput, RequestOutput
-from tokenmill.engine.request import SamplingParams, TokenLogprob
+from tokenmill.engine.outputs import CompletionOutput, PromptLogprobsCarry, RequestOutput
+from tokenmill.engine.request import SamplingParams
 from tokenmill.engine.service_class import ServiceClass, parse_service_tier
 from tokenmill.kernels import DEFAULT_QUANTIZATION
 from tokenmill.models.catalog import DEFAULT_MODEL
@@ -125,13 +125,10 @@ class LLM:
 
     def _run(self, order: list[str], n: int, use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
+        prompt_logprobs = PromptLogprobsCarry()
         bar = tqdm(total=len(order) * n, desc="generate", unit="req", disable=not use_tqdm)
-        for output in self._outputs():
-            if output.prompt_logprobs is not None:
-                prompt_logprobs[output.request_id] = output.prompt_logprobs
+        for output in map(prompt_logprobs.carry, self._outputs()):
             if output.finished:
-                output.prompt_logprobs = prompt_logprobs.get(output.request_id)
                 finished[output.request_id] = output
                 bar.update(1)
         bar.close()

@@ -32,8 +32,7 @@ from tokenmill.batch.requests import (
     read_envelope,
     success_line,
 )
-from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.request import TokenLogprob
+from tokenmill.engine.outputs import PromptLogprobsCarry, RequestOutput
 from tokenmill.llm import LLM
 from tokenmill.server.state import TokenTexts
 
@@ -140,7 +139,7 @@ class BatchJob:
         self.max_in_flight = max_in_flight
         self.bar = bar
         self.in_flight: dict[str, _InFlight] = {}
-        self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}  # by engine request id, until it ends
+        self._prompt_logprobs = PromptLogprobsCarry()
         self.num_engine_requests = 0
         self.summary = BatchSummary()
         self._started = time.monotonic()
@@ -189,12 +188,8 @@ class BatchJob:
     def _step(self) -> None:
         step = self.engine.step()
         self.summary.num_generated_tokens += step.stats.num_generation_tokens
-        for output in step.outputs:
-            # A request's prompt logprobs come with its first output only; its finishing output carries them on
-            if output.prompt_logprobs is not None:
-                self._prompt_logprobs[output.request_id] = output.prompt_logprobs
+        for output in map(self._prompt_logprobs.carry, step.outputs):
             if output.finished:
-                output.prompt_logprobs = self._prompt_logprobs.pop(output.request_id, None)
                 self._finish_choice(output.request_id, output)
         self._show_rate()
 

@@ -75,3 +75,19 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [None, lp(token 1), ...] when asked for
+
+
+class PromptLogprobsCarry:
+    """A request's prompt logprobs come with its first output only (streams send them once); callers that
+    keep only finished outputs (LLM.generate, tokenmill batch) pass every output through `carry`, which
+    puts them on the finishing one."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, list[TokenLogprob | None]] = {}
+
+    def carry(self, output: RequestOutput) -> RequestOutput:
+        if output.prompt_logprobs is not None:
+            self._kept[output.request_id] = output.prompt_logprobs
+        if output.finished:
+            output.prompt_logprobs = self._kept.pop(output.request_id, None)
+        return output
