@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.server.bounded_lru import BoundedLru
+from tokenmill.bounded_lru import BoundedLru
 from tokenmill.server.response_store import ResponseStore, StoredResponse
 
 

@@ -11,8 +11,9 @@ conversation died with the replica's memory, and the client must resend it whole
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
+
+from tokenmill.bounded_lru import BoundedLru
 
 RESPONSE_ID_HEADER = "x-tokenmill-response-id"  # the replica's header (server/openai_responses.py sets it)
 _RESPONSES_PATH = "/v1/responses"
@@ -20,22 +21,13 @@ _RESPONSES_PATH = "/v1/responses"
 
 class ResponseHomes:
     def __init__(self, capacity: int = 100_000) -> None:
-        self.capacity = capacity
-        self._homes: OrderedDict[str, str] = OrderedDict()
+        self._homes: BoundedLru[str, str] = BoundedLru(capacity)
 
     def note(self, response_id: str, replica: str) -> None:
-        self._homes[response_id] = replica
-        self._homes.move_to_end(response_id)
-        while len(self._homes) > self.capacity:
-            self._homes.popitem(last=False)
+        self._homes.put(response_id, replica)
 
     def home_of(self, response_id: str | None) -> str | None:
-        if response_id is None:
-            return None
-        replica = self._homes.get(response_id)
-        if replica is not None:
-            self._homes.move_to_end(response_id)
-        return replica
+        return None if response_id is None else self._homes.get(response_id)
 
 
 def referenced_response(method: str, path: str, payload: Any) -> str | None:

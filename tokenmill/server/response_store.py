@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.server.bounded_lru import BoundedLru
+from tokenmill.bounded_lru import BoundedLru
 
 
 @dataclass(frozen=True, slots=True)

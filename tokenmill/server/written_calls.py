@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenmill.server.bounded_lru import BoundedLru
+from tokenmill.bounded_lru import BoundedLru
 from tokenmill.server.protocol import ChatMessage
 from tokenmill.server.response_bodies import ToolCallOut
 
