@@ -135,7 +135,6 @@ def test_json_schema_text_format_and_logprobs(client: openai.OpenAI) -> None:
     ({"input": []}, "input"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "x", "n": 2}, "n"),
-    ({"input": "x", "background": True}, "background"),
     ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),

@@ -235,8 +235,10 @@ def test_a_speculative_batch_answers_as_the_plain_one(model_dir: Path, tmp_path:
     assert kwargs["speculative"] == "suffix" and kwargs["suffix_cache_tokens"] == 65536
 
 
-def test_a_responses_line_cannot_continue_a_stored_response(llm: LLM) -> None:
+@pytest.mark.parametrize("field", [{"previous_response_id": "resp_1"}, {"background": True}])
+def test_a_responses_line_cannot_continue_a_stored_response_nor_run_in_background(llm: LLM,
+                                                                                 field: dict[str, Any]) -> None:
     with pytest.raises(BatchLineError) as caught:
-        _build(llm, {"input": "x", "previous_response_id": "resp_1"}, Endpoint.RESPONSES)
-    assert caught.value.param == "previous_response_id"
+        _build(llm, {"input": "x", **field}, Endpoint.RESPONSES)
+    assert caught.value.param == next(iter(field))
     assert _build(llm, {"input": "x", "max_output_tokens": 3}, Endpoint.RESPONSES).children[0].params.max_tokens == 3

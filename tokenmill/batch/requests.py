@@ -30,8 +30,8 @@ from tokenmill.server.openai_inputs import chat_inputs, completion_inputs, reque
 from tokenmill.server.openai_tools import ToolPlan
 from tokenmill.server.protocol import ChatRequest, CompletionRequest
 from tokenmill.server.response_bodies import ChatResponse, CompletionResponse, Usage
-from tokenmill.server.responses_output import ResponseContext, answer_items, new_id
-from tokenmill.server.responses_protocol import ResponsesRequest, as_chat_request, input_messages
+from tokenmill.server.responses_output import ResponseContext, answer_items
+from tokenmill.server.responses_protocol import ResponsesRequest, as_chat_request, input_messages, new_id
 from tokenmill.server.state import TokenTexts
 from tokenmill.server.validation_errors import describe_validation_errors
 
@@ -130,6 +130,8 @@ def build_request(custom_id: str, endpoint: Endpoint, body: dict[str, Any], toke
             if answered.previous_response_id is not None:
                 raise BatchLineError("previous_response_id is not supported in a batch file (nothing is stored): "
                                      "send the whole conversation as input", param="previous_response_id")
+            if answered.background:  # a batch line already runs offline; a batch file keeps no responses
+                raise BatchLineError("background is not supported in a batch file: leave it out", param="background")
             parsed = as_chat_request(answered, input_messages(answered))
             inputs = chat_inputs(parsed, tokenizer, limits, grammars)
         else:
@@ -190,7 +192,7 @@ def _response_body(request: BatchRequest, body: ResponsesRequest, update: Choice
                    texts: TokenTexts) -> dict[str, Any]:
     """The Responses API's answer, as the server builds it (nothing stored: a batch file has no follow-ups)."""
     ctx = ResponseContext(body, texts, new_id("resp"), model, int(time.time()), request.service_class.value,
-                          request.tools, len(request.prompts[0].token_ids), None, None, [])
+                          request.tools, len(request.prompts[0].token_ids), None, None, [], [])
     return ctx.finish(answer_items(ctx, update), update)
 
 

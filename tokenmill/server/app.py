@@ -111,6 +111,8 @@ def _lifespan(state: ServerState, loader: EngineLoader | None) -> Lifespan:
         finally:
             for task in tasks:
                 task.cancel()
+            if state.background is not None:  # after the drain: what still runs in the background is cancelled
+                state.background.shutdown()
             if loader is not None and state.engine is not None:  # the app loaded it, so the app stops it
                 await asyncio.to_thread(state.engine.shutdown)
 

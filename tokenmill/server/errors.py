@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError as BodyValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.errors import RequestValidationError, TokenmillError
 from tokenmill.server.validation_errors import describe_validation_errors
 
@@ -91,3 +92,16 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(TokenmillError, _on_tokenmill_error)
     app.add_exception_handler(HTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_unexpected)
+
+
+def api_error_for(exc: BaseException) -> ApiError:
+    """The HTTP answer for a failure that happened while the engine ran the request."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestValidationError):
+        return bad_request(str(exc), exc.param)
+    if isinstance(exc, TokenmillError):
+        return bad_request(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return ApiError(500, f"{exc}: retry the request", code="engine_failed")
+    return ApiError(500, f"internal server error: {type(exc).__name__}: {exc}")

@@ -1,16 +1,23 @@
 """POST /v1/responses (OpenAI's Responses API over the chat path: responses_protocol.py maps the request,
-responses_output.py builds the answer and a stream's events), GET and DELETE /v1/responses/{id}.
+responses_output.py builds the answer and a stream's events), GET and DELETE /v1/responses/{id}, POST
+/v1/responses/{id}/cancel and GET /v1/responses/{id}/input_items.
 
 Responses are stored (response_store.py; unless `store: false` or the server keeps none) once answered in
 full: `previous_response_id` continues one, GET /v1/responses/{id} reads it, DELETE forgets it.
+`background: true` answers at once and runs on (background.py): GET polls it or, with `stream=true`,
+streams its events from `starting_after`; cancel stops it.
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.service_class import ServiceClass
+from tokenmill.server.background import BackgroundJob
 from tokenmill.server.errors import ApiError
 from tokenmill.server.openai_inputs import chat_inputs
 from tokenmill.server.pipeline import (
@@ -25,8 +32,8 @@ from tokenmill.server.pipeline import (
 )
 from tokenmill.server.response_store import StoredResponse
 from tokenmill.server.responses_output import Json, ResponseContext, ResponseEvents, answer_items
-from tokenmill.server.responses_protocol import ResponsesRequest, as_chat_request, input_messages
-from tokenmill.server.sse import sse_response
+from tokenmill.server.responses_protocol import ResponsesRequest, as_chat_request, input_items, input_messages
+from tokenmill.server.sse import DONE, EventStreamResponse, event, sse_response
 from tokenmill.server.state import ServerState
 from tokenmill.server.truncation import fit_chat_request
 
@@ -40,21 +47,35 @@ RESPONSE_ID_HEADER = "x-tokenmill-response-id"
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state, engine = serving(request, body.model)
     owner = api_key_id(request)
+    if body.background and (body.store is False or state.background is None):
+        raise ApiError(400, "a background response must be stored: leave store out (or true) on a server that "
+                       "keeps responses (--responses-store-size above 0)", param="background")
     history: list[Json] = []
+    items: list[Json] = []
     if body.previous_response_id is not None:
-        history = _stored(state, body.previous_response_id, owner, "previous_response_id").history
+        previous = _continued(state, body.previous_response_id, owner)
+        history, items = previous.history, previous.input_items + previous.response["output"]
     conversation = history + input_messages(body)
+    items += input_items(body)
     chat = salted(request, as_chat_request(body, conversation), state.config.cache_isolation)
     if body.truncation == "auto":
         chat = fit_chat_request(chat, engine.tokenizer, engine.limits.max_model_len)
     inputs = chat_inputs(chat, engine.tokenizer, engine.limits, engine.structured)
     (prompt,) = inputs.prompts
-    service_class = service_class_for(request, chat, ServiceClass.INTERACTIVE)
+    # Nobody waits on a background response's tokens: it leaves the interactive class its latency targets
+    default_class = ServiceClass.STANDARD if body.background else ServiceClass.INTERACTIVE
+    service_class = service_class_for(request, chat, default_class)
     run, response_id = start_run(state, request, inputs.children, "resp", chat.priority, service_class)
     store = state.responses if body.store is not False else None
     ctx = ResponseContext(body, state.require_texts(), response_id, state.config.served_model_name, now_s(),
-                          service_class.value, inputs.tools, len(prompt.token_ids), store, owner, conversation)
+                          service_class.value, inputs.tools, len(prompt.token_ids), store, owner, conversation,
+                          items)
     headers = {RESPONSE_ID_HEADER: response_id}
+    if body.background:
+        assert state.background is not None
+        job = BackgroundJob(ResponseEvents(ctx), run)
+        state.background.start(job)
+        return _follow(job, -1, headers) if body.stream else JSONResponse(job.snapshot(), headers=headers)
     if body.stream:
         return sse_response(run, ResponseEvents(ctx), state, headers)
     (update,) = (await collect(run, request)).values()
@@ -62,16 +83,97 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
 
 @router.get("/v1/responses/{response_id}", response_model=None)
-async def get_response(response_id: str, request: Request) -> Response:
-    return JSONResponse(_stored(get_state(request), response_id, api_key_id(request), None).response)
+async def get_response(response_id: str, request: Request, stream: bool = False,
+                       starting_after: int = Query(default=-1, ge=-1)) -> Response:
+    """The response; a background one as it stands, or with `stream=true` its events after `starting_after`."""
+    state, owner = get_state(request), api_key_id(request)
+    job = _job(state, response_id, owner)
+    if stream:
+        if job is None:
+            _stored(state, response_id, owner, None)  # unknown: 404
+            raise ApiError(400, f"response {response_id!r} has no events to stream: only background responses "
+                           "stream from GET, while the server keeps their events", param="stream")
+        return _follow(job, starting_after, {})
+    if job is not None and (not job.is_done or state.responses is None or
+                            state.responses.get(response_id, owner) is None):
+        return JSONResponse(job.snapshot())
+    return JSONResponse(_stored(state, response_id, owner, None).response)
+
+
+@router.post("/v1/responses/{response_id}/cancel", response_model=None)
+async def cancel_response(response_id: str, request: Request) -> Response:
+    """Cancels a background response that is queued or running; an ended one is answered unchanged."""
+    state, owner = get_state(request), api_key_id(request)
+    job = _job(state, response_id, owner)
+    if job is not None:
+        return JSONResponse(job.cancel())
+    stored = _stored(state, response_id, owner, None)
+    if not stored.response.get("background"):
+        raise ApiError(400, "only responses created with background: true can be cancelled")
+    return JSONResponse(stored.response)
 
 
 @router.delete("/v1/responses/{response_id}", response_model=None)
 async def delete_response(response_id: str, request: Request) -> Response:
-    state = get_state(request)
-    if state.responses is None or not state.responses.delete(response_id, api_key_id(request)):
+    state, owner = get_state(request), api_key_id(request)
+    job = _job(state, response_id, owner)
+    if job is not None:  # a running one stops first: nothing may store it again after the delete
+        job.cancel()
+        assert state.background is not None
+        state.background.forget(response_id)
+    deleted = state.responses is not None and state.responses.delete(response_id, owner)
+    if not deleted and job is None:
         raise _not_found(response_id, None)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+@router.get("/v1/responses/{response_id}/input_items", response_model=None)
+async def list_input_items(response_id: str, request: Request, limit: int = Query(default=20, ge=1, le=100),
+                           order: Literal["asc", "desc"] = "desc", after: str | None = None,
+                           before: str | None = None) -> Response:
+    """The items the response was answered from (the conversation it continues, then its own input)."""
+    state, owner = get_state(request), api_key_id(request)
+    job = _job(state, response_id, owner)
+    if job is not None and not job.is_done:
+        items = job.input_items
+    else:  # an ended job's items are in the store, with its response
+        items = _stored(state, response_id, owner, None).input_items
+    if order == "desc":
+        items = items[::-1]
+    ids = [item["id"] for item in items]
+    start, end = 0, len(items)
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is not None and cursor not in ids:
+            raise ApiError(400, f"{name}: no input item {cursor!r} in response {response_id!r}", param=name)
+    if after is not None:
+        start = ids.index(after) + 1
+    if before is not None:
+        end = ids.index(before)
+    page = items[start:end][:limit]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end})
+
+
+def _job(state: ServerState, response_id: str, owner: str | None) -> BackgroundJob | None:
+    return state.background.get(response_id, owner) if state.background is not None else None
+
+
+def _follow(job: BackgroundJob, after: int, headers: dict[str, str]) -> EventStreamResponse:
+    """A stream of the job's events: the client's leaving ends the stream, not the job."""
+    async def events() -> AsyncIterator[bytes]:
+        async for item in job.follow(after):
+            yield event(item)
+        yield DONE
+
+    return EventStreamResponse(events(), on_close=lambda: None, headers=headers)
+
+
+def _continued(state: ServerState, response_id: str, owner: str | None) -> StoredResponse:
+    job = _job(state, response_id, owner)
+    if job is not None and not job.is_done:
+        raise ApiError(400, f"response {response_id!r} is still {job.status}: continue it once it has ended",
+                       param="previous_response_id")
+    return _stored(state, response_id, owner, "previous_response_id")
 
 
 def _stored(state: ServerState, response_id: str, owner: str | None, param: str | None) -> StoredResponse:

@@ -14,11 +14,11 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
+from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.inputs import ChildRequest
 from tokenmill.engine.service_class import ServiceClass, parse_service_tier
-from tokenmill.errors import RequestValidationError, TokenmillError
-from tokenmill.server.errors import ApiError, bad_request
+from tokenmill.errors import RequestValidationError
+from tokenmill.server.errors import ApiError, api_error_for, bad_request
 from tokenmill.server.fanout import ChoiceUpdate, GenerationRun
 from tokenmill.server.middleware import API_KEY_CLASS_STATE, API_KEY_ID_STATE
 from tokenmill.server.openai_inputs import requested_service_class
@@ -115,19 +115,6 @@ def start_run(state: ServerState, request: Request, children: list[ChildRequest]
     run = GenerationRun(state, children, response_id, request_id_of(request), priority, ticket,
                         received_s_of(request), service_class)
     return run, response_id
-
-
-def api_error_for(exc: BaseException) -> ApiError:
-    """The HTTP answer for a failure that happened while the engine ran the request."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, RequestValidationError):
-        return bad_request(str(exc), exc.param)
-    if isinstance(exc, TokenmillError):
-        return bad_request(str(exc))
-    if isinstance(exc, EngineDeadError):
-        return ApiError(500, f"{exc}: retry the request", code="engine_failed")
-    return ApiError(500, f"internal server error: {type(exc).__name__}: {exc}")
 
 
 async def collect(run: GenerationRun, request: Request) -> dict[int, ChoiceUpdate]:

@@ -12,7 +12,6 @@ cut the answer) with the whole response. Streamed and non-streamed answers have 
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,7 @@ from tokenmill.server.logprob_format import chat_logprobs
 from tokenmill.server.openai_tools import ToolPlan, ToolStream, calls_in_template_form, parse_tool_calls
 from tokenmill.server.response_bodies import ToolCallDelta
 from tokenmill.server.response_store import ResponseStore, StoredResponse
-from tokenmill.server.responses_protocol import ResponsesRequest, output_message
+from tokenmill.server.responses_protocol import ResponsesRequest, new_id, output_message
 from tokenmill.server.state import TokenTexts
 
 Json = dict[str, Any]
@@ -41,10 +40,6 @@ def answer_items(ctx: ResponseContext, update: ChoiceUpdate) -> list[Json]:
         items.append(_message(new_id("msg"), content, ctx.logprobs(out.token_ids, out.logprobs), _status(update)))
     items.extend(_function_call(new_id("fc"), *call) for call in calls)
     return items
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _function_call(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> Json:
@@ -65,6 +60,7 @@ class ResponseContext:
     store: ResponseStore | None  # where the finished response goes (None: not stored)
     owner: str | None
     conversation: list[Json]  # the chat messages it answered (history and input, no instructions)
+    input_items: list[Json]  # the same conversation's items, as input_items lists them
 
     def finish(self, output: list[Json], update: ChoiceUpdate) -> Json:
         """The finished response object, stored with the conversation through it.
@@ -79,8 +75,20 @@ class ResponseContext:
             text, called = update.output.text, any(item["type"] == "function_call" for item in output)
             as_written = not called or (self.tools is not None and calls_in_template_form(self.tools, text))
             answer = {"role": "assistant", "content": text} if as_written else output_message(output)
-            self.store.put(self.response_id, StoredResponse(self.owner, [*self.conversation, answer], response))
+            self._store(answer, response)
         return response
+
+    def stopped(self, output: list[Json], status: str, error: Json | None) -> Json:
+        """The response of a run that ended early ("cancelled", "failed"), stored with what it had written."""
+        response = self.response(output, None, status, error)
+        if self.store is not None:
+            self._store(output_message(output) if output else None, response)
+        return response
+
+    def _store(self, answer: Json | None, response: Json) -> None:
+        assert self.store is not None
+        history = self.conversation if answer is None else [*self.conversation, answer]
+        self.store.put(self.response_id, StoredResponse(self.owner, history, response, self.input_items))
 
     def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> list[Json] | None:
         if not self.body.wants_logprobs:
@@ -88,10 +96,10 @@ class ResponseContext:
         entries = chat_logprobs(self.texts, token_ids, logprobs or [], self.body.top_logprobs or 0).content or []
         return [e.model_dump(mode="json") for e in entries]
 
-    def response(self, output: list[Json], update: ChoiceUpdate | None) -> Json:
-        """The response object; `update` None: in progress (no usage yet)."""
+    def response(self, output: list[Json], update: ChoiceUpdate | None, status: str = "in_progress",
+                 error: Json | None = None) -> Json:
+        """The response object: finished when `update` is the last; else `status` (no usage yet)."""
         body, usage, incomplete = self.body, None, None
-        status = "in_progress"
         if update is not None:
             status = _status(update)
             incomplete = {"reason": "max_output_tokens"} if _cut(update) else None
@@ -102,14 +110,14 @@ class ResponseContext:
                      "total_tokens": self.num_prompt_tokens + num_output}
         text = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text else {"type": "text"}
         return {"id": self.response_id, "object": "response", "created_at": self.created, "status": status,
-                "error": None, "incomplete_details": incomplete, "instructions": body.instructions,
+                "error": error, "incomplete_details": incomplete, "instructions": body.instructions,
                 "max_output_tokens": body.max_output_tokens, "model": self.model, "output": output,
                 "parallel_tool_calls": body.parallel_tool_calls, "temperature": body.temperature,
                 "top_p": body.top_p, "top_logprobs": body.top_logprobs,
                 "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
                 "tools": body.tools or [], "text": {"format": text}, "truncation": body.truncation, "usage": usage,
                 "store": self.store is not None, "previous_response_id": body.previous_response_id,
-                "background": False, "metadata": body.metadata or {}, "user": body.user,
+                "background": body.background, "metadata": body.metadata or {}, "user": body.user,
                 "service_tier": self.service_tier, "reasoning": None}
 
 
@@ -147,10 +155,29 @@ class ResponseEvents:
     call: Json | None = None  # the function_call item being written (its arguments so far)
     last: ChoiceUpdate | None = None
 
-    def opening(self) -> Iterable[Json]:
+    def opening(self) -> list[Json]:
+        """A foreground response is in progress from the start; a background one is queued until it starts."""
+        if self.ctx.body.background:
+            snapshot = self.ctx.response([], None, "queued")
+            return [self._event("response.created", response=snapshot),
+                    self._event("response.queued", response=snapshot)]
         snapshot = self.ctx.response([], None)
         return [self._event("response.created", response=snapshot),
                 self._event("response.in_progress", response=snapshot)]
+
+    def started(self) -> Json:
+        """A background response's `response.in_progress`, at its first output."""
+        return self._event("response.in_progress", response=self.ctx.response([], None))
+
+    def partial_output(self) -> list[Json]:
+        """The output so far: the finished items, then the open message or call as written so far."""
+        items = list(self.items)
+        if self.message_id is not None:
+            items.append({**_message(self.message_id, self.text, self.message_lps, "completed"),
+                          "status": "in_progress"})
+        if self.call is not None:
+            items.append(dict(self.call))
+        return items
 
     def render(self, update: ChoiceUpdate) -> Iterable[Json]:
         out = update.output
@@ -193,10 +220,13 @@ class ResponseEvents:
             events.extend(self._close_message(update))
         return events
 
-    def closing(self) -> Iterable[Json]:
+    def closing(self) -> list[Json]:
         if self.last is None:
             return []
         return [self._event(f"response.{_status(self.last)}", response=self.ctx.finish(self.items, self.last))]
+
+    def failed(self, response: Json) -> Json:
+        return self._event("response.failed", response=response)
 
     def _open_message(self) -> list[Json]:
         if self.message_id is not None:

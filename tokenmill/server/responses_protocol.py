@@ -14,6 +14,7 @@ cannot run (images, files, built-in tools) are 400s naming the field.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -76,8 +77,6 @@ def as_chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) 
             raise RequestValidationError(f"{name} is not supported: send the conversation as input, or continue "
                                          "a stored response with previous_response_id", name)
     refuse_unhonoured(body)  # vLLM's fields tokenmill does not honour (best_of, ...), as on chat
-    if body.background:
-        raise RequestValidationError("background responses are not supported: leave background out", "background")
     if body.n != 1:
         raise RequestValidationError("n is not part of the Responses API: use /v1/chat/completions for n > 1", "n")
     shared = {name: getattr(body, name) for name in GenerationRequest.model_fields
@@ -133,6 +132,35 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             raise RequestValidationError(f"input.{i}: items of type {kind!r} are not supported (message, "
                                          "function_call and function_call_output are)", "input")
     return messages
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as the API lists it (GET /v1/responses/{id}/input_items): items with an `id` (the
+    client's, else a new one) and a status, a string input one user message. Call after input_messages,
+    which validates the items."""
+    if isinstance(body.input, str):
+        return [_input_message(new_id("msg"), "user", [{"type": "input_text", "text": body.input}])]
+    items = []
+    for item in body.input:
+        kind = item.get("type", "message")
+        given = item["id"] if isinstance(item.get("id"), str) and item["id"] else None
+        if kind == "message":
+            content = item["content"]
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            parts = [{"type": part, "text": content}] if isinstance(content, str) else content
+            items.append(_input_message(given or new_id("msg"), item["role"], parts))
+        else:
+            prefix = "fc" if kind == "function_call" else "fco"
+            items.append({**item, "type": kind, "id": given or new_id(prefix), "status": "completed"})
+    return items
+
+
+def _input_message(item_id: str, role: str, parts: list[Any]) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "role": role, "status": "completed", "content": parts}
 
 
 def _message(i: int, item: dict[str, Any]) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from tokenmill.server.errors import api_error_for
 from tokenmill.server.fanout import ChoiceUpdate, GenerationRun
-from tokenmill.server.pipeline import api_error_for
 from tokenmill.server.state import ServerState
 
 log = logging.getLogger(__name__)

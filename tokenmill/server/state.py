@@ -12,6 +12,7 @@ from tokenmill.engine.request import SamplingParams
 from tokenmill.engine.service_class import ServiceClass
 from tokenmill.models.loading.tokenizer import Tokenizer
 from tokenmill.server.admission import Admission
+from tokenmill.server.background import BackgroundJobs
 from tokenmill.server.class_metrics import ClassMetrics
 from tokenmill.server.errors import ApiError
 from tokenmill.server.metrics import ServerMetrics
@@ -55,6 +56,9 @@ class ServerState:
         self.class_metrics: ClassMetrics | None = None  # per service class, on the same registry
         self.texts: TokenTexts | None = None
         self.responses = ResponseStore(config.responses_store_size, config.responses_store_mb << 20) \
+            if config.responses_store_size else None
+        # Background responses and their event logs, bounded as the store (only where responses are stored)
+        self.background = BackgroundJobs(config.responses_store_size, config.responses_store_mb << 20) \
             if config.responses_store_size else None
         self.written_calls = WrittenCalls()  # chat answers with calls as the model wrote them (written_calls.py)
         self.load_error: str | None = None
