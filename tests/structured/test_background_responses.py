@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -216,3 +217,23 @@ def test_an_engine_failure_ends_the_job_as_failed(client: openai.OpenAI, bg_live
     events = list(client.responses.retrieve(job.id, stream=True))
     assert events[-1].type == "response.failed"
     wait_until(lambda: httpx.get(f"{bg_live.url}/ready").status_code == 200, what="readiness to recover")
+
+
+def test_a_sigterm_drain_waits_for_a_running_job(tiny_hf_dir) -> None:  # type: ignore[no-untyped-def]
+    engine = AsyncEngine.from_config(tiny_engine_config(tiny_hf_dir("llama")))
+    live = start_server(engine, ServerConfig(served_model_name=MODEL, drain_timeout_s=30))
+    client = live.client()
+    try:
+        with slowed(engine, 0.03):
+            job = _create(client, input="hello", max_output_tokens=40, background=True)
+            live.server.handle_exit(signal.SIGTERM, None)  # what the signal handler calls
+            wait_until(lambda: live.state.admission.is_draining, what="draining")
+            with pytest.raises(openai.APIStatusError, match="shutting down"):
+                _create(client, input="x", max_output_tokens=2, background=True)
+            done = _poll(client, job.id)
+            assert done.status == "incomplete" and done.usage.output_tokens == 40
+        live.thread.join(timeout=15)
+        assert not live.thread.is_alive()
+    finally:
+        live.stop()
+        engine.shutdown()
