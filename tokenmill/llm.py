@@ -18,6 +18,7 @@ from tokenmill.config import (
     SpeculativeConfig,
     compile_mode,
 )
+from tokenmill.engine.beam_search import BeamSearch, BeamSearchParams, beam_output
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.inputs import fan_out
 from tokenmill.engine.llm_engine import LLMEngine
@@ -96,6 +97,26 @@ class LLM:
         token_prompts = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm, service_class=service_class,
                              cache_salt=cache_salt)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *, n: int | None = None,
+                    logprobs: int | None = None, cache_salt: str | None = None) -> list[RequestOutput]:
+        """Beam search (transformers' algorithm: engine/beam_search.py) for each prompt, all prompts' beams in one
+        batch a step; each output holds the `n` best results (default: the beam width), best first."""
+        encoded = [self.engine.encode(prompt) for prompt in _as_prompt_list(prompts)]
+        searches = [BeamSearch(params, self.engine.eos_token_ids) for _ in encoded]
+        while live := [(prompt, search) for prompt, search in zip(encoded, searches, strict=True)
+                       if not search.is_done]:
+            order = [[self._add(prompt.token_ids + list(beam.token_ids), search.step_params(), 0,
+                                ServiceClass.STANDARD, cache_salt) for beam in search.beams]
+                     for prompt, search in live]
+            done = self._run([rid for rids in order for rid in rids], 1, False)
+            for (_, search), rids in zip(live, order, strict=True):
+                tops, done = done[:len(rids)], done[len(rids):]
+                search.advance([out.outputs[0].logprobs[0] for out in tops if out.outputs[0].logprobs])
+        return [RequestOutput(str(next(self._ids)), prompt.text, prompt.token_ids,
+                              [beam_output(i, beam, self.tokenizer, logprobs)
+                               for i, beam in enumerate(search.best(n or params.beam_width))], True)
+                for prompt, search in zip(encoded, searches, strict=True)]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                service_class: ServiceClass | str = ServiceClass.STANDARD,
