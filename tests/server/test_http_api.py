@@ -71,13 +71,17 @@ ANY_PARAM = object()  # a check whose error names no field yet (SamplingParams' 
      "stop_token_ids holds token id 99999, outside the vocabulary [0, 263)"),
     ({"prompt": "hi", "cache_salt": ""}, "cache_salt", "cache_salt: String should have at least 1 character"),
     ({"prompt": "hi", "cache_salt": 7}, "cache_salt", "cache_salt: Input should be a valid string"),
-    ({"prompt": "hi", "use_beam_search": True}, "use_beam_search", "use_beam_search is not supported by tokenmill: "
-     "leave it out"),
+    ({"prompt": "hi", "use_beam_search": True, "stream": True}, "stream",
+     "stream does not combine with use_beam_search: leave it out"),
+    ({"prompt": "hi", "use_beam_search": True, "temperature": 0.7}, "temperature",
+     "use_beam_search ranks beams by the model's own log-probabilities: leave temperature out (or 0 or 1)"),
+    ({"prompt": "hi", "use_beam_search": True, "best_of": 11}, "n",
+     "beam search scores 33 candidates a beam (width 11 × 3 for 2 stop tokens); at most 20: use a smaller width"),
     ({"prompt": "hi", "best_of": 3}, "best_of", "best_of is not supported by tokenmill: leave it out"),
     ({"prompt": "hi", "allowed_token_ids": [1, 999]}, "allowed_token_ids",
      "allowed_token_ids holds token id 999, outside the vocabulary [0, 263)"),
-    ({"prompt": "hi", "length_penalty": 0.5}, "length_penalty", "length_penalty is not supported by tokenmill: "
-     "leave it out"),
+    ({"prompt": "hi", "length_penalty": 0.5}, "length_penalty", "length_penalty applies to beam search only: set "
+     "use_beam_search or leave it out"),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens",
      "truncate_prompt_tokens must be -1 or at least 1"),
     ({"prompt": "hi", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens",

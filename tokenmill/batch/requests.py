@@ -137,6 +137,9 @@ def build_request(custom_id: str, endpoint: Endpoint, body: dict[str, Any], toke
         else:
             answered = parsed = _parse(CompletionRequest, body)
             inputs = completion_inputs(parsed, tokenizer, limits, grammars)
+        if parsed.use_beam_search:  # a search is many engine requests a step: the batch runner keeps to one each
+            raise BatchLineError("use_beam_search is not supported in a batch file: send it to the server",
+                                 param="use_beam_search")
         service_class = requested_service_class(parsed) or ServiceClass.BATCH
         return BatchRequest(custom_id, endpoint, inputs.prompts, inputs.children, service_class, parsed.priority,
                             tools=inputs.tools, body=answered)

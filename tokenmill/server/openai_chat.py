@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.engine.service_class import ServiceClass
+from tokenmill.server.beam_api import beam_updates, check_beam_request
 from tokenmill.server.choices import chat_choice, chat_choice_logprobs, chat_prompt_logprobs, tool_finish
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_counts
 from tokenmill.server.openai_inputs import chat_inputs
@@ -51,20 +52,30 @@ router = APIRouter()
 async def create_chat_completion(body: ChatRequest, request: Request) -> Response:
     state, engine = serving(request, body.model)
     owner = api_key_id(request)
+    if body.use_beam_search:
+        check_beam_request(body)
     if any(m.tool_calls for m in body.messages if m.role == "assistant"):
         body = body.model_copy(update={"messages": state.written_calls.restore(body.messages, owner)})
     inputs = chat_inputs(salted(request, body, state.config.cache_isolation), engine.tokenizer, engine.limits,
                          engine.structured)
     (prompt,) = inputs.prompts
     texts = state.require_texts()
-    # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
     service_class = service_class_for(request, body, ServiceClass.INTERACTIVE)
-    run, response_id = start_run(state, request, inputs.children, "chatcmpl", body.priority, service_class)
+    if body.use_beam_search:
+        num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        response_id, last = await beam_updates(state, request, engine, body, inputs, service_class, "chatcmpl",
+                                               num_logprobs)
+    else:
+        # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
+        run, response_id = start_run(state, request, inputs.children, "chatcmpl", body.priority, service_class)
+        if body.stream:
+            return sse_response(run, _ChatChunks(_Context(body, prompt, texts, response_id,
+                                                          state.config.served_model_name, now_s(),
+                                                          service_class.value, state.written_calls, owner,
+                                                          inputs.tools)), state)
+        last = await collect(run, request)
     ctx = _Context(body, prompt, texts, response_id, state.config.served_model_name, now_s(), service_class.value,
                    state.written_calls, owner, inputs.tools)
-    if body.stream:
-        return sse_response(run, _ChatChunks(ctx), state)
-    last = await collect(run, request)
     choices = [chat_choice(body, texts, inputs.tools, last[i]) for i in sorted(last)]
     for choice in choices:  # only calls written in the template's own form: see written_calls.py
         if choice.message.tool_calls and inputs.tools is not None \

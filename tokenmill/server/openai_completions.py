@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.service_class import ServiceClass
+from tokenmill.server.beam_api import beam_updates, check_beam_request
 from tokenmill.server.choices import completion_choice
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_counts
 from tokenmill.server.openai_inputs import completion_inputs
@@ -31,17 +32,25 @@ router = APIRouter()
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state, engine = serving(request, body.model)
+    if body.use_beam_search:
+        check_beam_request(body)
     inputs = completion_inputs(salted(request, body, state.config.cache_isolation), engine.tokenizer, engine.limits,
                                engine.structured)
     texts = state.require_texts()
-    # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
     service_class = service_class_for(request, body, ServiceClass.STANDARD)
-    run, response_id = start_run(state, request, inputs.children, "cmpl", body.priority, service_class)
+    if body.use_beam_search:
+        response_id, last = await beam_updates(state, request, engine, body, inputs, service_class, "cmpl",
+                                               body.logprobs)
+    else:
+        # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
+        run, response_id = start_run(state, request, inputs.children, "cmpl", body.priority, service_class)
+        if body.stream:
+            ctx = _Context(body, inputs.prompts, texts, response_id, state.config.served_model_name, now_s(),
+                           service_class.value)
+            return sse_response(run, _CompletionChunks(ctx), state)
+        last = await collect(run, request)
     ctx = _Context(body, inputs.prompts, texts, response_id, state.config.served_model_name, now_s(),
                    service_class.value)
-    if body.stream:
-        return sse_response(run, _CompletionChunks(ctx), state)
-    last = await collect(run, request)
     choices = [completion_choice(body, texts, last[i], last[i].output.text, last[i].output.token_ids,
                                  last[i].output.logprobs) for i in sorted(last)]
     usage = Usage.of(ctx.num_prompt_tokens, sum(len(u.output.token_ids) for u in last.values()),

@@ -27,8 +27,7 @@ from tokenmill.server.protocol import ChatMessage, ChatRequest, CompletionReques
 _GREEDY_BELOW = 1e-5  # vLLM's threshold: smaller temperatures overflow the logits, so run greedy
 # vLLM request fields tokenmill does not honour, with the value that asks for nothing: any other value is a
 # 400 naming the field (a client relying on it must not get an answer that silently ignored it)
-_UNHONOURED: dict[str, object] = {
-    "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "guided_whitespace_pattern": None}
+_UNHONOURED: dict[str, object] = {"best_of": None, "guided_whitespace_pattern": None}
 # What the chat template is rendered with already: chat_template_kwargs may not replace it
 _TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
                                 "raise_exception", "strftime_now"})
@@ -199,13 +198,18 @@ def _token_fields(body: GenerationRequest, tokenizer: Tokenizer, limits: Request
 
 def refuse_unhonoured(body: GenerationRequest) -> None:
     """A 400 naming the first vLLM field the body sets that tokenmill does not honour (best_of equal to n
-    asks for nothing more than n)."""
+    asks for nothing more than n; with use_beam_search it is the beam width)."""
     extra = body.model_extra or {}
     for field, neutral in _UNHONOURED.items():
         value = extra.get(field, neutral)
-        if value in (neutral, [], {}) or (field == "best_of" and value == body.n):
+        if value in (neutral, [], {}) or (field == "best_of" and (value == body.n or body.use_beam_search)):
             continue
         raise RequestValidationError(f"{field} is not supported by tokenmill: leave it out", field)
+    if not body.use_beam_search:
+        for name, neutral in (("length_penalty", 1.0), ("early_stopping", False)):
+            if getattr(body, name) != neutral:
+                raise RequestValidationError(f"{name} applies to beam search only: set use_beam_search or leave "
+                                             "it out", name)
 
 
 def bad_words_tokens(body: GenerationRequest, tokenizer: Tokenizer) -> list[list[int]] | None:

@@ -26,6 +26,7 @@ from tokenmill.server.protocol import GenerationRequest
 from tokenmill.server.state import ServerState
 
 BodyT = TypeVar("BodyT", bound=GenerationRequest)
+T = TypeVar("T")
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to the same value
 _DISCONNECT_POLL_S = 0.1
@@ -119,9 +120,16 @@ def start_run(state: ServerState, request: Request, children: list[ChildRequest]
 
 async def collect(run: GenerationRun, request: Request) -> dict[int, ChoiceUpdate]:
     """Run to the end; the last update of each choice. Aborts the run if the client disconnects."""
-    # Nobody cancels a plain handler when its client leaves, so poll for the disconnect.
     run.final_only = True
-    task = asyncio.create_task(_last_updates(run))
+    try:
+        return await until_done(asyncio.create_task(_last_updates(run)), request)
+    finally:
+        run.close()
+
+
+async def until_done(task: asyncio.Task[T], request: Request) -> T:
+    """The task's result, failures as HTTP errors; the task is cancelled (a 499) if the client disconnects."""
+    # Nobody cancels a plain handler when its client leaves, so poll for the disconnect.
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
@@ -135,7 +143,6 @@ async def collect(run: GenerationRun, request: Request) -> dict[int, ChoiceUpdat
         raise api_error_for(exc) from exc
     finally:
         task.cancel()
-        run.close()
 
 
 async def _last_updates(run: GenerationRun) -> dict[int, ChoiceUpdate]:

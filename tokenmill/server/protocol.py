@@ -110,6 +110,10 @@ class GenerationRequest(_Body):
     # vLLM's: the top-N logprobs (and the prompt token's own) at each prompt position, not streamed
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     logit_bias: dict[str, float] | None = None
+    # vLLM's beam search (server/beam_api.py): the n best beams of width best_of (when larger) or n
+    use_beam_search: bool = False
+    length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0)  # results scored sum / length ** it
+    early_stopping: bool | Literal["never"] = False
     # Structured outputs (engine/structured): OpenAI's response_format, or vLLM's extra fields.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsSpec | None = None

@@ -77,6 +77,9 @@ def as_chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) 
             raise RequestValidationError(f"{name} is not supported: send the conversation as input, or continue "
                                          "a stored response with previous_response_id", name)
     refuse_unhonoured(body)  # vLLM's fields tokenmill does not honour (best_of, ...), as on chat
+    if body.use_beam_search:
+        raise RequestValidationError("use_beam_search is not supported on /v1/responses: use /v1/completions or "
+                                     "/v1/chat/completions", "use_beam_search")
     if body.n != 1:
         raise RequestValidationError("n is not part of the Responses API: use /v1/chat/completions for n > 1", "n")
     shared = {name: getattr(body, name) for name in GenerationRequest.model_fields

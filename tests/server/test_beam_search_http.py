@@ -1,0 +1,94 @@
+"""`use_beam_search` over HTTP with the official client: the choices are the offline API's beams (which
+tests/engine/test_beam_search.py holds to transformers'), on both endpoints, with n < width, logprobs,
+echo and several prompts; the engine is idle after; the fields it cannot honour are 400s."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MODEL, NUM_KV_BLOCKS, LiveServer, wait_until
+from tokenmill import LLM
+from tokenmill.engine.beam_search import BeamSearchParams
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir: Path) -> LLM:
+    return LLM(str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=128, block_size=16)
+
+
+def _beams(llm: LLM, prompt: list[int], width: int, max_tokens: int, n: int, **kwargs: Any) -> list[list[int]]:
+    (out,) = llm.beam_search([prompt], BeamSearchParams(width, max_tokens, **kwargs), n=n)
+    return [o.token_ids for o in out.outputs]
+
+
+def _idle(live: LiveServer) -> bool:
+    engine = live.engine
+    return engine.num_in_flight == 0 and engine.core.kv.pool.num_free == NUM_KV_BLOCKS
+
+
+def test_completion_choices_are_the_best_beams(client: openai.OpenAI, live: LiveServer, offline: LLM) -> None:
+    prompts = ["Once upon a time", "The cat sat"]
+    response = client.completions.create(model=MODEL, prompt=prompts, max_tokens=7, n=2, logprobs=2,
+                                         extra_body={"use_beam_search": True, "best_of": 4, "length_penalty": 0.5})
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    for p, prompt in enumerate(prompts):
+        expected = _beams(offline, offline.tokenizer.encode(prompt), 4, 7, 2, length_penalty=0.5)
+        for rank in range(2):
+            choice = response.choices[p * 2 + rank]
+            assert choice.logprobs is not None and choice.logprobs.tokens is not None
+            assert choice.text == offline.tokenizer.decode(expected[rank])
+            assert len(choice.logprobs.tokens) == len(expected[rank])  # (top_logprobs: keyed by text, which collides)
+    assert response.usage is not None and response.usage.completion_tokens == sum(
+        len(c.logprobs.tokens) for c in response.choices if c.logprobs is not None and c.logprobs.tokens)
+    wait_until(lambda: _idle(live), what="an idle engine after the search")
+
+
+def test_chat_choices_are_the_best_beams_and_echo_works(client: openai.OpenAI, offline: LLM) -> None:
+    messages = [{"role": "user", "content": "Say something"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, n=3, logprobs=True,  # type: ignore[arg-type]
+                                          top_logprobs=1, extra_body={"use_beam_search": True, "ignore_eos": True})
+    prompt = offline.tokenizer.encode(offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+                                      add_special_tokens=False)
+    expected = _beams(offline, prompt, 3, 6, 3, ignore_eos=True)
+    assert [c.message.content for c in chat.choices] == [offline.tokenizer.decode(b) for b in expected]
+    assert all(c.finish_reason == "length" and c.logprobs is not None and len(c.logprobs.content or []) == 6
+               for c in chat.choices)
+    echoed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, echo=True,
+                                       extra_body={"use_beam_search": True})
+    assert echoed.choices[0].text.startswith("Hello")
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True,
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True,
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "stop": ["a"]}, "stop"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "presence_penalty": 1.0}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "best_of": "4"}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "early_stopping": True}, "early_stopping"),
+    ("/v1/responses", {"input": "x", "use_beam_search": True}, "use_beam_search"),
+])
+def test_what_beam_search_cannot_honour_is_a_400(live: LiveServer, path: str, body: dict[str, Any],
+                                                  param: str) -> None:
+    response = httpx.post(f"{live.url}{path}", json={"model": MODEL, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_a_client_leaving_stops_the_search(live: LiveServer) -> None:
+    live.engine.fault_injector = lambda: time.sleep(0.05)  # 150 steps: 7.5 s, were the search to run on
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{live.url}/v1/completions", timeout=1.0, json={
+                "model": MODEL, "prompt": "hi", "max_tokens": 150, "n": 3, "use_beam_search": True, "ignore_eos": True})
+        wait_until(lambda: _idle(live) and live.state.admission.num_in_flight == 0, timeout_s=4.0,
+                   what="the search aborted and its ticket back")
+    finally:
+        live.engine.fault_injector = None

@@ -1,0 +1,131 @@
+"""vLLM's `use_beam_search` on /v1/completions and /v1/chat/completions: the `n` best beams of a search of
+width `best_of` (when larger) or `n` (engine/beam_search.py: transformers' algorithm), with vLLM's
+`length_penalty` and `early_stopping`.
+
+Each step scores every live beam of every prompt as its own engine request (one token, top-K logprobs), all
+at once, so they batch; the API request holds one admission ticket throughout (a drain waits for it, the
+queue counts it) and a client that leaves aborts the search within a step. Beam search ranks by the model's
+own log-probabilities, so fields that would reshape them (temperature other than 0 or 1, top-p/k, min-p,
+penalties, logit bias, allowed tokens, bad words, min_tokens), stop strings, grammars and tools, predictions,
+prompt logprobs and streaming are 400s naming the field rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.beam_search import BeamSearch, BeamSearchParams, beam_output
+from tokenmill.engine.inputs import ChildRequest, EncodedPrompt
+from tokenmill.engine.request import TokenLogprob
+from tokenmill.engine.service_class import ServiceClass
+from tokenmill.errors import RequestValidationError
+from tokenmill.server.fanout import ChoiceUpdate
+from tokenmill.server.openai_inputs import EngineInputs
+from tokenmill.server.pipeline import new_response_id, until_done
+from tokenmill.server.protocol import GenerationRequest
+from tokenmill.server.state import ServerState
+
+# Body fields beam search cannot honour, with the values that ask for nothing
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "top_p": (1.0,), "top_k": (-1, 0), "min_p": (0.0,), "repetition_penalty": (1.0,), "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,), "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "min_tokens": (0,), "prediction": (None,), "prompt_logprobs": (None,), "stream": (False,), "stop": (None, [], ""),
+}
+
+_GRAMMARS = ("tools", "tool_choice", "response_format", "structured_outputs", "guided_json", "guided_regex",
+             "guided_choice", "guided_grammar")
+
+
+def beam_width(body: GenerationRequest) -> int:
+    best_of = (body.model_extra or {}).get("best_of")
+    return max(body.n, best_of) if isinstance(best_of, int) and not isinstance(best_of, bool) else body.n
+
+
+def check_beam_request(body: GenerationRequest) -> None:
+    """A 400 naming the first field set that beam search cannot honour (before anything is admitted)."""
+    best_of = (body.model_extra or {}).get("best_of")
+    if best_of is not None and (not isinstance(best_of, int) or isinstance(best_of, bool) or best_of < 1):
+        raise RequestValidationError("best_of must be a positive integer (the beam width)", "best_of")
+    for name, neutral in _NEUTRAL.items():
+        if getattr(body, name) not in neutral:
+            raise RequestValidationError(f"{name} does not combine with use_beam_search: leave it out", name)
+    for name in _GRAMMARS:
+        if getattr(body, name, None) is not None:
+            raise RequestValidationError(f"{name} does not combine with use_beam_search: leave it out", name)
+    if body.temperature not in (0.0, 1.0):
+        raise RequestValidationError("use_beam_search ranks beams by the model's own log-probabilities: "
+                                     "leave temperature out (or 0 or 1)", "temperature")
+
+
+async def beam_updates(state: ServerState, request: Request, engine: AsyncEngine, body: GenerationRequest,
+                       inputs: EngineInputs, service_class: ServiceClass, prefix: str,
+                       num_logprobs: int | None) -> tuple[str, dict[int, ChoiceUpdate]]:
+    """Run one search per prompt; the response id and each choice's final update (choice i of prompt p is
+    that prompt's i-th best beam)."""
+    if any(child.params.structured is not None for child in inputs.children):
+        raise RequestValidationError("use_beam_search does not combine with response_format, guided decoding "
+                                     "or tools", "use_beam_search")
+    first: dict[int, ChildRequest] = {}
+    for child in inputs.children:
+        first.setdefault(child.prompt_index, child)
+    searches = [_search(body, engine, child) for child in first.values()]
+    num_tokens = sum(len(p.token_ids) for p in inputs.prompts)
+    ticket = state.admission.admit(len(inputs.children), num_tokens, service_class)
+    response_id = new_response_id(prefix)
+    try:
+        steps = asyncio.create_task(_run(engine, list(first.values()), searches, response_id, body.priority,
+                                         service_class, lambda: state.admission.mark_started(ticket)))
+        await until_done(steps, request)
+    finally:
+        state.admission.release(ticket)
+    updates: dict[int, ChoiceUpdate] = {}
+    for child in inputs.children:
+        search = searches[child.prompt_index]
+        beams = search.best(body.n)
+        rank = child.index - child.prompt_index * body.n
+        if rank < len(beams):
+            output = beam_output(child.index, beams[rank], engine.tokenizer, num_logprobs,
+                                 child.params.skip_special_tokens)
+            updates[child.index] = ChoiceUpdate(child, output, True, None)
+    return response_id, updates
+
+
+def _search(body: GenerationRequest, engine: AsyncEngine, child: ChildRequest) -> BeamSearch:
+    max_tokens = child.params.max_tokens
+    if max_tokens is None:  # up to the context limit
+        max_tokens = engine.limits.max_model_len - len(child.prompt.token_ids)
+    stop_ids = tuple(body.stop_token_ids or ())
+    params = BeamSearchParams(beam_width(body), max_tokens, body.length_penalty, body.early_stopping,
+                              body.ignore_eos, stop_ids)
+    return BeamSearch(params, engine.engine.eos_token_ids)
+
+
+async def _run(engine: AsyncEngine, children: list[ChildRequest], searches: list[BeamSearch], response_id: str,
+               priority: int, service_class: ServiceClass, on_first: Callable[[], None]) -> None:
+    step = 0
+    while live := [(child, search) for child, search in zip(children, searches, strict=True) if not search.is_done]:
+        scored = [_score(engine, child.prompt, beam.token_ids, search, f"{response_id}-{child.prompt_index}-{step}-{i}",
+                         priority, service_class)
+                  for child, search in live for i, beam in enumerate(search.beams)]
+        tops = await asyncio.gather(*scored)
+        if step == 0:
+            on_first()
+        for _, search in live:
+            mine, tops = tops[:len(search.beams)], tops[len(search.beams):]
+            search.advance(mine)
+        step += 1
+
+
+async def _score(engine: AsyncEngine, prompt: EncodedPrompt, beam: tuple[int, ...], search: BeamSearch,
+                 request_id: str, priority: int, service_class: ServiceClass) -> TokenLogprob:
+    last = None
+    async for output in engine.generate([*prompt.token_ids, *beam], search.step_params(), request_id, priority,
+                                        service_class, every_output=False, cache_salt=prompt.cache_salt):
+        last = output
+    assert last is not None and last.outputs[0].logprobs, "a scoring request ended without its logprobs"
+    return last.outputs[0].logprobs[0]
