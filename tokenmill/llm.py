@@ -25,6 +25,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import CompletionOutput, PromptLogprobsCarry, RequestOutput
 from tokenmill.engine.request import SamplingParams
 from tokenmill.engine.service_class import ServiceClass, parse_service_tier
+from tokenmill.errors import RequestValidationError
 from tokenmill.kernels import DEFAULT_QUANTIZATION
 from tokenmill.models.catalog import DEFAULT_MODEL
 
@@ -103,7 +104,14 @@ class LLM:
         """Beam search (transformers' algorithm: engine/beam_search.py) for each prompt, all prompts' beams in one
         batch a step; each output holds the `n` best results (default: the beam width), best first."""
         encoded = [self.engine.encode(prompt) for prompt in _as_prompt_list(prompts)]
-        searches = [BeamSearch(params, self.engine.eos_token_ids) for _ in encoded]
+        room = self.engine.limits.max_model_len
+        for prompt in encoded:  # all checked before any request runs
+            if len(prompt.token_ids) >= room:
+                raise RequestValidationError(f"a prompt of {len(prompt.token_ids)} tokens leaves no room for output "
+                                             f"in the model's context of {room} tokens", "prompt")
+        # each search ends at the context limit, as a sampled answer would
+        searches = [BeamSearch(replace(params, max_tokens=min(params.max_tokens, room - len(prompt.token_ids))),
+                               self.engine.eos_token_ids, logprobs) for prompt in encoded]
         while live := [(prompt, search) for prompt, search in zip(encoded, searches, strict=True)
                        if not search.is_done]:
             order = [[self._add(prompt.token_ids + list(beam.token_ids), search.step_params(), 0,

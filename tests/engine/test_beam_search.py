@@ -111,3 +111,14 @@ def test_the_search_ends_when_no_beam_can_beat_the_results(early_stopping: bool 
     assert [r.score for r in search.results] == pytest.approx([-0.1, -0.125])
     assert [b.token_ids for b in search.beams] == [(2, 7), (1, 4)]
     assert search.is_done is ends
+
+
+def test_a_search_near_the_context_ends_at_it_as_a_sampled_answer_does(pair: tuple[LLM, Any]) -> None:
+    llm, _ = pair
+    room = llm.engine.limits.max_model_len
+    prompt = _prompt(llm.core.arch.vocab_size, seed=8)[:1] * (room - 6)  # room for 6 tokens
+    (beams,) = llm.beam_search([prompt], BeamSearchParams(2, 16, ignore_eos=True))
+    assert [len(o.token_ids) for o in beams.outputs] == [6, 6]
+    with pytest.raises(RequestValidationError, match="no room"):
+        llm.beam_search([prompt[:3], prompt + [5] * 6], BeamSearchParams(2, 4))
+    assert not llm.engine.has_unfinished  # refused before any request ran

@@ -72,6 +72,8 @@ def test_chat_choices_are_the_best_beams_and_echo_works(client: openai.OpenAI, o
     ("/v1/completions", {"prompt": "x", "use_beam_search": True, "stop": ["a"]}, "stop"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True, "presence_penalty": 1.0}, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True, "best_of": "4"}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "n": 3, "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": True, "best_of": 8}, "best_of"),  # 3 × 8 candidates
     ("/v1/completions", {"prompt": "x", "early_stopping": True}, "early_stopping"),
     ("/v1/responses", {"input": "x", "use_beam_search": True}, "use_beam_search"),
 ])
@@ -92,3 +94,39 @@ def test_a_client_leaving_stops_the_search(live: LiveServer) -> None:
                    what="the search aborted and its ticket back")
     finally:
         live.engine.fault_injector = None
+
+
+def _post(live: LiveServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = httpx.post(f"{live.url}{path}", json={"model": MODEL, **body}, timeout=60)
+    assert response.status_code == 200, response.text
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def test_one_beam_is_the_greedy_answer_with_its_logprobs_and_echo(live: LiveServer) -> None:
+    # width 1 is greedy search: the same tokens, the same top-5 (more than the search itself needs) and,
+    # echoed, the prompt's logprobs too
+    body = {"prompt": "Once upon a time", "max_tokens": 3, "logprobs": 5, "echo": True, "temperature": 0,
+            "return_tokens_as_token_ids": True}
+    plain = _post(live, "/v1/completions", body)["choices"][0]["logprobs"]
+    beam = _post(live, "/v1/completions", {**body, "use_beam_search": True})["choices"][0]["logprobs"]
+    assert beam["tokens"] == plain["tokens"]
+    assert [None if t is None else sorted(t) for t in beam["top_logprobs"]] == \
+        [None if t is None else sorted(t) for t in plain["top_logprobs"]]
+    assert beam["token_logprobs"] == pytest.approx(plain["token_logprobs"], abs=1e-3)
+    chat = {"messages": [{"role": "user", "content": "Say something"}], "max_tokens": 3, "logprobs": True,
+            "top_logprobs": 5, "temperature": 0}
+    plain_chat = _post(live, "/v1/chat/completions", chat)["choices"][0]["logprobs"]["content"]
+    beam_chat = _post(live, "/v1/chat/completions", {**chat, "use_beam_search": True})["choices"][0]["logprobs"]
+    assert [len(t["top_logprobs"]) for t in beam_chat["content"]] == [len(t["top_logprobs"]) for t in plain_chat]
+
+
+def test_a_search_counts_as_one_finished_request_in_the_metrics(live: LiveServer) -> None:
+    def finished() -> float:
+        lines = httpx.get(f"{live.url}/metrics").text.splitlines()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+                   if line.startswith("tokenmill:service_class_requests_total{"))
+
+    before = finished()
+    _post(live, "/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 2, "use_beam_search": True})
+    assert finished() == before + 1

@@ -112,6 +112,7 @@ def test_cancel_stops_a_running_job_frees_its_blocks_and_is_idempotent(client: o
         assert [item.content[0].text for item in client.responses.input_items.list(job.id)] == ["hello"]
         cancelled = client.responses.cancel(job.id)
     assert cancelled.status == "cancelled" and cancelled.output_text.startswith(running.output_text)
+    assert cancelled.output[0].status == "incomplete"  # the message it was writing
     wait_until(lambda: _idle(bg_live), what="the cancelled job's blocks and ticket back")
     again = client.responses.cancel(job.id)
     assert again.model_dump() == cancelled.model_dump()
@@ -175,6 +176,8 @@ def test_input_items_list_the_conversation_with_ids_and_pages(client: openai.Ope
     assert [i.id for i in page.data] == [i.id for i in listed.data[1:3]] and page.has_more is True
     every = [i.id for i in client.responses.input_items.list(second.id, order="asc", limit=1)]  # the SDK pages
     assert every == [i.id for i in listed.data]
+    before = client.responses.input_items.list(second.id, order="asc", limit=2, extra_query={"before": "msg_mine"})
+    assert [i.id for i in before.data] == [i.id for i in listed.data[1:3]] and before.has_more is True  # previous page
     with pytest.raises(openai.BadRequestError):
         client.responses.input_items.list(second.id, after="msg_nope")
 

@@ -65,7 +65,10 @@ class Beam:
 
 
 class BeamSearch:
-    def __init__(self, params: BeamSearchParams, eos_token_ids: Iterable[int]) -> None:
+    def __init__(self, params: BeamSearchParams, eos_token_ids: Iterable[int], num_logprobs: int | None = None,
+                 width_field: str = "n") -> None:
+        """`num_logprobs`: the top logprobs the caller returns with each token (a step asks for at least as many);
+        `width_field`: the request field an error about the width names."""
         params.validate()
         self.params = params
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else
@@ -75,7 +78,8 @@ class BeamSearch:
             raise RequestValidationError(
                 f"beam search scores {self.num_candidates} candidates a beam (width {params.beam_width} × "
                 f"{self.num_candidates // params.beam_width} for {len(self.stop_ids)} stop tokens); at most "
-                f"{MAX_TOP_LOGPROBS}: use a smaller width", "n")
+                f"{MAX_TOP_LOGPROBS}: use a smaller width", width_field)
+        self.num_top = min(MAX_TOP_LOGPROBS, max(self.num_candidates, num_logprobs or 0))
         self.beams: list[Beam] = [Beam((), (), 0.0, 0.0)]
         self.results: list[Beam] = []  # the best finished, best first, at most the width
         self.is_done = False
@@ -106,7 +110,7 @@ class BeamSearch:
     def step_params(self) -> SamplingParams:
         """What one beam's scoring request asks the engine: one token (any: it is not kept) and the top
         candidates of the raw distribution."""
-        return SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.num_candidates, ignore_eos=True)
+        return SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.num_top, ignore_eos=True)
 
     def best(self, n: int) -> list[Beam]:
         """The `n` best results, best first (live beams, scored at their length, where too few finished)."""

@@ -13,7 +13,9 @@ prompt logprobs and streaming are 400s naming the field rather than silently ign
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -21,12 +23,14 @@ from fastapi import Request
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.beam_search import BeamSearch, BeamSearchParams, beam_output
 from tokenmill.engine.inputs import ChildRequest, EncodedPrompt
-from tokenmill.engine.request import TokenLogprob
+from tokenmill.engine.outputs import RequestMetrics, RequestOutput
+from tokenmill.engine.request import SamplingParams, TokenLogprob
 from tokenmill.engine.service_class import ServiceClass
 from tokenmill.errors import RequestValidationError
+from tokenmill.server.errors import ApiError
 from tokenmill.server.fanout import ChoiceUpdate
 from tokenmill.server.openai_inputs import EngineInputs
-from tokenmill.server.pipeline import new_response_id, until_done
+from tokenmill.server.pipeline import new_response_id, received_s_of, request_id_of, until_done
 from tokenmill.server.protocol import GenerationRequest
 from tokenmill.server.state import ServerState
 
@@ -51,6 +55,9 @@ def check_beam_request(body: GenerationRequest) -> None:
     best_of = (body.model_extra or {}).get("best_of")
     if best_of is not None and (not isinstance(best_of, int) or isinstance(best_of, bool) or best_of < 1):
         raise RequestValidationError("best_of must be a positive integer (the beam width)", "best_of")
+    if best_of is not None and best_of < body.n:
+        raise RequestValidationError(f"best_of ({best_of}) must be at least n ({body.n}): the n best of best_of "
+                                     "beams are returned", "best_of")
     for name, neutral in _NEUTRAL.items():
         if getattr(body, name) not in neutral:
             raise RequestValidationError(f"{name} does not combine with use_beam_search: leave it out", name)
@@ -73,59 +80,100 @@ async def beam_updates(state: ServerState, request: Request, engine: AsyncEngine
     first: dict[int, ChildRequest] = {}
     for child in inputs.children:
         first.setdefault(child.prompt_index, child)
-    searches = [_search(body, engine, child) for child in first.values()]
+    searches = [_PromptSearch(child, _search(body, engine, child, num_logprobs)) for child in first.values()]
     num_tokens = sum(len(p.token_ids) for p in inputs.prompts)
-    ticket = state.admission.admit(len(inputs.children), num_tokens, service_class)
+    try:  # every beam is an engine request a step: the queue counts the width, not n
+        ticket = state.admission.admit(len(first) * searches[0].search.params.beam_width, num_tokens, service_class)
+    except ApiError as error:
+        if error.status == 429:
+            state.on_rejected(service_class)
+        raise
     response_id = new_response_id(prefix)
     try:
-        steps = asyncio.create_task(_run(engine, list(first.values()), searches, response_id, body.priority,
-                                         service_class, lambda: state.admission.mark_started(ticket)))
+        steps = asyncio.create_task(_run(engine, searches, response_id, body.priority, service_class,
+                                         lambda: state.admission.mark_started(ticket)))
         await until_done(steps, request)
     finally:
         state.admission.release(ticket)
     updates: dict[int, ChoiceUpdate] = {}
     for child in inputs.children:
-        search = searches[child.prompt_index]
-        beams = search.best(body.n)
+        run = searches[child.prompt_index]
+        beams = run.search.best(body.n)
         rank = child.index - child.prompt_index * body.n
         if rank < len(beams):
             output = beam_output(child.index, beams[rank], engine.tokenizer, num_logprobs,
                                  child.params.skip_special_tokens)
-            updates[child.index] = ChoiceUpdate(child, output, True, None)
+            updates[child.index] = ChoiceUpdate(child, output, True, run.prompt_logprobs)
+    for run in searches:  # one finished request each in the metrics and the request log
+        outputs = [u.output for u in updates.values() if u.child.prompt_index == run.child.prompt_index]
+        prompt = run.child.prompt
+        state.on_finished(RequestOutput(f"{response_id}-{run.child.prompt_index}", prompt.text, prompt.token_ids,
+                                        outputs, True, run.metrics()), request_id_of(request),
+                          received_s_of(request), service_class)
     return response_id, updates
 
 
-def _search(body: GenerationRequest, engine: AsyncEngine, child: ChildRequest) -> BeamSearch:
+@dataclass(slots=True)
+class _PromptSearch:
+    child: ChildRequest  # the prompt's first choice: its prompt and parameters
+    search: BeamSearch
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs: from the first step
+    first: RequestMetrics | None = None  # the first step's timeline
+
+    def metrics(self) -> RequestMetrics | None:
+        if self.first is None:
+            return None
+        return RequestMetrics(self.first.arrival, self.first.first_scheduled, self.first.first_token,
+                              time.monotonic(), self.first.num_cached_tokens)
+
+
+def _search(body: GenerationRequest, engine: AsyncEngine, child: ChildRequest, num_logprobs: int | None) -> BeamSearch:
     max_tokens = child.params.max_tokens
     if max_tokens is None:  # up to the context limit
         max_tokens = engine.limits.max_model_len - len(child.prompt.token_ids)
     stop_ids = tuple(body.stop_token_ids or ())
     params = BeamSearchParams(beam_width(body), max_tokens, body.length_penalty, body.early_stopping,
                               body.ignore_eos, stop_ids)
-    return BeamSearch(params, engine.engine.eos_token_ids)
+    best_of = (body.model_extra or {}).get("best_of")
+    width_field = "best_of" if isinstance(best_of, int) and best_of > body.n else "n"
+    return BeamSearch(params, engine.engine.eos_token_ids, num_logprobs, width_field)
 
 
-async def _run(engine: AsyncEngine, children: list[ChildRequest], searches: list[BeamSearch], response_id: str,
-               priority: int, service_class: ServiceClass, on_first: Callable[[], None]) -> None:
+async def _run(engine: AsyncEngine, searches: list[_PromptSearch], response_id: str, priority: int,
+               service_class: ServiceClass, on_first: Callable[[], None]) -> None:
     step = 0
-    while live := [(child, search) for child, search in zip(children, searches, strict=True) if not search.is_done]:
-        scored = [_score(engine, child.prompt, beam.token_ids, search, f"{response_id}-{child.prompt_index}-{step}-{i}",
-                         priority, service_class)
-                  for child, search in live for i, beam in enumerate(search.beams)]
-        tops = await asyncio.gather(*scored)
+    while live := [run for run in searches if not run.search.is_done]:
+        tasks = []
+        for run in live:
+            params = run.search.step_params()
+            if step == 0 and run.child.params.prompt_logprobs is not None:  # echo with logprobs
+                params = replace(params, prompt_logprobs=run.child.params.prompt_logprobs)
+            tasks += [asyncio.ensure_future(_score(engine, run.child.prompt, beam.token_ids, params,
+                                                   f"{response_id}-{run.child.prompt_index}-{step}-{i}", priority,
+                                                   service_class))
+                      for i, beam in enumerate(run.search.beams)]
+        try:
+            outputs = await asyncio.gather(*tasks)
+        finally:  # one failed (or the client left): the step's other requests stop too
+            for task in tasks:
+                task.cancel()
         if step == 0:
             on_first()
-        for _, search in live:
-            mine, tops = tops[:len(search.beams)], tops[len(search.beams):]
-            search.advance(mine)
+        for run in live:
+            mine, outputs = outputs[:len(run.search.beams)], outputs[len(run.search.beams):]
+            if step == 0:
+                run.first, run.prompt_logprobs = mine[0].metrics, mine[0].prompt_logprobs
+            run.search.advance([out.outputs[0].logprobs[0] for out in mine])  # type: ignore[index]
         step += 1
 
 
-async def _score(engine: AsyncEngine, prompt: EncodedPrompt, beam: tuple[int, ...], search: BeamSearch,
-                 request_id: str, priority: int, service_class: ServiceClass) -> TokenLogprob:
-    last = None
-    async for output in engine.generate([*prompt.token_ids, *beam], search.step_params(), request_id, priority,
-                                        service_class, every_output=False, cache_salt=prompt.cache_salt):
+async def _score(engine: AsyncEngine, prompt: EncodedPrompt, beam: tuple[int, ...], params: SamplingParams,
+                 request_id: str, priority: int, service_class: ServiceClass) -> RequestOutput:
+    last, prompt_logprobs = None, None
+    async for output in engine.generate([*prompt.token_ids, *beam], params, request_id, priority, service_class,
+                                        every_output=False, cache_salt=prompt.cache_salt):
         last = output
+        prompt_logprobs = output.prompt_logprobs or prompt_logprobs  # they come with the first output
     assert last is not None and last.outputs[0].logprobs, "a scoring request ended without its logprobs"
-    return last.outputs[0].logprobs[0]
+    last.prompt_logprobs = prompt_logprobs
+    return last

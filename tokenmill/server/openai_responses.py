@@ -149,9 +149,14 @@ async def list_input_items(response_id: str, request: Request, limit: int = Quer
         start = ids.index(after) + 1
     if before is not None:
         end = ids.index(before)
-    page = items[start:end][:limit]
+    if before is not None and after is None:  # the page just before the cursor (a previous page)
+        first = max(start, end - limit)
+        page, has_more = items[first:end], first > start
+    else:
+        page = items[start:end][:limit]
+        has_more = start + len(page) < end
     return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                         "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end})
+                         "last_id": page[-1]["id"] if page else None, "has_more": has_more})
 
 
 def _job(state: ServerState, response_id: str, owner: str | None) -> BackgroundJob | None:

@@ -79,7 +79,10 @@ class ResponseContext:
         return response
 
     def stopped(self, output: list[Json], status: str, error: Json | None) -> Json:
-        """The response of a run that ended early ("cancelled", "failed"), stored with what it had written."""
+        """The response of a run that ended early ("cancelled", "failed"), stored with what it had written
+        (an item it was still writing ends "incomplete")."""
+        output = [{**item, "status": "incomplete"} if item.get("status") == "in_progress" else item
+                  for item in output]
         response = self.response(output, None, status, error)
         if self.store is not None:
             self._store(output_message(output) if output else None, response)
