@@ -127,6 +127,9 @@ def test_requests_name_the_stored_response_they_need_and_homes_forget_the_oldest
     assert referenced_response("DELETE", "/v1/responses/resp_3?x=1", None) == "resp_3"
     assert referenced_response("POST", "/v1/responses/resp_4/cancel", None) == "resp_4"  # background responses
     assert referenced_response("GET", "/v1/responses/resp_5/input_items", None) == "resp_5"
+    assert referenced_response("GET", "/v1/conversations/conv_1/items?limit=2", None) == "conv_1"  # conversations
+    assert referenced_response("POST", "/v1/responses", {"conversation": "conv_2", "input": "x"}) == "conv_2"
+    assert referenced_response("POST", "/v1/responses", {"conversation": {"id": "conv_3"}, "input": "x"}) == "conv_3"
     assert referenced_response("POST", "/v1/responses", {"input": "x"}) is None
     assert referenced_response("POST", "/v1/chat/completions", {"previous_response_id": "resp_1"}) is None
     homes = ResponseHomes(capacity=2)

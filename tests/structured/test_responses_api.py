@@ -127,7 +127,7 @@ def test_json_schema_text_format_and_logprobs(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"input": "x", "use_beam_search": True}, "use_beam_search"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),

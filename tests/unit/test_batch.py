@@ -236,7 +236,7 @@ def test_a_speculative_batch_answers_as_the_plain_one(model_dir: Path, tmp_path:
 
 
 @pytest.mark.parametrize("field", [{"previous_response_id": "resp_1"}, {"background": True},
-                                   {"use_beam_search": True}])
+                                   {"use_beam_search": True}, {"conversation": "conv_1"}])
 def test_a_responses_line_cannot_continue_a_stored_response_nor_run_in_background(llm: LLM,
                                                                                  field: dict[str, Any]) -> None:
     with pytest.raises(BatchLineError) as caught:

@@ -130,6 +130,9 @@ def build_request(custom_id: str, endpoint: Endpoint, body: dict[str, Any], toke
             if answered.previous_response_id is not None:
                 raise BatchLineError("previous_response_id is not supported in a batch file (nothing is stored): "
                                      "send the whole conversation as input", param="previous_response_id")
+            if answered.conversation is not None:
+                raise BatchLineError("conversation is not supported in a batch file (nothing is stored): send the "
+                                     "whole conversation as input", param="conversation")
             if answered.background:  # a batch line already runs offline; a batch file keeps no responses
                 raise BatchLineError("background is not supported in a batch file: leave it out", param="background")
             parsed = as_chat_request(answered, input_messages(answered))

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.service_class import ServiceClass, parse_service_tier
-from tokenmill.server import openai_chat, openai_completions, openai_responses, tokenize_api
+from tokenmill.server import openai_chat, openai_completions, openai_conversations, openai_responses, tokenize_api
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.middleware import ApiKeyMiddleware, RequestIdMiddleware
 from tokenmill.server.pipeline import get_state
@@ -80,7 +80,7 @@ def build_app(engine: AsyncEngine | EngineLoader, config: ServerConfig) -> FastA
     app.state.started_at = time.time()
     install_error_handlers(app)
     for router in (_ops, tokenize_api.router, openai_completions.router, openai_chat.router,
-                   openai_responses.router):
+                   openai_responses.router, openai_conversations.router):
         app.include_router(router)
     api_keys = accepted_api_keys(config)
     if api_keys:

@@ -10,15 +10,16 @@ streams its events from `starting_after`; cancel stops it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Literal
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.service_class import ServiceClass
 from tokenmill.server.background import BackgroundJob
+from tokenmill.server.conversations import Conversation
 from tokenmill.server.errors import ApiError
+from tokenmill.server.item_pages import Order, item_page
 from tokenmill.server.openai_inputs import chat_inputs
 from tokenmill.server.pipeline import (
     api_key_id,
@@ -32,7 +33,14 @@ from tokenmill.server.pipeline import (
 )
 from tokenmill.server.response_store import StoredResponse
 from tokenmill.server.responses_output import Json, ResponseContext, ResponseEvents, answer_items
-from tokenmill.server.responses_protocol import ResponsesRequest, as_chat_request, input_items, input_messages
+from tokenmill.server.responses_protocol import (
+    ResponsesRequest,
+    as_chat_request,
+    conversation_id,
+    input_items,
+    input_messages,
+    item_messages,
+)
 from tokenmill.server.sse import DONE, EventStreamResponse, event, sse_response
 from tokenmill.server.state import ServerState
 from tokenmill.server.truncation import fit_chat_request
@@ -50,13 +58,21 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if body.background and (body.store is False or state.background is None):
         raise ApiError(400, "a background response must be stored: leave store out (or true) on a server that "
                        "keeps responses (--responses-store-size above 0)", param="background")
+    conv_id = conversation_id(body)  # before previous_response_id is looked up: both set is a 400
     history: list[Json] = []
     items: list[Json] = []
+    on_answered = None
     if body.previous_response_id is not None:
         previous = _continued(state, body.previous_response_id, owner)
         history, items = previous.history, previous.input_items + previous.response["output"]
     conversation = history + input_messages(body)
-    items += input_items(body)
+    new_items = input_items(body)
+    if conv_id is not None:
+        stored = _stored_conversation(state, conv_id, owner)
+        items = list(stored.items)
+        conversation = item_messages(items, "conversation") + conversation
+        on_answered = _appender(state, conv_id, owner, new_items)
+    items += new_items
     chat = salted(request, as_chat_request(body, conversation), state.config.cache_isolation)
     if body.truncation == "auto":
         chat = fit_chat_request(chat, engine.tokenizer, engine.limits.max_model_len)
@@ -69,7 +85,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     store = state.responses if body.store is not False else None
     ctx = ResponseContext(body, state.require_texts(), response_id, state.config.served_model_name, now_s(),
                           service_class.value, inputs.tools, len(prompt.token_ids), store, owner, conversation,
-                          items)
+                          items, on_answered)
     headers = {RESPONSE_ID_HEADER: response_id}
     if body.background:
         assert state.background is not None
@@ -129,7 +145,7 @@ async def delete_response(response_id: str, request: Request) -> Response:
 
 @router.get("/v1/responses/{response_id}/input_items", response_model=None)
 async def list_input_items(response_id: str, request: Request, limit: int = Query(default=20, ge=1, le=100),
-                           order: Literal["asc", "desc"] = "desc", after: str | None = None,
+                           order: Order = "desc", after: str | None = None,
                            before: str | None = None) -> Response:
     """The items the response was answered from (the conversation it continues, then its own input)."""
     state, owner = get_state(request), api_key_id(request)
@@ -138,25 +154,24 @@ async def list_input_items(response_id: str, request: Request, limit: int = Quer
         items = job.input_items
     else:  # an ended job's items are in the store, with its response
         items = _stored(state, response_id, owner, None).input_items
-    if order == "desc":
-        items = items[::-1]
-    ids = [item["id"] for item in items]
-    start, end = 0, len(items)
-    for name, cursor in (("after", after), ("before", before)):
-        if cursor is not None and cursor not in ids:
-            raise ApiError(400, f"{name}: no input item {cursor!r} in response {response_id!r}", param=name)
-    if after is not None:
-        start = ids.index(after) + 1
-    if before is not None:
-        end = ids.index(before)
-    if before is not None and after is None:  # the page just before the cursor (a previous page)
-        first = max(start, end - limit)
-        page, has_more = items[first:end], first > start
-    else:
-        page = items[start:end][:limit]
-        has_more = start + len(page) < end
-    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                         "last_id": page[-1]["id"] if page else None, "has_more": has_more})
+    return JSONResponse(item_page(items, limit, order, after, before, f"response {response_id!r}"))
+
+
+def _stored_conversation(state: ServerState, conv_id: str, owner: str | None) -> Conversation:
+    found = state.conversations.get(conv_id, owner) if state.conversations is not None else None
+    if found is None:
+        raise ApiError(404, f"conversation {conv_id!r} not found", param="conversation")
+    return found
+
+
+def _appender(state: ServerState, conv_id: str, owner: str | None,
+              new_items: list[Json]) -> Callable[[list[Json]], None]:
+    """What a finished answer does to its conversation: appends this turn's input and output items."""
+    def append(output: list[Json]) -> None:
+        assert state.conversations is not None
+        state.conversations.append(conv_id, owner, [*new_items, *output])  # gone meanwhile: nothing to add to
+
+    return append
 
 
 def _job(state: ServerState, response_id: str, owner: str | None) -> BackgroundJob | None:

@@ -12,7 +12,7 @@ cut the answer) with the whole response. Streamed and non-streamed answers have 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,7 @@ from tokenmill.server.logprob_format import chat_logprobs
 from tokenmill.server.openai_tools import ToolPlan, ToolStream, calls_in_template_form, parse_tool_calls
 from tokenmill.server.response_bodies import ToolCallDelta
 from tokenmill.server.response_store import ResponseStore, StoredResponse
-from tokenmill.server.responses_protocol import ResponsesRequest, new_id, output_message
+from tokenmill.server.responses_protocol import ResponsesRequest, conversation_id, new_id, output_message
 from tokenmill.server.state import TokenTexts
 
 Json = dict[str, Any]
@@ -61,6 +61,8 @@ class ResponseContext:
     owner: str | None
     conversation: list[Json]  # the chat messages it answered (history and input, no instructions)
     input_items: list[Json]  # the same conversation's items, as input_items lists them
+    # Called with the output of a finished answer (a stored conversation appends the input and it)
+    on_answered: Callable[[list[Json]], None] | None = None
 
     def finish(self, output: list[Json], update: ChoiceUpdate) -> Json:
         """The finished response object, stored with the conversation through it.
@@ -71,6 +73,8 @@ class ResponseContext:
         made by a grammar (required, named) go in as structured calls, which the template shows in its form:
         shown back as written they taught the model to call again after every result (calls_in_template_form)."""
         response = self.response(output, update)
+        if self.on_answered is not None:
+            self.on_answered(output)
         if self.store is not None:
             text, called = update.output.text, any(item["type"] == "function_call" for item in output)
             as_written = not called or (self.tools is not None and calls_in_template_form(self.tools, text))
@@ -121,6 +125,7 @@ class ResponseContext:
                 "tools": body.tools or [], "text": {"format": text}, "truncation": body.truncation, "usage": usage,
                 "store": self.store is not None, "previous_response_id": body.previous_response_id,
                 "background": body.background, "metadata": body.metadata or {}, "user": body.user,
+                "conversation": {"id": cid} if (cid := conversation_id(body)) is not None else None,
                 "service_tier": self.service_tier, "reasoning": None}
 
 

@@ -25,7 +25,7 @@ from tokenmill.server.protocol import MAX_LOGPROBS, ChatRequest, GenerationReque
 from tokenmill.server.validation_errors import describe_validation_errors
 
 # Responses fields that need state or features this server does not have: a 400 naming them when set
-_STATEFUL = ("conversation", "prompt")
+_STATEFUL = ("prompt",)
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # GenerationRequest fields the Responses API has no use for (it has no n, and streams have no options)
 _NOT_COPIED = frozenset({"n", "stream_options"})
@@ -60,6 +60,8 @@ class ResponsesRequest(GenerationRequest):
     user: str | None = None
     background: bool = False
     previous_response_id: str | None = Field(default=None, min_length=1, max_length=256)
+    # A stored conversation (/v1/conversations) to answer from and append to: its id, or {"id": ...}
+    conversation: str | dict[str, Any] | None = None
     # "auto": where the conversation does not fit the context, its oldest turns are left out (truncation.py)
     truncation: Literal["auto", "disabled"] = "disabled"
 
@@ -68,14 +70,29 @@ class ResponsesRequest(GenerationRequest):
         return self.top_logprobs is not None or _LOGPROBS_INCLUDE in (self.include or [])
 
 
+def conversation_id(body: ResponsesRequest) -> str | None:
+    """The id `conversation` names (a 400 when it names none, or comes with previous_response_id)."""
+    given = body.conversation
+    if given is None:
+        return None
+    found = given.get("id") if isinstance(given, dict) else given
+    if not isinstance(found, str) or not found:
+        raise RequestValidationError('conversation must be a conversation id or {"id": ...}', "conversation")
+    if body.previous_response_id is not None:
+        raise RequestValidationError("conversation and previous_response_id cannot both be set: a response "
+                                     "continues one or the other", "conversation")
+    return found
+
+
 def as_chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatRequest:
     """The chat request that asks the engine what `body` asks, over `conversation` (the stored history it
     continues, then `input_messages(body)`); 400s name the Responses field at fault."""
     extra = body.model_extra or {}
     for name in _STATEFUL:
         if extra.get(name) is not None:
-            raise RequestValidationError(f"{name} is not supported: send the conversation as input, or continue "
-                                         "a stored response with previous_response_id", name)
+            raise RequestValidationError(f"{name} is not supported: send the conversation as input, continue "
+                                         "a stored response with previous_response_id, or name a conversation",
+                                         name)
     refuse_unhonoured(body)  # vLLM's fields tokenmill does not honour (best_of, ...), as on chat
     if body.use_beam_search:
         raise RequestValidationError("use_beam_search is not supported on /v1/responses: use /v1/completions or "
@@ -109,18 +126,28 @@ def _instructions(body: ResponsesRequest) -> list[dict[str, Any]]:
 
 def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's input as chat messages (without its instructions: a continuation does not keep them)."""
-    messages: list[dict[str, Any]] = []
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
     if not body.input:
         raise RequestValidationError("input must hold at least one item", "input")
-    for i, item in enumerate(body.input):
+    return item_messages(body.input)
+
+
+def item_messages(items: list[dict[str, Any]], param: str = "input") -> list[dict[str, Any]]:
+    """Items (message, function_call, function_call_output) as chat messages; a 400 naming `param` for the
+    others (the same rules for a request's input and a stored conversation's items)."""
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise RequestValidationError(f"{param}.{i} must be an object", param)
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append(_message(i, item))
+            messages.append(_message(f"{param}.{i}", param, item))
         elif kind == "function_call":
-            call = {"id": _text(item, "call_id", i), "type": "function",
-                    "function": {"name": _text(item, "name", i), "arguments": _text(item, "arguments", i)}}
+            at = f"{param}.{i}"
+            call = {"id": _text(item, "call_id", at, param), "type": "function",
+                    "function": {"name": _text(item, "name", at, param),
+                                 "arguments": _text(item, "arguments", at, param)}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)
@@ -129,11 +156,12 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(output, str):
-                output = _parts_text(i, output)
-            messages.append({"role": "tool", "tool_call_id": _text(item, "call_id", i), "content": output})
+                output = _parts_text(f"{param}.{i}", param, output)
+            messages.append({"role": "tool", "tool_call_id": _text(item, "call_id", f"{param}.{i}", param),
+                             "content": output})
         else:
-            raise RequestValidationError(f"input.{i}: items of type {kind!r} are not supported (message, "
-                                         "function_call and function_call_output are)", "input")
+            raise RequestValidationError(f"{param}.{i}: items of type {kind!r} are not supported (message, "
+                                         "function_call and function_call_output are)", param)
     return messages
 
 
@@ -147,18 +175,23 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
     which validates the items."""
     if isinstance(body.input, str):
         return [_input_message(new_id("msg"), "user", [{"type": "input_text", "text": body.input}])]
+    return stored_items(body.input)
+
+
+def stored_items(given: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Validated items (item_messages) as they are kept and listed: each with an id and a status."""
     items = []
-    for item in body.input:
+    for item in given:
         kind = item.get("type", "message")
-        given = item["id"] if isinstance(item.get("id"), str) and item["id"] else None
+        item_id = item["id"] if isinstance(item.get("id"), str) and item["id"] else None
         if kind == "message":
             content = item["content"]
             part = "output_text" if item["role"] == "assistant" else "input_text"
             parts = [{"type": part, "text": content}] if isinstance(content, str) else content
-            items.append(_input_message(given or new_id("msg"), item["role"], parts))
+            items.append(_input_message(item_id or new_id("msg"), item["role"], parts))
         else:
             prefix = "fc" if kind == "function_call" else "fco"
-            items.append({**item, "type": kind, "id": given or new_id(prefix), "status": "completed"})
+            items.append({**item, "type": kind, "id": item_id or new_id(prefix), "status": "completed"})
     return items
 
 
@@ -166,32 +199,32 @@ def _input_message(item_id: str, role: str, parts: list[Any]) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "role": role, "status": "completed", "content": parts}
 
 
-def _message(i: int, item: dict[str, Any]) -> dict[str, Any]:
+def _message(at: str, param: str, item: dict[str, Any]) -> dict[str, Any]:
     role = item.get("role")
     if role not in ("user", "assistant", "system", "developer"):
-        raise RequestValidationError(f"input.{i}.role must be user, assistant, system or developer", "input")
+        raise RequestValidationError(f"{at}.role must be user, assistant, system or developer", param)
     content = item.get("content")
-    text = content if isinstance(content, str) else _parts_text(i, content)
+    text = content if isinstance(content, str) else _parts_text(at, param, content)
     return {"role": "system" if role == "developer" else role, "content": text}
 
 
-def _parts_text(i: int, parts: Any) -> str:
+def _parts_text(at: str, param: str, parts: Any) -> str:
     if not isinstance(parts, list):
-        raise RequestValidationError(f"input.{i}.content must be a string or a list of text parts", "input")
+        raise RequestValidationError(f"{at}.content must be a string or a list of text parts", param)
     texts = []
     for part in parts:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise RequestValidationError(f"input.{i}.content: parts of type {kind!r} are not supported (this "
-                                         "model reads text: input_text and output_text parts)", "input")
+            raise RequestValidationError(f"{at}.content: parts of type {kind!r} are not supported (this "
+                                         "model reads text: input_text and output_text parts)", param)
         texts.append(part["text"])
     return "".join(texts)
 
 
-def _text(item: dict[str, Any], key: str, i: int) -> str:
+def _text(item: dict[str, Any], key: str, at: str, param: str) -> str:
     value = item.get(key)
     if not isinstance(value, str):
-        raise RequestValidationError(f"input.{i}.{key} must be a string", "input")
+        raise RequestValidationError(f"{at}.{key} must be a string", param)
     return value
 
 

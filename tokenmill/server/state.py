@@ -14,6 +14,7 @@ from tokenmill.models.loading.tokenizer import Tokenizer
 from tokenmill.server.admission import Admission
 from tokenmill.server.background import BackgroundJobs
 from tokenmill.server.class_metrics import ClassMetrics
+from tokenmill.server.conversations import ConversationStore
 from tokenmill.server.errors import ApiError
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.request_log import log_request
@@ -56,6 +57,9 @@ class ServerState:
         self.class_metrics: ClassMetrics | None = None  # per service class, on the same registry
         self.texts: TokenTexts | None = None
         self.responses = ResponseStore(config.responses_store_size, config.responses_store_mb << 20) \
+            if config.responses_store_size else None
+        # Conversations (/v1/conversations), bounded as the response store and kept where it is
+        self.conversations = ConversationStore(config.responses_store_size, config.responses_store_mb << 20) \
             if config.responses_store_size else None
         # Background responses and their event logs, bounded as the store (only where responses are stored)
         self.background = BackgroundJobs(config.responses_store_size, config.responses_store_mb << 20) \
