@@ -9,7 +9,6 @@ import json
 import signal
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -17,6 +16,7 @@ import openai
 import pytest
 
 from tests.server.conftest import MODEL, NUM_KV_BLOCKS, LiveServer, start_server, tiny_engine_config, wait_until
+from tests.server.test_failures import slowed
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncEngine
 
@@ -36,15 +36,6 @@ def bg_live(tiny_hf_dir) -> Iterator[LiveServer]:  # type: ignore[no-untyped-def
 @pytest.fixture
 def client(bg_live: LiveServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{bg_live.url}/v1", api_key="k1", max_retries=0)
-
-
-@contextmanager
-def slowed(engine: AsyncEngine, step_s: float = 0.05) -> Iterator[None]:
-    engine.fault_injector = lambda: time.sleep(step_s)
-    try:
-        yield
-    finally:
-        engine.fault_injector = None
 
 
 def _create(client: openai.OpenAI, **kwargs: Any) -> Any:
