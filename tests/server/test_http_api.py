@@ -75,7 +75,7 @@ ANY_PARAM = object()  # a check whose error names no field yet (SamplingParams' 
      "stream does not combine with use_beam_search: leave it out"),
     ({"prompt": "hi", "use_beam_search": True, "temperature": 0.7}, "temperature",
      "use_beam_search ranks beams by the model's own log-probabilities: leave temperature out (or 0 or 1)"),
-    ({"prompt": "hi", "use_beam_search": True, "best_of": 11}, "n",
+    ({"prompt": "hi", "use_beam_search": True, "best_of": 11}, "best_of",
      "beam search scores 33 candidates a beam (width 11 × 3 for 2 stop tokens); at most 20: use a smaller width"),
     ({"prompt": "hi", "best_of": 3}, "best_of", "best_of is not supported by tokenmill: leave it out"),
     ({"prompt": "hi", "allowed_token_ids": [1, 999]}, "allowed_token_ids",
