@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.server.conftest import LiveServer
+from tests.server.conftest import LiveServer, wait_until
 
 JSON_SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 40), st.integers(-(2**70), 2**70),
@@ -54,8 +54,10 @@ MESSAGE = st.fixed_dictionaries({
     "role": st.sampled_from(["system", "user", "assistant", "tool"]),
     "content": st.one_of(st.none(), st.text(max_size=24), st.lists(PART, max_size=2)),
 }, optional={"tool_calls": st.lists(CALL, max_size=2), "tool_call_id": st.text(max_size=6)})
-COMPLETION_FIELDS = {**SAMPLING, "logprobs": st.integers(0, 5), "echo": st.booleans()}
-CHAT_FIELDS = {**SAMPLING, "max_completion_tokens": st.integers(1, 6), "logprobs": st.booleans(),
+BEAMS = {"use_beam_search": st.booleans(), "length_penalty": st.floats(-2.0, 2.0),
+         "early_stopping": st.sampled_from([True, False, "never"]), "best_of": st.integers(1, 4)}
+COMPLETION_FIELDS = {**SAMPLING, **BEAMS, "logprobs": st.integers(0, 5), "echo": st.booleans()}
+CHAT_FIELDS = {**SAMPLING, **BEAMS, "max_completion_tokens": st.integers(1, 6), "logprobs": st.booleans(),
                "top_logprobs": st.integers(0, 5), "response_format": st.fixed_dictionaries({"type": st.just("text")})}
 # Out-of-range values and bodies parts that are refused with a 400, never a 500.
 INVALID = st.one_of(JSON, st.integers(-(2**70), 2**70), st.floats(-1e30, 1e30), st.text(max_size=300))
@@ -90,10 +92,13 @@ RESPONSES_FIELDS = {
     "instructions": st.text(max_size=16), "top_logprobs": st.integers(0, 5), "store": st.booleans(),
     "tools": st.lists(TOOL, max_size=2), "tool_choice": st.sampled_from(["auto", "none", "required"]),
     "text": st.fixed_dictionaries({"format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])}),
-    "previous_response_id": st.text(max_size=8),
+    "previous_response_id": st.text(max_size=8), "background": st.booleans(),
+    "conversation": st.one_of(st.text(max_size=8), st.fixed_dictionaries({"id": st.text(max_size=8)})),
 }
 RESPONSES = _bodies({"input": st.one_of(st.text(min_size=1, max_size=24), st.lists(ITEM, min_size=1, max_size=3)),
                      "max_output_tokens": st.integers(1, 6)}, RESPONSES_FIELDS)
+CONVERSATION = _bodies({}, {"items": st.lists(ITEM, max_size=3),
+                            "metadata": st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2)})
 FUZZ_SETTINGS = settings(max_examples=120, deadline=None, database=None,
                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
@@ -135,6 +140,20 @@ def test_fuzzed_responses_bodies_never_5xx(http: httpx.Client, live: LiveServer,
     _check(http, live, "/v1/responses", body)
 
 
+@FUZZ_SETTINGS
+@given(body=CONVERSATION, more=st.lists(ITEM, min_size=1, max_size=2) | INVALID)
+def test_fuzzed_conversations_never_5xx(http: httpx.Client, live: LiveServer, body: dict[str, Any],
+                                        more: Any) -> None:
+    created = http.post("/v1/conversations", json=body)
+    assert created.status_code < 500, (body, created.text)
+    if created.status_code == 200:
+        conv = created.json()["id"]
+        added = http.post(f"/v1/conversations/{conv}/items", json={"items": more})
+        assert added.status_code < 500, (more, added.text)
+        _check(http, live, "/v1/responses", {"model": "tiny", "input": "x", "max_output_tokens": 2,
+                                             "conversation": conv})
+
+
 def test_server_is_ready_after_fuzzing(http: httpx.Client, live: LiveServer) -> None:
     assert http.get("/ready").status_code == 200
-    assert live.state.admission.num_in_flight == 0
+    wait_until(lambda: live.state.admission.num_in_flight == 0, what="fuzzed background responses to end")
