@@ -49,7 +49,11 @@ class ClassScheduling:
         def _schedule_running(self, out: SchedulerOutput, requests: list[Request], budget: int,
                               scheduled_ids: set[str], cap: TokenCap | None = None) -> int: ...
 
-        def _first_chunk(self, request: Request, allowed: int) -> tuple[list[int], int, int] | None: ...
+        def _first_chunk(self, request: Request,
+                         allowed: int) -> tuple[list[int], tuple[int, int] | None, int, int] | None: ...
+
+        def _allocate_first(self, out: SchedulerOutput, request: Request, num_new: int, cached: list[int],
+                            partial: tuple[int, int] | None) -> bool: ...
 
         def _admit(self, out: SchedulerOutput, request: Request, num_computed: int, num_new: int) -> None: ...
 
@@ -177,8 +181,8 @@ class ClassScheduling:
             chunk = self._first_chunk(request, allowed)
             if chunk is None:
                 break
-            cached, num_computed, num_new = chunk
-            while not self.kv.allocate(request, num_new, cached):
+            cached, partial, num_computed, num_new = chunk
+            while not self._allocate_first(out, request, num_new, cached, partial):
                 victim = self._lower_class_victim(cls, ids) if preempt_lower else None
                 if victim is None:
                     return budget

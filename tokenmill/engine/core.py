@@ -81,7 +81,7 @@ class EngineCore:
         self.runner.allocate_kv_cache(num_blocks)
         self.max_model_len = self._max_model_len(context_limit, num_blocks * block_size)
         self.limits = RequestLimits(self.max_model_len, arch.vocab_size)
-        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, reuse_partial_blocks=True)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         if self.speculator is not None:
             self.speculator.allocate_kv(num_blocks, self.max_model_len)
@@ -156,7 +156,8 @@ class EngineCore:
             with contextlib.suppress(Exception):  # a failed step is why we reset
                 in_flight.result.result()  # the device thread must be done with the runner's state
         cache = self.config.cache
-        self.kv = KVCacheManager(self.kv.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.kv.num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                 reuse_partial_blocks=True)
         # The step-time fit describes the machine, not the requests: it survives the reset.
         self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len, self.scheduler.step_time)
         self.runner.sampler = Sampler(self.runner.device, self.config.model.seed)

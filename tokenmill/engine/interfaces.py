@@ -40,10 +40,21 @@ class ScheduledRequest:
         return 1 + len(self.spec_token_ids) if self.needs_sample else 0
 
 
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy the first `num_rows` rows of KV block `src` into block `dst` (every layer), before the step's
+    forward: a request continuing a cached partial block (engine/kv_cache.py)."""
+
+    src: int
+    dst: int
+    num_rows: int
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_preempted: int = 0
+    block_copies: list[BlockCopy] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tokenmill.config import CacheConfig, ModelConfig
 from tokenmill.engine.cuda_graphs import WIDTH_STEP_TOKENS, DecodeGraphs
 from tokenmill.engine.input_buffers import PersistentBlockTables
-from tokenmill.engine.interfaces import RunnerOutput, SampledTokens, ScheduledRequest, SchedulerOutput
+from tokenmill.engine.interfaces import BlockCopy, RunnerOutput, SampledTokens, ScheduledRequest, SchedulerOutput
 from tokenmill.engine.model_input import (
     MAX_DECODE_QUERY,
     ModelInput,
@@ -39,6 +39,7 @@ class PreparedStep:
     inp: ModelInput | None = None
     plain: PlainDecodeArrays | None = None
     rows: ModelInput | None = None
+    block_copies: list[BlockCopy] = field(default_factory=list)  # run before the forward (kv_cache.py)
 
 
 def kv_bytes_per_block(arch: ArchConfig, block_size: int, spec: KVCacheSpec) -> int:
@@ -131,7 +132,12 @@ class ModelRunner:
         """The step's inputs, from the requests' state now: all the host work of a step before the
         forward. Asynchronous scheduling calls it on the scheduling thread while the previous step
         runs, so it touches no device buffer another step may be reading: a CUDA graph's static
-        buffers are written by `run`, on the executing thread."""
+        buffers are written by `run`, on the executing thread, and so are the KV blocks it copies."""
+        step = self._prepare_inputs(out)
+        step.block_copies = out.block_copies
+        return step
+
+    def _prepare_inputs(self, out: SchedulerOutput) -> PreparedStep:
         fast = self.persistent_inputs and self.tables is not None
         if self.graphs is not None and fast:
             assert self.tables is not None
@@ -249,6 +255,9 @@ class ModelRunner:
         they were prepared, each after the one before it ended (its samples fill the pending tokens).
         `on_forward` is called as the forward starts (asynchronous scheduling times its host work by it)."""
         timer = self.timer
+        for copy in prepared.block_copies:  # rows a request takes from a cached partial block
+            for layer in self.kv_caches:
+                layer.copy_rows(copy.src, copy.dst, copy.num_rows)
         with timer.phase("build_input"):
             inp = self._device_input(prepared)
         if timer.enabled:

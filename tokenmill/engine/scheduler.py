@@ -208,26 +208,40 @@ class Scheduler(ClassScheduling):
             chunk = self._first_chunk(request, budget)
             if chunk is None:
                 break
-            cached, num_computed, num_new = chunk
-            if not self.kv.allocate(request, num_new, cached):
+            cached, partial, num_computed, num_new = chunk
+            if not self._allocate_first(out, request, num_new, cached, partial):
                 break
             self.waiting.pop()
             self._admit(out, request, num_computed, num_new)
             budget -= num_new
 
-    def _first_chunk(self, request: Request, allowed: int) -> tuple[list[int], int, int] | None:
-        """(cached blocks, tokens they cover, tokens to compute now) for a waiting request within
-        `allowed` tokens, or None when its prompt must go whole and does not fit (no chunked prefill), or
-        when it was preempted with a step still running (asynchronous scheduling): it waits for that
-        step's token, since a prefill needs every input token and the prefix cache every block's."""
+    def _first_chunk(self, request: Request,
+                     allowed: int) -> tuple[list[int], tuple[int, int] | None, int, int] | None:
+        """(cached blocks, a cached partial block after them (block id, rows) or None, tokens they cover, tokens
+        to compute now) for a waiting request within `allowed` tokens, or None when its prompt must go whole
+        and does not fit (no chunked prefill), or when it was preempted with a step still running
+        (asynchronous scheduling): it waits for that step's token, since a prefill needs every input token
+        and the prefix cache every block's."""
         if request.has_pending_token:
             return None
         cached = self.kv.find_cached_prefix(request)
-        num_computed = len(cached) * self.kv.block_size
+        partial = self.kv.find_cached_partial(request, len(cached))
+        num_computed = len(cached) * self.kv.block_size + (partial[1] if partial is not None else 0)
         num_new = request.num_tokens - num_computed
         if not self.config.enable_chunked_prefill and num_new > allowed:
             return None
-        return cached, num_computed, min(num_new, allowed)
+        return cached, partial, num_computed, min(num_new, allowed)
+
+    def _allocate_first(self, out: SchedulerOutput, request: Request, num_new: int, cached: list[int],
+                        partial: tuple[int, int] | None) -> bool:
+        """Blocks for a waiting request's first chunk (False: none free now); a cached partial block's rows
+        are copied into its first new block before the step's forward."""
+        if partial is None:
+            return self.kv.allocate(request, num_new, cached)
+        copy = self.kv.allocate_with_copy(request, num_new, cached, partial)
+        if copy is not None:
+            out.block_copies.append(copy)
+        return copy is not None
 
     def _admit(self, out: SchedulerOutput, request: Request, num_computed: int, num_new: int) -> None:
         """A waiting request whose blocks are allocated starts running with its first chunk."""

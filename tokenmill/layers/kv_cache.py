@@ -87,7 +87,13 @@ class LayerKVCache(ABC):
 
     @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the layer's cache holds (for byte accounting)."""
+        """Every tensor the layer's cache holds (for byte accounting), each indexed [block, row, ...]."""
+
+    def copy_rows(self, src: int, dst: int, num_rows: int) -> None:
+        """The first `num_rows` rows (tokens) of block `src` into block `dst`, in every tensor (keys, values and
+        any scales: the copy is the same bytes, so the copied tokens read as they did in `src`)."""
+        for tensor in self.tensors():
+            tensor[dst, :num_rows].copy_(tensor[src, :num_rows])
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """The queries [T, H, hd] as every reader of this cache must see them (key smoothing scales them)."""
