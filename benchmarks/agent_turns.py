@@ -5,9 +5,10 @@ how much of each turn's prompt the prefix cache already holds, and how long each
 A server is started on --model; the agent (system instructions, one `read_file` tool) asks a question that
 invites a call, answers every call with a file's text, and asks a follow-up where the model answered in
 text, for --turns turns. Per turn it prints the prompt tokens, the cached ones, the tokens the conversation
-held before the turn (the previous prompt and answer: what a perfect cache could hold, to the block), their
-ratio, and the first-event time. The ratio is the figure: 1.0 means every full block of the earlier turns
-was reused (the history repeats the tokens the model wrote), and each turn pays only for its new input. And
+held before the turn (the previous prompt and answer, less the answer's last token, which no step computed:
+what a perfect cache could hold), their ratio, and the first-event time. The ratio is the figure: 1.0 means
+every token of the earlier turns was reused (full blocks and, since partial blocks, the last one's rows: the
+history repeats the tokens the model wrote), and each turn pays only for its new input. And
 how many turns called a tool again right after a tool result: an agent that does so every time never answers
 (how a history shown in a form the model did not learn showed itself; docs/structured_outputs.md).
 
@@ -40,7 +41,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--max-output-tokens", type=int, default=60)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--block-size", type=int, default=16, help="the server's KV block size (hits are whole blocks)")
     return p.parse_args()
 
 
@@ -62,7 +62,7 @@ def run_turns(client: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
                 response = event.response
         assert response is not None, "the stream ended without a response"
         held = 0 if previous is None else previous.usage.input_tokens + previous.usage.output_tokens
-        reusable = held - held % args.block_size
+        reusable = max(held - 1, 0)
         cached = response.usage.input_tokens_details.cached_tokens
         calls = [item for item in response.output if item.type == "function_call"]
         turns.append({"turn": turn, "input_tokens": response.usage.input_tokens, "cached_tokens": cached,
@@ -104,7 +104,7 @@ def run_chat_turns(client: Any, args: argparse.Namespace) -> list[dict[str, Any]
                 entry["name"] += (d.function.name or "") if d.function else ""
                 entry["arguments"] += (d.function.arguments or "") if d.function else ""
         assert usage is not None, "the stream ended without its usage"
-        reusable = held - held % args.block_size
+        reusable = max(held - 1, 0)
         cached = usage.prompt_tokens_details.cached_tokens
         turns.append({"turn": turn, "input_tokens": usage.prompt_tokens, "cached_tokens": cached,
                       "reusable_tokens": reusable, "cached_of_reusable": cached / reusable if reusable else None,
