@@ -73,7 +73,8 @@ def test_n_logprobs_text_and_batching(pair: tuple[LLM, Any]) -> None:
     for both, one in zip(together, alone, strict=True):
         assert [o.token_ids for o in both.outputs] == [o.token_ids for o in one.outputs[:2]]
         best = both.outputs[0]
-        assert best.text == llm.tokenizer.decode(best.token_ids) and best.logprobs is not None
+        stream = llm.tokenizer.new_decode_stream(skip_special_tokens=True)
+        assert best.text == "".join(stream.step(t) for t in best.token_ids) and best.logprobs is not None
         assert all(len(lp.top) == 3 and lp.top[lp.rank - 1][0] == lp.token_id for lp in best.logprobs if lp.rank <= 3)
         assert one.outputs[0].logprobs is None
 

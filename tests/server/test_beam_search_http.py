@@ -27,6 +27,12 @@ def _beams(llm: LLM, prompt: list[int], width: int, max_tokens: int, n: int, **k
     return [o.token_ids for o in out.outputs]
 
 
+def _text(llm: LLM, token_ids: list[int]) -> str:
+    """Decoded as an answer's stream is: bytes of a character that never completes show no text."""
+    stream = llm.tokenizer.new_decode_stream(skip_special_tokens=True)
+    return "".join(stream.step(t) for t in token_ids)
+
+
 def _idle(live: LiveServer) -> bool:
     engine = live.engine
     return engine.num_in_flight == 0 and engine.core.kv.pool.num_free == NUM_KV_BLOCKS
@@ -42,7 +48,7 @@ def test_completion_choices_are_the_best_beams(client: openai.OpenAI, live: Live
         for rank in range(2):
             choice = response.choices[p * 2 + rank]
             assert choice.logprobs is not None and choice.logprobs.tokens is not None
-            assert choice.text == offline.tokenizer.decode(expected[rank])
+            assert choice.text == _text(offline, expected[rank])
             assert len(choice.logprobs.tokens) == len(expected[rank])  # (top_logprobs: keyed by text, which collides)
     assert response.usage is not None and response.usage.completion_tokens == sum(
         len(c.logprobs.tokens) for c in response.choices if c.logprobs is not None and c.logprobs.tokens)
@@ -56,7 +62,7 @@ def test_chat_choices_are_the_best_beams_and_echo_works(client: openai.OpenAI, o
     prompt = offline.tokenizer.encode(offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True),
                                       add_special_tokens=False)
     expected = _beams(offline, prompt, 3, 6, 3, ignore_eos=True)
-    assert [c.message.content for c in chat.choices] == [offline.tokenizer.decode(b) for b in expected]
+    assert [c.message.content for c in chat.choices] == [_text(offline, b) for b in expected]
     assert all(c.finish_reason == "length" and c.logprobs is not None and len(c.logprobs.content or []) == 6
                for c in chat.choices)
     echoed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, echo=True,
@@ -108,8 +114,10 @@ def test_one_beam_is_the_greedy_answer_with_its_logprobs_and_echo(live: LiveServ
     # echoed, the prompt's logprobs too
     body = {"prompt": "Once upon a time", "max_tokens": 3, "logprobs": 5, "echo": True, "temperature": 0,
             "return_tokens_as_token_ids": True}
-    plain = _post(live, "/v1/completions", body)["choices"][0]["logprobs"]
-    beam = _post(live, "/v1/completions", {**body, "use_beam_search": True})["choices"][0]["logprobs"]
+    plain_choice = _post(live, "/v1/completions", body)["choices"][0]
+    beam_choice = _post(live, "/v1/completions", {**body, "use_beam_search": True})["choices"][0]
+    assert beam_choice["text"] == plain_choice["text"]  # decoded alike (bytes of an unfinished character)
+    plain, beam = plain_choice["logprobs"], beam_choice["logprobs"]
     assert beam["tokens"] == plain["tokens"]
     assert [None if t is None else sorted(t) for t in beam["top_logprobs"]] == \
         [None if t is None else sorted(t) for t in plain["top_logprobs"]]

@@ -142,6 +142,8 @@ def beam_output(index: int, beam: Beam, tokenizer: Tokenizer, num_logprobs: int 
     shown = beam.token_ids[:-1] if ended_on_stop else beam.token_ids
     logprobs = None if num_logprobs is None else [
         TokenLogprob(lp.token_id, lp.logprob, lp.rank, lp.top[:num_logprobs]) for lp in beam.logprobs]
-    text = tokenizer.decode(shown, skip_special_tokens=skip_special_tokens)
+    # decoded as a sampled answer's stream is (a character whose bytes never completed shows no text)
+    stream = tokenizer.new_decode_stream(skip_special_tokens)
+    text = "".join(stream.step(token_id) for token_id in shown)
     return CompletionOutput(index, text, list(beam.token_ids), logprobs, beam.finish_reason,
                             beam.token_ids[-1] if ended_on_stop else None, text, len(beam.token_ids))
