@@ -75,9 +75,23 @@ def build_fake_app(behaviour: Behaviour, name: str = "fake") -> FastAPI:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": name}]}
 
+    @app.post("/v1/conversations")
+    async def new_conversation() -> Response:  # stored with the responses: one id space is enough here
+        conversation_id = f"conv_{name}_{len(behaviour.responses)}"
+        behaviour.responses.add(conversation_id)
+        return JSONResponse({"id": conversation_id, "object": "conversation"},
+                            headers={"x-tokenmill-response-id": conversation_id})
+
+    @app.get("/v1/conversations/{conversation_id}/items")
+    async def conversation_items(conversation_id: str) -> Response:
+        if conversation_id not in behaviour.responses:
+            return _not_stored(conversation_id)
+        return JSONResponse({"object": "list", "data": [], "has_more": False})
+
     @app.post("/v1/responses")
     async def respond(request: Request) -> Response:
-        previous = (await request.json()).get("previous_response_id")
+        body = await request.json()
+        previous = body.get("previous_response_id") or body.get("conversation")
         if previous is not None and previous not in behaviour.responses:
             return _not_stored(previous)
         response_id = f"resp_{name}_{len(behaviour.responses)}"

@@ -186,6 +186,22 @@ def test_a_client_that_leaves_mid_stream_closes_the_upstream_and_is_counted(fake
     assert replica.breaker.num_consecutive_failures == 0  # the client left: not the replica's fault
 
 
+def test_a_conversation_is_continued_and_read_on_the_replica_that_created_it(fakes: Fakes,
+                                                                             gateway_for: GatewayFor) -> None:
+    fleet = fakes(3)
+    live = gateway_for([f.url for f in fleet], policy="round_robin")
+    wait_ready(live, 3)
+    created = [httpx.post(f"{live.url}/v1/conversations", json={}) for _ in range(3)]
+    assert len({r.headers["x-tokenmill-replica"] for r in created}) == 3
+    for conversation in created:
+        conv_id, home = conversation.json()["id"], conversation.headers["x-tokenmill-replica"]
+        for _ in range(2):
+            turn = httpx.post(f"{live.url}/v1/responses", json={"model": "fake", "input": "x", "conversation": conv_id})
+            assert turn.status_code == 200 and turn.headers["x-tokenmill-replica"] == home, turn.text
+        items = httpx.get(f"{live.url}/v1/conversations/{conv_id}/items")
+        assert items.status_code == 200 and items.headers["x-tokenmill-replica"] == home
+
+
 def test_a_stored_response_is_continued_and_read_on_the_replica_that_stores_it(fakes: Fakes,
                                                                              gateway_for: GatewayFor) -> None:
     """Round robin would scatter a conversation's turns over the fleet, and each replica stores only the
