@@ -200,6 +200,8 @@ def test_a_conversation_is_continued_and_read_on_the_replica_that_created_it(fak
             assert turn.status_code == 200 and turn.headers["x-tokenmill-replica"] == home, turn.text
         items = httpx.get(f"{live.url}/v1/conversations/{conv_id}/items")
         assert items.status_code == 200 and items.headers["x-tokenmill-replica"] == home
+    assert live.sample("tokenmill:gateway_routing_decisions_total", policy="round_robin",
+                       reason="stored_response") == 3 * 3  # every turn and read sent home, none by luck
 
 
 def test_a_stored_response_is_continued_and_read_on_the_replica_that_stores_it(fakes: Fakes,
