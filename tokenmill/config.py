@@ -188,9 +188,14 @@ class SchedulerConfig:
     service_classes: ServiceClassConfig = field(default_factory=ServiceClassConfig)
     # Schedule step N + 1 while step N runs (engine/pipeline.py): "on", "off", or "auto" (off for now).
     async_scheduling: str = "auto"
+    # A waiting request whose next uncached prompt blocks, this many tokens or more, a running request (as
+    # urgent or more) is computing waits for them instead of computing them again beside it: it then finds
+    # them cached (SGLang's in-batch prefix caching; n > 1 children, bursts with one system prompt). 0: off.
+    shared_prefix_wait_tokens: int = 128
 
     def __post_init__(self) -> None:
         _require(self.async_scheduling in ("auto", "on", "off"), "async_scheduling must be auto, on or off")
+        _require(self.shared_prefix_wait_tokens >= 0, "shared_prefix_wait_tokens must be >= 0")
         _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
         _require(self.max_num_seqs > 0, "max_num_seqs must be positive")
         _require(self.policy in ("fcfs", "priority"), "policy must be 'fcfs' or 'priority'")

@@ -55,6 +55,8 @@ class ClassScheduling:
         def _allocate_first(self, out: SchedulerOutput, request: Request, num_new: int, cached: list[int],
                             partial: tuple[int, int] | None) -> bool: ...
 
+        def _waits_for_shared_prefix(self, request: Request, num_hit_blocks: int) -> bool: ...
+
         def _admit(self, out: SchedulerOutput, request: Request, num_computed: int, num_new: int) -> None: ...
 
         def _preempt(self, request: Request) -> None: ...
@@ -182,6 +184,8 @@ class ClassScheduling:
             if chunk is None:
                 break
             cached, partial, num_computed, num_new = chunk
+            if self._waits_for_shared_prefix(request, len(cached)):
+                continue  # the requests behind it go on
             while not self._allocate_first(out, request, num_new, cached, partial):
                 victim = self._lower_class_victim(cls, ids) if preempt_lower else None
                 if victim is None:
