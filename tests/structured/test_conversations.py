@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MODEL, LiveServer
+from tests.server.conftest import MODEL, LiveServer, start_server
+from tokenmill.config import ServerConfig
 
 GREEDY: dict[str, Any] = {"temperature": 0.0, "ignore_eos": True}
 
@@ -106,3 +107,14 @@ def test_an_agents_sdk_session_keeps_its_history_in_a_conversation(structured_li
     assert len(list(client.conversations.items.list(conv_id))) == 4
     kept = list(client.conversations.items.list(server_side_id, order="asc"))
     assert [getattr(i, "role", None) for i in kept] == ["user", "assistant", "user", "assistant"]
+
+
+def test_a_server_that_keeps_no_conversations_answers_400_on_both_paths(structured_live: LiveServer) -> None:
+    server = start_server(structured_live.engine, ServerConfig(served_model_name=MODEL, responses_store_size=0))
+    try:
+        named = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "x", "conversation": "c"})
+        created = httpx.post(f"{server.url}/v1/conversations", json={})
+    finally:
+        server.stop()
+    assert (named.status_code, named.json()["error"]["param"]) == (400, "conversation"), named.text
+    assert created.status_code == 400 and "keeps no conversations" in created.json()["error"]["message"]

@@ -14,9 +14,9 @@ from tokenmill.errors import RequestValidationError
 from tokenmill.server.conversations import Conversation, ConversationStore
 from tokenmill.server.errors import ApiError
 from tokenmill.server.item_pages import Order, item_page
-from tokenmill.server.openai_responses import RESPONSE_ID_HEADER  # the gateway learns conversations' homes too
-from tokenmill.server.pipeline import api_key_id, get_state
+from tokenmill.server.pipeline import RESPONSE_ID_HEADER, api_key_id, get_state
 from tokenmill.server.responses_protocol import item_messages, stored_items
+from tokenmill.server.state import ServerState
 
 router = APIRouter()
 MAX_ITEMS_PER_REQUEST = 20  # OpenAI's limit on items given at once (create, add)
@@ -52,6 +52,7 @@ class AddItems(BaseModel):
 async def create_conversation(body: CreateConversation, request: Request) -> Response:
     store = _store(request)
     conversation = store.create(api_key_id(request), _validated(body.items or []), body.metadata or {})
+    # named like a response: the gateway learns the conversation's replica from it (gateway/response_homes.py)
     return JSONResponse(conversation.as_object(), headers={RESPONSE_ID_HEADER: conversation.conversation_id})
 
 
@@ -69,7 +70,7 @@ async def update_conversation(conversation_id: str, body: UpdateConversation, re
 @router.delete("/v1/conversations/{conversation_id}", response_model=None)
 async def delete_conversation(conversation_id: str, request: Request) -> Response:
     if not _store(request).delete(conversation_id, api_key_id(request)):
-        raise not_found(conversation_id, None)
+        raise _not_found(conversation_id, None)
     return JSONResponse({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
 
 
@@ -118,20 +119,30 @@ def _validated(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _store(request: Request) -> ConversationStore:
-    store = get_state(request).conversations
-    if store is None:
+    return _store_of(get_state(request), None)
+
+
+def _store_of(state: ServerState, param: str | None) -> ConversationStore:
+    if state.conversations is None:
         raise ApiError(400, "this server keeps no conversations (--responses-store-size 0): send the whole "
-                       "conversation as input")
-    return store
+                       "conversation as input", param=param)
+    return state.conversations
 
 
 def _conversation(request: Request, conversation_id: str) -> Conversation:
-    conversation = _store(request).get(conversation_id, api_key_id(request))
+    return stored_conversation(get_state(request), conversation_id, api_key_id(request), None)
+
+
+def stored_conversation(state: ServerState, conversation_id: str, owner: str | None,
+                        param: str | None) -> Conversation:
+    """The conversation `owner` may read (these routes, and a response naming it: `param` "conversation"); a
+    400 on a server that keeps none, a 404 for an unknown, forgotten or another API key's one."""
+    conversation = _store_of(state, param).get(conversation_id, owner)
     if conversation is None:
-        raise not_found(conversation_id, None)
+        raise _not_found(conversation_id, param)
     return conversation
 
 
-def not_found(conversation_id: str, param: str | None) -> ApiError:
+def _not_found(conversation_id: str, param: str | None) -> ApiError:
     # Unknown, forgotten (the store is bounded) or another API key's: the same answer
     return ApiError(404, f"conversation {conversation_id!r} not found", param=param)

@@ -17,11 +17,12 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.service_class import ServiceClass
 from tokenmill.server.background import BackgroundJob
-from tokenmill.server.conversations import Conversation
 from tokenmill.server.errors import ApiError
 from tokenmill.server.item_pages import Order, item_page
+from tokenmill.server.openai_conversations import stored_conversation
 from tokenmill.server.openai_inputs import chat_inputs
 from tokenmill.server.pipeline import (
+    RESPONSE_ID_HEADER,
     api_key_id,
     collect,
     get_state,
@@ -46,9 +47,6 @@ from tokenmill.server.state import ServerState
 from tokenmill.server.truncation import fit_chat_request
 
 router = APIRouter()
-# Names the response on every /v1/responses answer: the gateway learns from it which replica stores it
-# (gateway/response_homes.py, which spells the same name: the gateway imports nothing from the server)
-RESPONSE_ID_HEADER = "x-tokenmill-response-id"
 
 
 @router.post("/v1/responses", response_model=None)
@@ -68,7 +66,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     conversation = history + input_messages(body)
     new_items = input_items(body)
     if conv_id is not None:
-        stored = _stored_conversation(state, conv_id, owner)
+        stored = stored_conversation(state, conv_id, owner, "conversation")
         items = list(stored.items)
         conversation = item_messages(items, "conversation") + conversation
         on_answered = _appender(state, conv_id, owner, new_items)
@@ -155,13 +153,6 @@ async def list_input_items(response_id: str, request: Request, limit: int = Quer
     else:  # an ended job's items are in the store, with its response
         items = _stored(state, response_id, owner, None).input_items
     return JSONResponse(item_page(items, limit, order, after, before, f"response {response_id!r}"))
-
-
-def _stored_conversation(state: ServerState, conv_id: str, owner: str | None) -> Conversation:
-    found = state.conversations.get(conv_id, owner) if state.conversations is not None else None
-    if found is None:
-        raise ApiError(404, f"conversation {conv_id!r} not found", param="conversation")
-    return found
 
 
 def _appender(state: ServerState, conv_id: str, owner: str | None,

@@ -31,6 +31,10 @@ T = TypeVar("T")
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to the same value
 _DISCONNECT_POLL_S = 0.1
 SERVICE_TIER_HEADER = "x-tokenmill-service-tier"
+# Names the stored response (or conversation) on every answer that creates one: the gateway learns from it
+# which replica stores it (gateway/response_homes.py, which spells the same name: the gateway imports nothing
+# from the server)
+RESPONSE_ID_HEADER = "x-tokenmill-response-id"
 
 
 def get_state(request: Request) -> ServerState:
