@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from tokenmill.config import SchedulerConfig, ServiceClassConfig
     from tokenmill.engine.kv_cache import KVCacheManager
     from tokenmill.engine.policy import RequestQueue, SchedulingPolicy
+    from tokenmill.engine.shared_prefix import BlocksInFlight
     from tokenmill.engine.step_time import StepTimeModel
 
 # (tokens already in the step, sequences already in it) -> tokens one more request may add.
@@ -35,6 +36,7 @@ class ClassScheduling:
     config: SchedulerConfig
     classes: ServiceClassConfig
     kv: KVCacheManager
+    in_flight: BlocksInFlight
     policy: SchedulingPolicy
     running: RequestQueue
     waiting: RequestQueue
@@ -54,8 +56,6 @@ class ClassScheduling:
 
         def _allocate_first(self, out: SchedulerOutput, request: Request, num_new: int, cached: list[int],
                             partial: tuple[int, int] | None) -> bool: ...
-
-        def _waits_for_shared_prefix(self, request: Request, num_hit_blocks: int) -> bool: ...
 
         def _admit(self, out: SchedulerOutput, request: Request, num_computed: int, num_new: int) -> None: ...
 
@@ -184,7 +184,7 @@ class ClassScheduling:
             if chunk is None:
                 break
             cached, partial, num_computed, num_new = chunk
-            if self._waits_for_shared_prefix(request, len(cached)):
+            if self.in_flight.should_wait(request, len(cached)):
                 continue  # the requests behind it go on
             while not self._allocate_first(out, request, num_new, cached, partial):
                 victim = self._lower_class_victim(cls, ids) if preempt_lower else None

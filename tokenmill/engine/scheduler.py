@@ -32,13 +32,13 @@ import time
 from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.block_hash import update_block_hashes
 from tokenmill.engine.class_scheduling import ClassScheduling, TokenCap
 from tokenmill.engine.interfaces import RunnerOutput, SampledTokens, ScheduledRequest, SchedulerOutput
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.policy import RequestQueue, build_policy
 from tokenmill.engine.request import PLACEHOLDER, EngineOutput, FinishReason, Request, RequestStatus, TokenLogprob
 from tokenmill.engine.service_class import ServiceClass
+from tokenmill.engine.shared_prefix import BlocksInFlight
 from tokenmill.engine.stats import ClassStepStats
 from tokenmill.engine.step_time import OnlineStepTimeModel, StepTimeModel
 from tokenmill.engine.stop import check_stop, length_reached
@@ -80,8 +80,7 @@ class Scheduler(ClassScheduling):
         self.waiting = RequestQueue(self.policy)
         self.running = RequestQueue(self.policy)
         self.requests: dict[str, Request] = {}
-        # block hash → the most urgent class rank of a running request that has yet to compute it (this step)
-        self._computing: dict[int, int] = {}
+        self.in_flight = BlocksInFlight(config.shared_prefix_wait_tokens, kv.block_size, kv.enable_prefix_caching)
         self.stats = SchedulerStats()
         self.step_stats = StepTokenStats()
         self.step_time = step_time or OnlineStepTimeModel(self.classes.min_step_samples)
@@ -111,7 +110,7 @@ class Scheduler(ClassScheduling):
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._note_computing()
+        self.in_flight.reset(self.running)
         protected = self._protected_class()
         if protected is ServiceClass.INTERACTIVE:
             self._interactive_seen_s = time.monotonic()
@@ -214,40 +213,13 @@ class Scheduler(ClassScheduling):
             if chunk is None:
                 break
             cached, partial, num_computed, num_new = chunk
-            if self._waits_for_shared_prefix(request, len(cached)):
+            if self.in_flight.should_wait(request, len(cached)):
                 continue  # the requests behind it go on
             if not self._allocate_first(out, request, num_new, cached, partial):
                 break
             self.waiting.remove(request)
             self._admit(out, request, num_computed, num_new)
             budget -= num_new
-
-    def _note_computing(self) -> None:
-        """The full blocks running requests have yet to compute, each with the most urgent rank computing it."""
-        self._computing = {}
-        if self.config.shared_prefix_wait_tokens and self.kv.enable_prefix_caching:
-            for request in self.running:
-                self._note_blocks(request)
-
-    def _note_blocks(self, request: Request) -> None:
-        if request.num_computed_tokens + 1 >= request.num_tokens:
-            return  # decoding: nothing of its prompt left to compute
-        update_block_hashes(request, self.kv.block_size)
-        rank = request.service_class.rank
-        for block_hash in request.block_hashes[request.num_computed_tokens // self.kv.block_size:]:
-            self._computing[block_hash] = min(rank, self._computing.get(block_hash, rank))
-
-    def _waits_for_shared_prefix(self, request: Request, num_hit_blocks: int) -> bool:
-        """Whether the request's next uncached full blocks, at least shared_prefix_wait_tokens of them, are
-        being computed by running requests as urgent as it (it finds them cached a step or a chunk later)."""
-        if not self._computing:
-            return False
-        hashes, rank, shared = request.block_hashes, request.service_class.rank, 0
-        for block_hash in hashes[num_hit_blocks:]:
-            if self._computing.get(block_hash, rank + 1) > rank:
-                break
-            shared += self.kv.block_size
-        return shared >= self.config.shared_prefix_wait_tokens > 0
 
     def _first_chunk(self, request: Request,
                      allowed: int) -> tuple[list[int], tuple[int, int] | None, int, int] | None:
@@ -285,8 +257,7 @@ class Scheduler(ClassScheduling):
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.RUNNING
         self.running.add(request)
-        if self.config.shared_prefix_wait_tokens and self.kv.enable_prefix_caching:
-            self._note_blocks(request)  # what it computes from now on, its siblings behind it wait for
+        self.in_flight.note(request)  # what it computes from now on, its siblings behind it wait for
         out.scheduled.append(self._scheduled(request, num_new))
 
     def _scheduled(self, request: Request, num_new: int, spec: list[int] | None = None) -> ScheduledRequest:
