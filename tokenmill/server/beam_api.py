@@ -134,8 +134,7 @@ def _search(body: GenerationRequest, engine: AsyncEngine, child: ChildRequest, n
     stop_ids = tuple(body.stop_token_ids or ())
     params = BeamSearchParams(beam_width(body), max_tokens, body.length_penalty, body.early_stopping,
                               body.ignore_eos, stop_ids)
-    best_of = (body.model_extra or {}).get("best_of")
-    width_field = "best_of" if isinstance(best_of, int) and best_of > body.n else "n"
+    width_field = "best_of" if params.beam_width > body.n else "n"  # the field that set the width
     return BeamSearch(params, engine.engine.eos_token_ids, num_logprobs, width_field)
 
 
