@@ -61,21 +61,20 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     (prompt,) = inputs.prompts
     texts = state.require_texts()
     service_class = service_class_for(request, body, ServiceClass.INTERACTIVE)
-    if body.use_beam_search:
+    run = None
+    if body.use_beam_search:  # a search runs to its end here: its own admission, no stream
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         response_id, last = await beam_updates(state, request, engine, body, inputs, service_class, "chatcmpl",
                                                num_logprobs)
     else:
         # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
         run, response_id = start_run(state, request, inputs.children, "chatcmpl", body.priority, service_class)
-        if body.stream:
-            return sse_response(run, _ChatChunks(_Context(body, prompt, texts, response_id,
-                                                          state.config.served_model_name, now_s(),
-                                                          service_class.value, state.written_calls, owner,
-                                                          inputs.tools)), state)
-        last = await collect(run, request)
     ctx = _Context(body, prompt, texts, response_id, state.config.served_model_name, now_s(), service_class.value,
                    state.written_calls, owner, inputs.tools)
+    if run is not None:
+        if body.stream:
+            return sse_response(run, _ChatChunks(ctx), state)
+        last = await collect(run, request)
     choices = [chat_choice(body, texts, inputs.tools, last[i]) for i in sorted(last)]
     for choice in choices:  # only calls written in the template's own form: see written_calls.py
         if choice.message.tool_calls and inputs.tools is not None \

@@ -38,19 +38,19 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                                engine.structured)
     texts = state.require_texts()
     service_class = service_class_for(request, body, ServiceClass.STANDARD)
-    if body.use_beam_search:
+    run = None
+    if body.use_beam_search:  # a search runs to its end here: its own admission, no stream
         response_id, last = await beam_updates(state, request, engine, body, inputs, service_class, "cmpl",
                                                body.logprobs)
     else:
         # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
         run, response_id = start_run(state, request, inputs.children, "cmpl", body.priority, service_class)
-        if body.stream:
-            ctx = _Context(body, inputs.prompts, texts, response_id, state.config.served_model_name, now_s(),
-                           service_class.value)
-            return sse_response(run, _CompletionChunks(ctx), state)
-        last = await collect(run, request)
     ctx = _Context(body, inputs.prompts, texts, response_id, state.config.served_model_name, now_s(),
                    service_class.value)
+    if run is not None:
+        if body.stream:
+            return sse_response(run, _CompletionChunks(ctx), state)
+        last = await collect(run, request)
     choices = [completion_choice(body, texts, last[i], last[i].output.text, last[i].output.token_ids,
                                  last[i].output.logprobs) for i in sorted(last)]
     usage = Usage.of(ctx.num_prompt_tokens, sum(len(u.output.token_ids) for u in last.values()),
