@@ -108,8 +108,7 @@ async def get_response(response_id: str, request: Request, stream: bool = False,
             raise ApiError(400, f"response {response_id!r} has no events to stream: only background responses "
                            "stream from GET, while the server keeps their events", param="stream")
         return _follow(job, starting_after, {})
-    if job is not None and (not job.is_done or state.responses is None or
-                            state.responses.get(response_id, owner) is None):
+    if job is not None:  # running, or ended: its final response is the one the store got
         return JSONResponse(job.snapshot())
     return JSONResponse(_stored(state, response_id, owner, None).response)
 
