@@ -28,12 +28,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tokenmill.engine.outputs import CompletionOutput
-from tokenmill.engine.request import FinishReason, SamplingParams, TokenLogprob
+from tokenmill.engine.request import MAX_LOGPROBS, FinishReason, SamplingParams, TokenLogprob
 from tokenmill.errors import RequestValidationError
 from tokenmill.models.loading.tokenizer import Tokenizer
 
 EarlyStopping = bool | Literal["never"]
-MAX_TOP_LOGPROBS = 20  # what one step may ask the engine for (SamplingParams.logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +73,12 @@ class BeamSearch:
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else
                                                             frozenset(eos_token_ids))
         self.num_candidates = params.num_candidates(len(self.stop_ids))
-        if self.num_candidates > MAX_TOP_LOGPROBS:
+        if self.num_candidates > MAX_LOGPROBS:
             raise RequestValidationError(
                 f"beam search scores {self.num_candidates} candidates a beam (width {params.beam_width} × "
                 f"{self.num_candidates // params.beam_width} for {len(self.stop_ids)} stop tokens); at most "
-                f"{MAX_TOP_LOGPROBS}: use a smaller width", width_field)
-        self.num_top = min(MAX_TOP_LOGPROBS, max(self.num_candidates, num_logprobs or 0))
+                f"{MAX_LOGPROBS}: use a smaller width", width_field)
+        self.num_top = min(MAX_LOGPROBS, max(self.num_candidates, num_logprobs or 0))
         self.beams: list[Beam] = [Beam((), (), 0.0, 0.0)]
         self.results: list[Beam] = []  # the best finished, best first, at most the width
         self.is_done = False

@@ -34,6 +34,9 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
+MAX_LOGPROBS = 20  # top-n logprobs a request may ask for per token (the API's bound too: server/protocol.py)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """OpenAI/vLLM sampling knobs. `temperature == 0` means greedy."""
@@ -82,8 +85,9 @@ class SamplingParams:
             (self.n >= 1, "n must be at least 1"),
             (self.min_tokens >= 0, "min_tokens must be >= 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
             (not self.logit_bias or all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
              "logit_bias values must be in [-100, 100]"),

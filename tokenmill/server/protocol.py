@@ -14,8 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenmill.engine.request import MAX_LOGPROBS
+
 MAX_N = 64
-MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1

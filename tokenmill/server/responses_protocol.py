@@ -19,9 +19,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tokenmill.engine.request import MAX_LOGPROBS
 from tokenmill.errors import RequestValidationError
 from tokenmill.server.openai_inputs import refuse_unhonoured
-from tokenmill.server.protocol import MAX_LOGPROBS, ChatRequest, GenerationRequest
+from tokenmill.server.protocol import ChatRequest, GenerationRequest
 from tokenmill.server.validation_errors import describe_validation_errors
 
 # Responses fields that need state or features this server does not have: a 400 naming them when set
