@@ -59,6 +59,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -347,14 +348,16 @@ inline void store_rows(const Weights& w, int64_t g, const __m256* acc, int64_t m
 }                                                                                                                      \
 /* Group g (8 output rows) against activation rows m0 .. m0 + RM - 1: one int32 vector per row and                     \
    block (lane r = row r's block sum), then y += sum * (8 weight scales x the row's scale). */                         \
-template <int RM, bool Q4, bool Q5, bool IQ = false>                                                                   \
-void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld, bool first_pass) {            \
+template <int RM, bool Q4, bool Q5, bool IQ = false, bool PANEL = false>                                               \
+void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld, bool first_pass,              \
+          const int8_t* panel = nullptr) {                                                                             \
   __m256 acc[RM];                                                                                                      \
   const int16_t* arow[RM];                                                                                             \
   for (int r = 0; r < RM; ++r) { acc[r] = _mm256_setzero_ps(); arow[r] = a.a + (m0 + r) * a.K; }                       \
   for (int64_t b = 0; b < w.nb; ++b) {                                                                                 \
-    const uint8_t* blk = w.block(g, b);                                                                                \
-    if (first_pass) prefetch_ahead<Q4, Q5>(w, g, b);  /* the first tile's pass over a chunk only */                  \
+    /* PANEL: group g's blocks already decoded into q8's layout (decode_group); the q8 loop reads them */              \
+    const uint8_t* blk = PANEL ? reinterpret_cast<const uint8_t*>(panel + b * 256) : w.block(g, b);                    \
+    if (first_pass && !PANEL) prefetch_ahead<Q4, Q5>(w, g, b);  /* the first tile's pass over a chunk only */          \
     /* NCH independent integer chains per row where kSplitChains (VNNI): vpdpwssd is the madd and the add \
        in one, so a row's sums form one dependent chain of its latency; a 1-row tile splits it in 4, 2-6- \
        row tiles in 2 (summed exactly at the block's end: the bits do not change; measured on Zen 5,     \
@@ -362,7 +365,7 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
     constexpr int NCH = !kSplitChains ? 1 : RM == 1 ? 4 : RM <= 6 ? 2 : 1;                                             \
     __m256i isum[RM][NCH];                                                                                             \
     for (int r = 0; r < RM; ++r) for (int k = 0; k < NCH; ++k) isum[r][k] = _mm256_setzero_si256();                    \
-    if (Q4) {                                                                                                          \
+    if (Q4 && !PANEL) {                                                                                                \
       const __m256i low = _mm256_set1_epi16(0x0F);                                                                     \
       auto chunk = [&](int c) {                                                                                        \
         __m256i lo, hi;                                                                                                \
@@ -468,25 +471,77 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
   else if (w.q4) tile<RM, true, false>(w, g, a, m0, out, ld, m0 == 0);                                                 \
   else tile<RM, false, false>(w, g, a, m0, out, ld, m0 == 0);                                                          \
 }                                                                                                                      \
+/* Group g's blocks decoded once into q8's layout, 256 bytes a block (pair p: 8 rows x 2 int8 weights): a              \
+   chunk's low nibbles are pair c, its high ones pair c + 8. q4/q5 values are 0-31, iq4's its table's int8. */         \
+template <bool Q5, bool IQ>                                                                                            \
+void decode_group(const Weights& w, int64_t g, int8_t* dst) {                                                          \
+  for (int64_t b = 0; b < w.nb; ++b) {                                                                                 \
+    const uint8_t* blk = w.block(g, b);                                                                                \
+    prefetch_ahead<true, Q5>(w, g, b);                                                                                 \
+    int8_t* d = dst + b * 256;                                                                                         \
+    for (int c = 0; c < 8; ++c) {                                                                                      \
+      __m256i q = nibble_bytes(blk + 16 * c);                                                                          \
+      if constexpr (IQ) q = _mm256_shuffle_epi8(iq4_table(w), q);                                                      \
+      if constexpr (Q5) q = _mm256_or_si256(q, bit_bytes(w.high_block(g, b) + 4 * c, 16));                             \
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 16 * c), _mm256_castsi256_si128(q));                             \
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 16 * (c + 8)), _mm256_extracti128_si256(q, 1));                  \
+    }                                                                                                                  \
+  }                                                                                                                    \
+}                                                                                                                      \
+/* A q4/q5/iq4 tile over group g's decoded panel: q8's loop, the format's scale and offset steps, so the               \
+   same integer sums and float steps as tile<RM> (the same bits). */                                                   \
+template <int RM>                                                                                                      \
+void tile_panel(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld, const int8_t* panel) {  \
+  if (w.iq4) tile<RM, true, false, true, true>(w, g, a, m0, out, ld, false, panel);                                    \
+  else tile<RM, true, false, false, true>(w, g, a, m0, out, ld, false, panel);                                         \
+}                                                                                                                      \
+/* The m-tiles over groups c0 .. c1 - 1: 4-row tiles, but 1-2 rows left over join the last one: a 1-2-row              \
+   pass decodes every weight again for one or two rows (~2x the per-row cost of a 4-row tile), where 5-6-row           \
+   tiles run at the 4-row rate. run(rows, g, m0) runs one tile of rows = std::integral_constant<int, RM>. */           \
+template <class Run>                                                                                                   \
+void over_tiles(int64_t M, int64_t c0, int64_t c1, Run&& run) {                                                        \
+  const int64_t joined = M > 4 && M % 4 != 0 && M % 4 <= 2 ? 4 + M % 4 : 0;                                            \
+  int64_t m0 = 0;                                                                                                      \
+  for (; m0 + 4 <= M - joined; m0 += 4) for (int64_t g = c0; g < c1; ++g) run(std::integral_constant<int, 4>{}, g, m0); \
+  const int64_t rest = M - m0;                                                                                         \
+  for (int64_t g = c0; g < c1; ++g) {                                                                                  \
+    if (rest == 6) run(std::integral_constant<int, 6>{}, g, m0);                                                       \
+    else if (rest == 5) run(std::integral_constant<int, 5>{}, g, m0);                                                  \
+    else if (rest == 3) run(std::integral_constant<int, 3>{}, g, m0);                                                  \
+    else if (rest == 2) run(std::integral_constant<int, 2>{}, g, m0);                                                  \
+    else if (rest == 1) run(std::integral_constant<int, 1>{}, g, m0);                                                  \
+  }                                                                                                                    \
+}                                                                                                                      \
 void groups256(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld) {            \
+  /* Where kPanelRows: from that many rows up, q4/q5/iq4 groups are decoded once into a q8-shaped panel                \
+     (~128 KiB a chunk, 1 byte a weight) that every m-tile then reads as q8: AVX2 widens a q5 chunk in ~12             \
+     ops where q8 takes one load, and each 4-row tile used to decode it again (docs/quantization.md). */               \
+  if (kPanelRows > 0 && M >= kPanelRows && w.q4 && !w.q6) {                                                            \
+    const int64_t panel_bytes = w.nb * 256;                                                                            \
+    const int64_t chunk = std::max<int64_t>(1, (128 << 10) / panel_bytes);                                             \
+    thread_local std::vector<int8_t> panels;                                                                           \
+    panels.resize(static_cast<size_t>(std::min(chunk, g1 - g0) * panel_bytes));                                        \
+    for (int64_t c0 = g0; c0 < g1; c0 += chunk) {                                                                      \
+      const int64_t c1 = std::min(g1, c0 + chunk);                                                                     \
+      for (int64_t g = c0; g < c1; ++g) {                                                                              \
+        int8_t* dst = panels.data() + (g - c0) * panel_bytes;                                                          \
+        if (w.q5) decode_group<true, false>(w, g, dst);                                                                \
+        else if (w.iq4) decode_group<false, true>(w, g, dst);                                                          \
+        else decode_group<false, false>(w, g, dst);                                                                    \
+      }                                                                                                                \
+      over_tiles(M, c0, c1, [&](auto rows, int64_t g, int64_t m0) {                                                    \
+        tile_panel<decltype(rows)::value>(w, g, a, m0, out, ld, panels.data() + (g - c0) * panel_bytes);               \
+      });                                                                                                              \
+    }                                                                                                                  \
+    return;                                                                                                            \
+  }                                                                                                                    \
   /* Groups in chunks of ~128 KiB of weights, so a chunk stays in L2 while every m-tile passes over it. */             \
   const int64_t group_bytes = w.nb * w.block_bytes();                                                                  \
   const int64_t chunk = std::max<int64_t>(1, (128 << 10) / std::max<int64_t>(1, group_bytes));                         \
   for (int64_t c0 = g0; c0 < g1; c0 += chunk) {                                                                        \
-    const int64_t c1 = std::min(g1, c0 + chunk);                                                                       \
-    /* 4-row tiles, but 1-2 rows left over join the last one: a 1-2-row pass decodes every weight again     \
-       for one or two rows (~2x the per-row cost of a 4-row tile), where 5-6-row tiles run at the 4-row rate. */ \
-    const int64_t joined = M > 4 && M % 4 != 0 && M % 4 <= 2 ? 4 + M % 4 : 0;                                        \
-    int64_t m0 = 0;                                                                                                    \
-    for (; m0 + 4 <= M - joined; m0 += 4) for (int64_t g = c0; g < c1; ++g) tile<4>(w, g, a, m0, out, ld);           \
-    const int64_t rest = M - m0;                                                                                       \
-    for (int64_t g = c0; g < c1; ++g) {                                                                                \
-      if (rest == 6) tile<6>(w, g, a, m0, out, ld);                                                                    \
-      else if (rest == 5) tile<5>(w, g, a, m0, out, ld);                                                               \
-      else if (rest == 3) tile<3>(w, g, a, m0, out, ld);                                                               \
-      else if (rest == 2) tile<2>(w, g, a, m0, out, ld);                                                               \
-      else if (rest == 1) tile<1>(w, g, a, m0, out, ld);                                                               \
-    }                                                                                                                  \
+    over_tiles(M, c0, std::min(g1, c0 + chunk), [&](auto rows, int64_t g, int64_t m0) {                                \
+      tile<decltype(rows)::value>(w, g, a, m0, out, ld);                                                               \
+    });                                                                                                                \
   }                                                                                                                    \
 }
 
@@ -498,6 +553,8 @@ constexpr bool kSplitChains = false;
 // so add_bit's broadcast-and-compare per 16 lanes was most of a q5 chunk's decode (measured in
 // docs/quantization.md). The VNNI path keeps add_bit: one masked add there.
 constexpr bool kByteBits = true;
+// q4/q5/iq4 from this many activation rows up: decoded once into q8-shaped panels (groups256).
+constexpr int64_t kPanelRows = 8;
 inline __m256i madd_acc(__m256i acc, __m256i w, __m256i a) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a)); }
 // v | bit in the int16 lanes whose bit is set in `mask` (q5's fifth bit: 16; q6's bits 4 and 5: 16, 32;
 // v has neither yet). AVX2 has no mask registers: broadcast, and with each lane's bit, compare, and the

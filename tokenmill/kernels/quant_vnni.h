@@ -11,6 +11,7 @@
 namespace vnni {
 constexpr bool kSplitChains = true;
 constexpr bool kByteBits = false;  // high bits through add_bit's masked adds (see avx2::kByteBits)
+constexpr int64_t kPanelRows = 0;  // no panels: a masked add makes a q5 chunk nearly q8's cost (avx2::kPanelRows)
 inline __m256i madd_acc(__m256i acc, __m256i w, __m256i a) { return _mm256_dpwssd_epi32(acc, w, a); }
 // v + bit in the lanes `mask` names (q5's fifth bit: 16; q6's bits 4 and 5): one masked add (AVX-512BW + VL;
 // v has no such bit yet, so an OR).
