@@ -179,6 +179,9 @@ class ServiceClassConfig:
                 ServiceClass.BATCH: self.batch}[service_class]
 
 
+SHARED_PREFIX_WAIT_TOKENS = 128  # SchedulerConfig.shared_prefix_wait_tokens's default (the CLIs' and LLM's)
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one engine step
@@ -191,7 +194,7 @@ class SchedulerConfig:
     # A waiting request whose next uncached prompt blocks, this many tokens or more, a running request (as
     # urgent or more) is computing waits for them instead of computing them again beside it: it then finds
     # them cached (SGLang's in-batch prefix caching; n > 1 children, bursts with one system prompt). 0: off.
-    shared_prefix_wait_tokens: int = 128
+    shared_prefix_wait_tokens: int = SHARED_PREFIX_WAIT_TOKENS
 
     def __post_init__(self) -> None:
         _require(self.async_scheduling in ("auto", "on", "off"), "async_scheduling must be auto, on or off")

@@ -10,6 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tokenmill.config import (
+    SHARED_PREFIX_WAIT_TOKENS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -42,6 +43,7 @@ class LLM:
                  gemm_backend: str = "auto", attention_backend: str = "auto", kv_cache_dtype: str = "auto",
                  quantization: str = DEFAULT_QUANTIZATION, amx_bf16: bool = False, enforce_eager: bool = False,
                  compile: str | bool = "auto", async_scheduling: str = "auto",
+                 shared_prefix_wait_tokens: int = SHARED_PREFIX_WAIT_TOKENS,
                  speculative: str | None = None,
                  draft_model: str | None = None, draft_quantization: str | None = None, draft_vocab: int | None = None,
                  num_speculative_tokens: int = 0, ngram_min: int = 1, ngram_max: int = 4,
@@ -50,14 +52,15 @@ class LLM:
         """`profile`: N steps (or a ProfileConfig) to profile, written to ./tokenmill-profile (docs/performance.md).
         `compile`: "auto", "on"/True, "off"/False: torch.compile of the decoder stack (models/compiled.py).
         `adapt_threads`: run fewer compute threads while other processes take some of the CPUs (engine/cpu_share.py).
-        `async_scheduling`: "on" schedules step N + 1 while N runs (engine/pipeline.py); "auto" is off for now."""
+        `async_scheduling`: "on" schedules step N + 1 while N runs (engine/pipeline.py); "auto" is off for now.
+        `shared_prefix_wait_tokens`: SchedulerConfig's (in-batch prefix sharing; 0: off)."""
         self.config = EngineConfig(
             ModelConfig(model, dtype, device, max_model_len, seed, gemm_backend, attention_backend, quantization,
                         amx_bf16, enforce_eager, compile_mode(compile)),
             CacheConfig(block_size, num_kv_blocks, kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
                         kv_cache_dtype=kv_cache_dtype),
             SchedulerConfig(max_num_batched_tokens, max_num_seqs, policy, enable_chunked_prefill,
-                            async_scheduling=async_scheduling),
+                            async_scheduling=async_scheduling, shared_prefix_wait_tokens=shared_prefix_wait_tokens),
             num_threads,
             SpeculativeConfig(speculative, num_speculative_tokens, ngram_min, ngram_max, draft_model,
                               draft_quantization, draft_vocab=draft_vocab,

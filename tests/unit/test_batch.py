@@ -243,3 +243,14 @@ def test_a_responses_line_cannot_continue_a_stored_response_nor_run_in_backgroun
         _build(llm, {"input": "x", **field}, Endpoint.RESPONSES)
     assert caught.value.param == next(iter(field))
     assert _build(llm, {"input": "x", "max_output_tokens": 3}, Endpoint.RESPONSES).children[0].params.max_tokens == 3
+
+
+def test_the_shared_prefix_wait_reaches_the_engine_only_when_set(model_dir: Path) -> None:
+    from tokenmill.cli.batch import _engine_kwargs
+    from tokenmill.cli.main import build_parser
+
+    common = ["batch", "in.jsonl", "--model", str(model_dir), "-o", "x", "--dtype", "float32", "--device", "cpu",
+              "--num-kv-blocks", "32"]
+    kwargs = _engine_kwargs(build_parser().parse_args([*common, "--shared-prefix-wait-tokens", "0"]))
+    assert LLM(str(model_dir), **kwargs).config.scheduler.shared_prefix_wait_tokens == 0
+    assert "shared_prefix_wait_tokens" not in _engine_kwargs(build_parser().parse_args(common))  # LLM's default

@@ -45,6 +45,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_kv_cache_argument(engine)
     add_quantization_argument(engine)
     engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--shared-prefix-wait-tokens", type=int, default=None,
+                        help="see `tokenmill serve --help` (default: the engine's)")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--threads", type=int, default=None,
                         help="compute threads (default: one per CPU, capped by a container's CPU quota)")
@@ -57,7 +59,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Only what the user set: LLM's own defaults stay the single source for the rest."""
     optional = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                 "max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": args.num_kv_blocks,
-                "num_threads": args.threads}
+                "num_threads": args.threads, "shared_prefix_wait_tokens": args.shared_prefix_wait_tokens}
     kwargs = {k: v for k, v in optional.items() if v is not None}
     return {"dtype": args.dtype, "device": args.device, "seed": args.seed, "kv_cache_dtype": args.kv_cache_dtype,
             "quantization": args.quantization, "amx_bf16": args.amx_bf16,

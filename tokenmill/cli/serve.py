@@ -43,6 +43,11 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    parser.add_argument("--shared-prefix-wait-tokens", type=int, default=None,
+                        help="a waiting request whose next uncached prompt tokens (this many or more) a running "
+                             "request is computing waits a step for them to be cached instead of computing them "
+                             "again (bursts sharing a system prompt, n > 1); 0: off; default 128 "
+                             "(docs/performance.md)")
     parser.add_argument("--threads", type=int, default=None,
                         help="compute threads (default: one per CPU, capped by a container's CPU quota)")
     parser.add_argument("--no-adapt-threads", dest="adapt_threads", action="store_false",
@@ -187,7 +192,8 @@ def run_serve(args: argparse.Namespace) -> int:
                     compile_mode(args.compile)),
         CacheConfig(num_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype),
         SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy,
-                        service_classes=service_class_config(args), async_scheduling=args.async_scheduling),
+                        service_classes=service_class_config(args), async_scheduling=args.async_scheduling,
+                        **_given(shared_prefix_wait_tokens=args.shared_prefix_wait_tokens)),
         num_threads=args.threads,
         speculative=speculative_config(args),
         profile=ProfileConfig(num_steps=args.profile_steps, output_dir=args.profile_dir),
@@ -216,3 +222,8 @@ def _installed_model_name(model: str) -> str:
     except ModelNotInstalledError:
         pull(model, progress=True)
         return resolve_model(model).name
+
+
+def _given(**values: Any) -> dict[str, Any]:
+    """The options the user set: the config dataclasses' defaults stay the single source for the rest."""
+    return {k: v for k, v in values.items() if v is not None}
