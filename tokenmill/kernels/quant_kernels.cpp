@@ -418,8 +418,9 @@ inline __m256 q6_lanes8(const Weights& w, int64_t g, int64_t b, int h) {        
    less 32 (int16 in [-32, 31]); a chunk's low nibbles are columns 0-15 of the block and its high ones 16-31,  \
    Q6_K's two 16-weight sub-blocks, so they sum apart (|sum| <= 16 * 32 * 32385 < 2^31) and take one float   \
    step each, low half first. */                                                                                       \
-template <int RM>                                                                                                      \
-void tile6(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld, bool first_pass) {           \
+template <int RM, bool PANEL = false>                                                                                  \
+void tile6(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld, bool first_pass,             \
+           const int8_t* panel = nullptr) {                                                                            \
   __m256 acc[RM];                                                                                                      \
   const int16_t* arow[RM];                                                                                             \
   for (int r = 0; r < RM; ++r) { acc[r] = _mm256_setzero_ps(); arow[r] = a.a + (m0 + r) * a.K; }                       \
@@ -427,13 +428,16 @@ void tile6(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, in
   for (int64_t b = 0; b < w.nb; ++b) {                                                                                 \
     const uint8_t* blk = w.block(g, b);                                                                                \
     const uint8_t* hb = w.high_block(g, b);                                                                            \
-    if (first_pass) prefetch_ahead<true, true>(w, g, b);                                                               \
+    if (first_pass && !PANEL) prefetch_ahead<true, true>(w, g, b);                                                     \
     constexpr int NCH = kSplitChains && RM <= 2 ? 2 : 1;  /* chains a half and row (VNNI: latency-bound below 3 rows) */ \
     __m256i slo[RM][NCH], shi[RM][NCH];                                                                                \
     for (int r = 0; r < RM; ++r) for (int k = 0; k < NCH; ++k) slo[r][k] = shi[r][k] = _mm256_setzero_si256();        \
     auto chunk = [&](int c) {                                                                                          \
       __m256i lo, hi;                                                                                                  \
-      if constexpr (kByteBits) {  /* q - 32 formed as bytes, then sign-extended */                                    \
+      if constexpr (PANEL) {  /* decode_group's q - 32: pair c (columns 0-15), pair c + 8 (16-31) */                   \
+        lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + b * 256 + 16 * c)));        \
+        hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + b * 256 + 16 * (c + 8))));  \
+      } else if constexpr (kByteBits) {  /* q - 32 formed as bytes, then sign-extended */                              \
         const __m256i q = _mm256_or_si256(_mm256_or_si256(nibble_bytes(blk + 16 * c), bit_bytes(hb + 4 * c, 16)),     \
                                           bit_bytes(hb + 32 + 4 * c, 32));                                             \
         widen_halves<true>(_mm256_sub_epi8(q, _mm256_set1_epi8(32)), lo, hi);                                          \
@@ -472,27 +476,33 @@ void tile(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int
   else tile<RM, false, false>(w, g, a, m0, out, ld, m0 == 0);                                                          \
 }                                                                                                                      \
 /* Group g's blocks decoded once into q8's layout, 256 bytes a block (pair p: 8 rows x 2 int8 weights): a              \
-   chunk's low nibbles are pair c, its high ones pair c + 8. q4/q5 values are 0-31, iq4's its table's int8. */         \
-template <bool Q5, bool IQ>                                                                                            \
+   chunk's low nibbles are pair c, its high ones pair c + 8. q4/q5 values are 0-31, iq4's its table's int8,            \
+   q6's q - 32 (its tile6 then sums pairs 0-7 and 8-15 apart, its two 16-column halves). */                            \
+template <bool Q5, bool IQ, bool Q6 = false>                                                                           \
 void decode_group(const Weights& w, int64_t g, int8_t* dst) {                                                          \
   for (int64_t b = 0; b < w.nb; ++b) {                                                                                 \
     const uint8_t* blk = w.block(g, b);                                                                                \
-    prefetch_ahead<true, Q5>(w, g, b);                                                                                 \
+    prefetch_ahead<true, Q5 || Q6>(w, g, b);                                                                           \
     int8_t* d = dst + b * 256;                                                                                         \
     for (int c = 0; c < 8; ++c) {                                                                                      \
       __m256i q = nibble_bytes(blk + 16 * c);                                                                          \
       if constexpr (IQ) q = _mm256_shuffle_epi8(iq4_table(w), q);                                                      \
-      if constexpr (Q5) q = _mm256_or_si256(q, bit_bytes(w.high_block(g, b) + 4 * c, 16));                             \
+      if constexpr (Q5 || Q6) q = _mm256_or_si256(q, bit_bytes(w.high_block(g, b) + 4 * c, 16));                       \
+      if constexpr (Q6) {                                                                                              \
+        q = _mm256_or_si256(q, bit_bytes(w.high_block(g, b) + 32 + 4 * c, 32));                                        \
+        q = _mm256_sub_epi8(q, _mm256_set1_epi8(32));                                                                  \
+      }                                                                                                                \
       _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 16 * c), _mm256_castsi256_si128(q));                             \
       _mm_storeu_si128(reinterpret_cast<__m128i*>(d + 16 * (c + 8)), _mm256_extracti128_si256(q, 1));                  \
     }                                                                                                                  \
   }                                                                                                                    \
 }                                                                                                                      \
-/* A q4/q5/iq4 tile over group g's decoded panel: q8's loop, the format's scale and offset steps, so the               \
+/* A q4/q5/iq4/q6 tile over group g's decoded panel: q8's loads, the format's scale and offset steps, so the           \
    same integer sums and float steps as tile<RM> (the same bits). */                                                   \
 template <int RM>                                                                                                      \
 void tile_panel(const Weights& w, int64_t g, const Act& a, int64_t m0, float* out, int64_t ld, const int8_t* panel) {  \
-  if (w.iq4) tile<RM, true, false, true, true>(w, g, a, m0, out, ld, false, panel);                                    \
+  if (w.q6) tile6<RM, true>(w, g, a, m0, out, ld, false, panel);                                                       \
+  else if (w.iq4) tile<RM, true, false, true, true>(w, g, a, m0, out, ld, false, panel);                               \
   else tile<RM, true, false, false, true>(w, g, a, m0, out, ld, false, panel);                                         \
 }                                                                                                                      \
 /* The m-tiles over groups c0 .. c1 - 1: 4-row tiles, but 1-2 rows left over join the last one: a 1-2-row              \
@@ -513,10 +523,10 @@ void over_tiles(int64_t M, int64_t c0, int64_t c1, Run&& run) {                 
   }                                                                                                                    \
 }                                                                                                                      \
 void groups256(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1, float* out, int64_t ld) {            \
-  /* Where kPanelRows: from that many rows up, q4/q5/iq4 groups are decoded once into a q8-shaped panel                \
+  /* Where kPanelRows: from that many rows up, q4/q5/iq4/q6 groups are decoded once into a q8-shaped panel             \
      (~128 KiB a chunk, 1 byte a weight) that every m-tile then reads as q8: AVX2 widens a q5 chunk in ~12             \
      ops where q8 takes one load, and each 4-row tile used to decode it again (docs/quantization.md). */               \
-  if (kPanelRows > 0 && M >= kPanelRows && w.q4 && !w.q6) {                                                            \
+  if (kPanelRows > 0 && M >= kPanelRows && w.q4) {                                                                     \
     const int64_t panel_bytes = w.nb * 256;                                                                            \
     const int64_t chunk = std::max<int64_t>(1, (128 << 10) / panel_bytes);                                             \
     thread_local std::vector<int8_t> panels;                                                                           \
@@ -525,7 +535,8 @@ void groups256(const Weights& w, const Act& a, int64_t M, int64_t g0, int64_t g1
       const int64_t c1 = std::min(g1, c0 + chunk);                                                                     \
       for (int64_t g = c0; g < c1; ++g) {                                                                              \
         int8_t* dst = panels.data() + (g - c0) * panel_bytes;                                                          \
-        if (w.q5) decode_group<true, false>(w, g, dst);                                                                \
+        if (w.q6) decode_group<false, false, true>(w, g, dst);                                                         \
+        else if (w.q5) decode_group<true, false>(w, g, dst);                                                           \
         else if (w.iq4) decode_group<false, true>(w, g, dst);                                                          \
         else decode_group<false, false>(w, g, dst);                                                                    \
       }                                                                                                                \
