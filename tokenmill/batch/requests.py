@@ -24,6 +24,7 @@ from tokenmill.engine.service_class import ServiceClass
 from tokenmill.engine.structured.manager import StructuredOutputs
 from tokenmill.errors import RequestValidationError, TokenmillError
 from tokenmill.models.loading.tokenizer import Tokenizer
+from tokenmill.server.beam_api import check_beam_children, check_beam_request
 from tokenmill.server.choices import chat_choice, chat_prompt_logprobs, completion_choice
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_counts
 from tokenmill.server.openai_inputs import chat_inputs, completion_inputs, requested_service_class
@@ -73,6 +74,10 @@ class BatchRequest:
     @property
     def num_choices(self) -> int:
         return len(self.children)
+
+    @property
+    def use_beam_search(self) -> bool:
+        return isinstance(self.body, CompletionRequest | ChatRequest) and self.body.use_beam_search
 
 
 # ------------------------------------------------------------------------------------ parsing
@@ -124,6 +129,7 @@ def build_request(custom_id: str, endpoint: Endpoint, body: dict[str, Any], toke
     try:
         if endpoint is Endpoint.CHAT:
             answered = parsed = _parse(ChatRequest, body)
+            _check_beams(parsed)
             inputs = chat_inputs(parsed, tokenizer, limits, grammars)
         elif endpoint is Endpoint.RESPONSES:
             answered = _parse(ResponsesRequest, body)
@@ -139,10 +145,10 @@ def build_request(custom_id: str, endpoint: Endpoint, body: dict[str, Any], toke
             inputs = chat_inputs(parsed, tokenizer, limits, grammars)
         else:
             answered = parsed = _parse(CompletionRequest, body)
+            _check_beams(parsed)
             inputs = completion_inputs(parsed, tokenizer, limits, grammars)
-        if parsed.use_beam_search:  # a search is many engine requests a step: the batch runner keeps to one each
-            raise BatchLineError("use_beam_search is not supported in a batch file: send it to the server",
-                                 param="use_beam_search")
+        if parsed.use_beam_search:
+            check_beam_children(inputs.children)
         service_class = requested_service_class(parsed) or ServiceClass.BATCH
         return BatchRequest(custom_id, endpoint, inputs.prompts, inputs.children, service_class, parsed.priority,
                             tools=inputs.tools, body=answered)
@@ -150,6 +156,11 @@ def build_request(custom_id: str, endpoint: Endpoint, body: dict[str, Any], toke
         raise BatchLineError(str(exc), param=exc.param) from exc
     except TokenmillError as exc:
         raise BatchLineError(str(exc)) from exc
+
+
+def _check_beams(body: ChatRequest | CompletionRequest) -> None:
+    if body.use_beam_search:
+        check_beam_request(body)  # the server's 400s, before the prompt is even encoded
 
 
 def _parse(model: type[_BodyT], body: dict[str, Any]) -> _BodyT:

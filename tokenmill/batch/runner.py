@@ -22,6 +22,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from tokenmill.batch.beams import BeamLine
 from tokenmill.batch.requests import (
     BatchLineError,
     BatchRequest,
@@ -33,6 +34,7 @@ from tokenmill.batch.requests import (
     success_line,
 )
 from tokenmill.engine.outputs import PromptLogprobsCarry, RequestOutput
+from tokenmill.errors import RequestValidationError
 from tokenmill.llm import LLM
 from tokenmill.server.state import TokenTexts
 
@@ -58,6 +60,7 @@ class BatchSummary:
 class _InFlight:
     request: BatchRequest
     outputs: dict[int, RequestOutput] = field(default_factory=dict)  # the finished engine request of each choice
+    beams: BeamLine | None = None  # a use_beam_search line: its searches, whose steps are the engine requests
 
 
 # ---------------------------------------------------------------------------- resume bookkeeping
@@ -160,30 +163,46 @@ class BatchJob:
             self.summary.num_skipped += 1
             return
         done.add(key)  # a repeated custom_id later in the file is skipped, not answered twice
+        beams = None
         try:
             checked_id, endpoint, body = read_envelope(line)
             request = build_request(checked_id, endpoint, body, self.engine.tokenizer, self.engine.limits,
                                     self.engine.structured)
+            if request.use_beam_search:
+                beams = BeamLine(request, self.engine.limits.max_model_len, self.engine.eos_token_ids)
+        except RequestValidationError as exc:  # a beam width the engine cannot score
+            self._write(error_line(custom_id, BatchLineError(str(exc), param=exc.param), line_no))
+            self.summary.num_failed += 1
+            return
         except BatchLineError as error:
             self._write(error_line(custom_id, error, line_no))
             self.summary.num_failed += 1
             return
-        self._wait_for_room(request.num_choices)
-        self._submit(request)
+        self._wait_for_room(request.num_choices if beams is None else beams.num_engine_requests)
+        self._submit(request, beams)
 
     def _wait_for_room(self, num_needed: int) -> None:
         # A line wider than the bound alone still runs: once nothing else is in flight.
         while self.num_engine_requests and self.num_engine_requests + num_needed > self.max_in_flight:
             self._step()
 
-    def _submit(self, request: BatchRequest) -> None:
+    def _submit(self, request: BatchRequest, beams: BeamLine | None) -> None:
         key = str(self._next_key)
         self._next_key += 1
-        self.in_flight[key] = _InFlight(request)
+        self.in_flight[key] = _InFlight(request, beams=beams)
+        if beams is not None:
+            self._submit_beam_step(key, beams)
+            return
         for child in request.children:
             self.engine.add_request(f"{key}/{child.index}", child.prompt, child.params, index=child.index,
                                     priority=request.priority, service_class=request.service_class)
         self.num_engine_requests += request.num_choices
+
+    def _submit_beam_step(self, key: str, beams: BeamLine) -> None:
+        for suffix, prompt, params in beams.step_requests():
+            self.engine.add_request(f"{key}/{suffix}", prompt, params, priority=beams.request.priority,
+                                    service_class=beams.request.service_class)
+            self.num_engine_requests += 1
 
     def _step(self) -> None:
         step = self.engine.step()
@@ -196,13 +215,22 @@ class BatchJob:
     def _finish_choice(self, engine_id: str, output: RequestOutput) -> None:
         key, _, index = engine_id.partition("/")
         entry = self.in_flight[key]
-        entry.outputs[int(index)] = output
         self.num_engine_requests -= 1
-        if len(entry.outputs) < entry.request.num_choices:
-            return
+        request, beams = entry.request, entry.beams
+        if beams is not None:
+            if not beams.record(index, output):
+                return
+            if not beams.advance():
+                self._submit_beam_step(key, beams)
+                return
+            request, outputs = beams.answer(self.engine.tokenizer)
+        else:
+            entry.outputs[int(index)] = output
+            if len(entry.outputs) < request.num_choices:
+                return
+            outputs = [entry.outputs[i] for i in range(request.num_choices)]
         del self.in_flight[key]
-        outputs = [entry.outputs[i] for i in range(entry.request.num_choices)]
-        self._write(success_line(entry.request, outputs, self.model_name, self.texts))
+        self._write(success_line(request, outputs, self.model_name, self.texts))
         self.summary.num_succeeded += 1
 
     def _write(self, record: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,15 +23,16 @@ from fastapi import Request
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.beam_search import BeamSearch, BeamSearchParams, beam_output
 from tokenmill.engine.inputs import ChildRequest, EncodedPrompt
-from tokenmill.engine.outputs import RequestMetrics, RequestOutput
+from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.request import SamplingParams, TokenLogprob
 from tokenmill.engine.service_class import ServiceClass
 from tokenmill.errors import RequestValidationError
+from tokenmill.models.loading.tokenizer import Tokenizer
 from tokenmill.server.errors import ApiError
 from tokenmill.server.fanout import ChoiceUpdate
 from tokenmill.server.openai_inputs import EngineInputs
 from tokenmill.server.pipeline import new_response_id, received_s_of, request_id_of, until_done
-from tokenmill.server.protocol import GenerationRequest
+from tokenmill.server.protocol import ChatRequest, CompletionRequest, GenerationRequest
 from tokenmill.server.state import ServerState
 
 # Body fields beam search cannot honour, with the values that ask for nothing
@@ -69,18 +70,24 @@ def check_beam_request(body: GenerationRequest) -> None:
                                      "leave temperature out (or 0 or 1)", "temperature")
 
 
+def check_beam_children(children: list[ChildRequest]) -> None:
+    """A 400 when a grammar (response_format, guided decoding, tools) reached the engine requests."""
+    if any(child.params.structured is not None for child in children):
+        raise RequestValidationError("use_beam_search does not combine with response_format, guided decoding "
+                                     "or tools", "use_beam_search")
+
+
 async def beam_updates(state: ServerState, request: Request, engine: AsyncEngine, body: GenerationRequest,
                        inputs: EngineInputs, service_class: ServiceClass, prefix: str,
                        num_logprobs: int | None) -> tuple[str, dict[int, ChoiceUpdate]]:
     """Run one search per prompt; the response id and each choice's final update (choice i of prompt p is
     that prompt's i-th best beam)."""
-    if any(child.params.structured is not None for child in inputs.children):
-        raise RequestValidationError("use_beam_search does not combine with response_format, guided decoding "
-                                     "or tools", "use_beam_search")
+    check_beam_children(inputs.children)
     first: dict[int, ChildRequest] = {}
     for child in inputs.children:
         first.setdefault(child.prompt_index, child)
-    searches = [_PromptSearch(child, _search(body, engine, child, num_logprobs)) for child in first.values()]
+    searches = [_PromptSearch(child, new_search(body, child, engine.limits.max_model_len, engine.engine.eos_token_ids,
+                                                num_logprobs)) for child in first.values()]
     num_tokens = sum(len(p.token_ids) for p in inputs.prompts)
     try:  # every beam is an engine request a step: the queue counts the width, not n
         ticket = state.admission.admit(len(first) * searches[0].search.params.beam_width, num_tokens, service_class)
@@ -98,11 +105,8 @@ async def beam_updates(state: ServerState, request: Request, engine: AsyncEngine
     updates: dict[int, ChoiceUpdate] = {}
     for child in inputs.children:
         run = searches[child.prompt_index]
-        beams = run.search.best(body.n)
-        rank = child.index - child.prompt_index * body.n
-        if rank < len(beams):
-            output = beam_output(child.index, beams[rank], engine.tokenizer, num_logprobs,
-                                 child.params.skip_special_tokens)
+        output = beam_choice(child, run.search, body.n, engine.tokenizer, num_logprobs)
+        if output is not None:
             updates[child.index] = ChoiceUpdate(child, output, True, run.prompt_logprobs)
     for run in searches:  # one finished request each in the metrics and the request log
         outputs = [u.output for u in updates.values() if u.child.prompt_index == run.child.prompt_index]
@@ -127,15 +131,36 @@ class _PromptSearch:
                               time.monotonic(), self.first.num_cached_tokens)
 
 
-def _search(body: GenerationRequest, engine: AsyncEngine, child: ChildRequest, num_logprobs: int | None) -> BeamSearch:
+def beam_logprobs(body: GenerationRequest) -> int | None:
+    """The top logprobs each returned token carries: completions' `logprobs`, chat's `top_logprobs` when
+    `logprobs` is on; None: no logprobs."""
+    if isinstance(body, ChatRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    assert isinstance(body, CompletionRequest)
+    return body.logprobs
+
+
+def new_search(body: GenerationRequest, child: ChildRequest, max_model_len: int, eos_token_ids: Iterable[int],
+               num_logprobs: int | None) -> BeamSearch:
+    """The search a prompt's first choice asks for (shared with `tokenmill batch`)."""
     max_tokens = child.params.max_tokens
     if max_tokens is None:  # up to the context limit
-        max_tokens = engine.limits.max_model_len - len(child.prompt.token_ids)
+        max_tokens = max_model_len - len(child.prompt.token_ids)
     stop_ids = tuple(body.stop_token_ids or ())
     params = BeamSearchParams(beam_width(body), max_tokens, body.length_penalty, body.early_stopping,
                               body.ignore_eos, stop_ids)
     width_field = "best_of" if params.beam_width > body.n else "n"  # the field that set the width
-    return BeamSearch(params, engine.engine.eos_token_ids, num_logprobs, width_field)
+    return BeamSearch(params, eos_token_ids, num_logprobs, width_field)
+
+
+def beam_choice(child: ChildRequest, search: BeamSearch, n: int, tokenizer: Tokenizer,
+                num_logprobs: int | None) -> CompletionOutput | None:
+    """Choice `child` of a finished search: its prompt's rank-th best beam (None past the results)."""
+    beams = search.best(n)
+    rank = child.index - child.prompt_index * n
+    if rank >= len(beams):
+        return None
+    return beam_output(child.index, beams[rank], tokenizer, num_logprobs, child.params.skip_special_tokens)
 
 
 async def _run(engine: AsyncEngine, searches: list[_PromptSearch], response_id: str, priority: int,

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.service_class import ServiceClass
-from tokenmill.server.beam_api import beam_updates, check_beam_request
+from tokenmill.server.beam_api import beam_logprobs, beam_updates, check_beam_request
 from tokenmill.server.choices import completion_choice
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_counts
 from tokenmill.server.openai_inputs import completion_inputs
@@ -41,7 +41,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     run = None
     if body.use_beam_search:  # a search runs to its end here: its own admission, no stream
         response_id, last = await beam_updates(state, request, engine, body, inputs, service_class, "cmpl",
-                                               body.logprobs)
+                                               beam_logprobs(body))
     else:
         # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
         run, response_id = start_run(state, request, inputs.children, "cmpl", body.priority, service_class)
