@@ -25,7 +25,8 @@ def test_a_beam_line_answers_as_llm_beam_search_beside_plain_lines(llm: LLM, tmp
     """Two prompts, width 3 (best_of), the 2 best each, with top logprobs; a plain line runs in the same steps."""
     lines = [_completion("beam", ["hello world", "one two"], use_beam_search=True, n=2, best_of=3, max_tokens=6,
                          logprobs=2),
-             _completion("plain", "hello world", max_tokens=6)]
+             _completion("plain", "hello world", max_tokens=6),
+             _completion("echo", "hello world", use_beam_search=True, n=2, max_tokens=6, echo=True, logprobs=1)]
     got = _run(llm, tmp_path, lines)
     body = got["beam"]["response"]["body"]
     expected = llm.beam_search(["hello world", "one two"], BeamSearchParams(3, 6), n=2, logprobs=2)
@@ -36,6 +37,11 @@ def test_a_beam_line_answers_as_llm_beam_search_beside_plain_lines(llm: LLM, tmp
     first = body["choices"][0]["logprobs"]
     assert len(first["tokens"]) == len(expected[0].outputs[0].token_ids) and len(first["top_logprobs"][0]) == 2
     assert body["usage"]["completion_tokens"] == sum(len(o.token_ids) for out in expected for o in out.outputs)
+    echoed = got["echo"]["response"]["body"]["choices"][0]
+    assert echoed["text"] == "hello world" + texts[0]  # the prompt, then the same best beam
+    num_prompt = len(llm.engine.encode("hello world").token_ids)
+    assert echoed["logprobs"]["token_logprobs"][0] is None and len(echoed["logprobs"]["tokens"]) == \
+        num_prompt + len(expected[0].outputs[0].token_ids)  # the prompt's logprobs, from the first step
     assert got["plain"]["response"]["body"]["choices"][0]["text"] == llm.generate(
         "hello world", SamplingParams(max_tokens=6, temperature=0.0))[0].outputs[0].text
 
