@@ -40,7 +40,9 @@ def test_a_beam_line_answers_as_llm_beam_search_beside_plain_lines(llm: LLM, tmp
     echoed = got["echo"]["response"]["body"]["choices"][0]
     assert echoed["text"] == "hello world" + texts[0]  # the prompt, then the same best beam
     num_prompt = len(llm.engine.encode("hello world").token_ids)
-    assert echoed["logprobs"]["token_logprobs"][0] is None and len(echoed["logprobs"]["tokens"]) == \
+    prompt_lps = echoed["logprobs"]["token_logprobs"][:num_prompt]
+    assert prompt_lps[0] is None and all(isinstance(lp, float) for lp in prompt_lps[1:]) and num_prompt > 1
+    assert len(echoed["logprobs"]["tokens"]) == \
         num_prompt + len(expected[0].outputs[0].token_ids)  # the prompt's logprobs, from the first step
     assert got["plain"]["response"]["body"]["choices"][0]["text"] == llm.generate(
         "hello world", SamplingParams(max_tokens=6, temperature=0.0))[0].outputs[0].text
