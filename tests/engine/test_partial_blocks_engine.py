@@ -73,3 +73,15 @@ def test_beam_search_steps_compute_about_one_token_a_beam(tiny_hf_dir: Callable[
     num_requests = 1 + 3 * 11  # the first step scores the prompt, then three beams a step
     assert computed <= len(prompt) + num_requests + 3, (computed, stats)  # ~one token a request, not a block's
     assert llm.core.kv.pool.num_free == llm.core.kv.num_blocks
+
+
+def test_beam_search_steps_reuse_the_blocks_they_continued(tiny_hf_dir: Callable[[str], Path]) -> None:
+    """Each step copies its beams' partial blocks into new ones; the continued ones are taken next (a big
+    pool would otherwise hand out never-used blocks, whose first writes fault in fresh memory, every step)."""
+    llm = LLM(str(tiny_hf_dir("qwen2")), dtype="float32", device="cpu", num_kv_blocks=2048, block_size=16,
+              max_model_len=256)
+    llm.beam_search([_prompt(llm.core.arch.vocab_size, 19, seed=2)], BeamSearchParams(3, 40, ignore_eos=True))
+    touched = [b.block_id for b in llm.core.kv.pool.blocks if b.block_hash is not None or b.partial_key is not None]
+    # 40 steps of 3 copies: 119 blocks without the reuse; with it, a new block a step is one for a beam whose
+    # parent block no step continued (it was pruned), plus the full blocks of the context (54 measured)
+    assert len(touched) <= 60, (len(touched), touched)

@@ -62,3 +62,23 @@ def test_off_without_prefix_caching_and_for_prompt_logprobs() -> None:
     _run(kv, "p", [1, 2, 3, 4, 5, 6])
     logprobs = Request("l", [1, 2, 3, 4, 5, 6, 7], SamplingParams(prompt_logprobs=1))
     assert kv.find_cached_partial(logprobs, 1) is None  # every prompt position must be computed
+
+
+def test_a_continued_partial_block_is_the_next_block_taken_once_the_step_is_scheduled() -> None:
+    """Never-used blocks cost page faults on first write (docs/performance.md): a partial block that a step's
+    requests continued is reused first. Siblings in the same step still find it; only then is it demoted."""
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True, reuse_partial_blocks=True)
+    _run(kv, "parent", [1, 2, 3, 4, 5, 6])  # block 0 full, block 1 partial (rows 5, 6); free queue 2..7, 1, 0
+    children = [Request(f"c{i}", [1, 2, 3, 4, 5, 6, 7 + i], SamplingParams(max_tokens=1)) for i in range(2)]
+    copies = []
+    for child in children:  # two beams continuing one parent in one step
+        cached = kv.find_cached_prefix(child)
+        assert kv.find_cached_partial(child, len(cached)) == (1, 2)
+        copies.append(kv.allocate_with_copy(child, 1, cached, (1, 2)))
+    assert copies == [BlockCopy(1, 2, 2), BlockCopy(1, 3, 2)]
+    assert list(kv.pool.free_queue)[:2] == [4, 5]  # not yet: the step is still being scheduled
+    kv.demote_superseded()
+    assert list(kv.pool.free_queue)[:2] == [1, 4] and kv.pool.partial[(children[0].block_hashes[0], (5, 6))] == 1
+    other = Request("other", [9, 9, 9], SamplingParams(max_tokens=1))
+    assert kv.allocate(other, 3) and kv.block_tables["other"] == [1]  # the warm block, not never-used 4
+    assert kv.pool.partial == {}  # evicted with its key

@@ -84,6 +84,13 @@ class BlockPool:
                 del self.free_queue[block_id]
             block.ref_count += 1
 
+    def demote(self, block_ids: list[int]) -> None:
+        """Move the free ones among `block_ids` to the head of the queue: the next blocks taken. They stay
+        cached (a hit still finds them until then)."""
+        for block_id in block_ids:
+            if self.blocks[block_id].ref_count == 0:
+                self.free_queue.move_to_end(block_id, last=False)
+
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference from each block, in the given order."""
         for block_id in block_ids:
@@ -130,6 +137,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
         self.num_registered: dict[str, int] = {}  # full blocks of a request already published
+        self._superseded: list[int] = []  # partial blocks copied from this step (demote_superseded)
 
     @property
     def num_blocks(self) -> int:
@@ -190,7 +198,19 @@ class KVCacheManager:
                 return None
         finally:
             self.pool.release([source])
+        self._superseded.append(source)
         return BlockCopy(source, self.block_tables[request.request_id][len(cached_block_ids)], rows)
+
+    def demote_superseded(self) -> None:
+        """After a step's admissions: the partial blocks copied from in it become the next blocks taken.
+
+        A continued partial block has done its work (the request that continued it holds a longer copy,
+        which is cached in its turn), and reusing it keeps the pool's touched memory small: on these VMs the
+        first write to a never-used block costs ~1 GB/s of page faults (host and guest), which made a beam
+        search's step of W fresh copies a fifth slower than on warm blocks (docs/performance.md). Demoted only
+        once the step's admissions are done, so a sibling continuing the same block in this step still finds it."""
+        self.pool.demote(self._superseded)
+        self._superseded.clear()
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admission's prefix-cache lookup (not every retry while it waits)."""

@@ -249,15 +249,24 @@ class ModelRunner:
             prepared = self.prepare(out)
         return self.run(prepared)
 
+    def _copy_block_rows(self, copies: list[BlockCopy]) -> None:
+        """Every copy of the step, in every layer: the flat row indices built once."""
+        block_size = self.kv_caches[0].k.shape[1]
+        src = [c.src * block_size + r for c in copies for r in range(c.num_rows)]
+        dst = [c.dst * block_size + r for c in copies for r in range(c.num_rows)]
+        device = self.kv_caches[0].k.device
+        src_rows, dst_rows = (torch.tensor(rows, dtype=torch.long, device=device) for rows in (src, dst))
+        for layer in self.kv_caches:
+            layer.copy_rows(src_rows, dst_rows)
+
     @torch.inference_mode()
     def run(self, prepared: PreparedStep, on_forward: Callable[[], None] | None = None) -> RunnerOutput:
         """Execute a prepared step: the device work (forward, logits, sampling). Steps run in the order
         they were prepared, each after the one before it ended (its samples fill the pending tokens).
         `on_forward` is called as the forward starts (asynchronous scheduling times its host work by it)."""
         timer = self.timer
-        for copy in prepared.block_copies:  # rows a request takes from a cached partial block
-            for layer in self.kv_caches:
-                layer.copy_rows(copy.src, copy.dst, copy.num_rows)
+        if prepared.block_copies:  # rows requests take from cached partial blocks
+            self._copy_block_rows(prepared.block_copies)
         with timer.phase("build_input"):
             inp = self._device_input(prepared)
         if timer.enabled:

@@ -123,6 +123,7 @@ class Scheduler(ClassScheduling):
             limit = self._step_limit(protected)
             limit = self._schedule_by_class(out, protected, limit)
         self._record_plan(out, protected, limit)
+        self.kv.demote_superseded()
         now = time.monotonic()
         for s in out.scheduled:
             if s.request.times.first_scheduled is None:

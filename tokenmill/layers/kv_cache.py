@@ -89,11 +89,14 @@ class LayerKVCache(ABC):
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the layer's cache holds (for byte accounting), each indexed [block, row, ...]."""
 
-    def copy_rows(self, src: int, dst: int, num_rows: int) -> None:
-        """The first `num_rows` rows (tokens) of block `src` into block `dst`, in every tensor (keys, values and
-        any scales: the copy is the same bytes, so the copied tokens read as they did in `src`)."""
+    def copy_rows(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        """Rows (tokens, as flat indices block * block_size + row) `src_rows` into `dst_rows`, in every tensor
+        (keys, values and any scales: the same bytes, so the copied tokens read as they did where they came
+        from). One gather and one scatter a tensor for all of a step's copies: a beam search's step copies a
+        partial block for most of its beams, and a slice copy per block and tensor was a fifth of its step."""
         for tensor in self.tensors():
-            tensor[dst, :num_rows].copy_(tensor[src, :num_rows])
+            flat = tensor.view(-1, *tensor.shape[2:])
+            flat.index_copy_(0, dst_rows, flat.index_select(0, src_rows))
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """The queries [T, H, hd] as every reader of this cache must see them (key smoothing scales them)."""
