@@ -1,6 +1,6 @@
 """A burst of requests that share a long prompt prefix (one system prompt, or n > 1 samples of one prompt),
 arriving together with a cold prefix cache: with the scheduler's shared-prefix wait (SchedulerConfig.
-shared_prefix_wait_tokens, `--wait-tokens`, default 128) against without (0): two engines of one process
+shared_prefix_wait_tokens, `--wait-tokens`, default 32) against without (0): two engines of one process
 (`LLM(shared_prefix_wait_tokens=...)`), rounds alternating.
 
 Without the wait, every request admitted in the first steps computes the shared prefix itself (it is cached

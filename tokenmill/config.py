@@ -179,7 +179,9 @@ class ServiceClassConfig:
                 ServiceClass.BATCH: self.batch}[service_class]
 
 
-SHARED_PREFIX_WAIT_TOKENS = 128  # SchedulerConfig.shared_prefix_wait_tokens's default (the CLIs' and LLM's)
+# SchedulerConfig.shared_prefix_wait_tokens's default (the CLIs' and LLM's): two blocks, SGLang's threshold; 128 waited
+# only for long shared prompts, where 32 measured faster from 2 requests sharing 32 tokens up (docs/performance.md)
+SHARED_PREFIX_WAIT_TOKENS = 32
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,7 +46,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-prefix-wait-tokens", type=int, default=None,
                         help="a waiting request whose next uncached prompt tokens (this many or more) a running "
                              "request is computing waits a step for them to be cached instead of computing them "
-                             "again (bursts sharing a system prompt, n > 1); 0: off; default 128 "
+                             "again (bursts sharing a system prompt, n > 1); 0: off; default 32 "
                              "(docs/performance.md)")
     parser.add_argument("--threads", type=int, default=None,
                         help="compute threads (default: one per CPU, capped by a container's CPU quota)")
