@@ -564,8 +564,8 @@ constexpr bool kSplitChains = false;
 // so add_bit's broadcast-and-compare per 16 lanes was most of a q5 chunk's decode (measured in
 // docs/quantization.md). The VNNI path keeps add_bit: one masked add there.
 constexpr bool kByteBits = true;
-// q4/q5/iq4/q6 from this many activation rows up: decoded once into q8-shaped panels (groups256); two
-// 4-row tiles is where a decode per tile starts to repeat.
+// q4/q5/iq4/q6 from this many activation rows up: decoded once into q8-shaped panels (groups256). 8 is the first
+// M of two 4-row tiles, measured (7, a 4- and a 3-row tile, decodes twice too and would likely gain: not measured).
 constexpr int64_t kPanelRows = 8;
 inline __m256i madd_acc(__m256i acc, __m256i w, __m256i a) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a)); }
 // v | bit in the int16 lanes whose bit is set in `mask` (q5's fifth bit: 16; q6's bits 4 and 5: 16, 32;
