@@ -9,25 +9,15 @@ each prompt, as the server builds it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from tokenmill.batch.requests import BatchRequest
-from tokenmill.engine.beam_search import BeamSearch
 from tokenmill.engine.inputs import ChildRequest, EncodedPrompt
-from tokenmill.engine.outputs import RequestMetrics, RequestOutput
+from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.request import SamplingParams, TokenLogprob
 from tokenmill.models.loading.tokenizer import Tokenizer
-from tokenmill.server.beam_api import beam_choice, beam_logprobs, new_search
+from tokenmill.server.beam_api import beam_choice, beam_logprobs, prompt_searches
 from tokenmill.server.protocol import ChatRequest, CompletionRequest
-
-
-@dataclass(slots=True)
-class _PromptSearch:
-    child: ChildRequest  # the prompt's first choice: its prompt and parameters
-    search: BeamSearch
-    tops: dict[int, TokenLogprob] = field(default_factory=dict)  # this step's scores, by beam
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs: from the first step
-    first: RequestMetrics | None = None  # the first step's timeline
 
 
 class BeamLine:
@@ -38,11 +28,8 @@ class BeamLine:
         self.request = request
         self.body = request.body
         self.num_logprobs = beam_logprobs(self.body)
-        first: dict[int, ChildRequest] = {}
-        for child in request.children:
-            first.setdefault(child.prompt_index, child)
-        self.prompts = [_PromptSearch(child, new_search(self.body, child, max_model_len, eos_token_ids,
-                                                        self.num_logprobs)) for child in first.values()]
+        self.prompts = prompt_searches(self.body, request.children, max_model_len, eos_token_ids, self.num_logprobs)
+        self._tops: list[dict[int, TokenLogprob]] = [{} for _ in self.prompts]  # this step's scores, by beam
         self.step = 0
         self._num_pending = 0
 
@@ -57,9 +44,7 @@ class BeamLine:
         for p, run in enumerate(self.prompts):
             if run.search.is_done:
                 continue
-            params = run.search.step_params()
-            if self.step == 0 and run.child.params.prompt_logprobs is not None:  # echo with logprobs
-                params = replace(params, prompt_logprobs=run.child.params.prompt_logprobs)
+            params = run.step_params(self.step)
             prompt = run.child.prompt
             requests += [(f"{self.step}.{p}.{i}",
                           replace(prompt, text=None, token_ids=[*prompt.token_ids, *beam.token_ids]), params)
@@ -73,18 +58,18 @@ class BeamLine:
         run = self.prompts[p]
         logprobs = output.outputs[0].logprobs
         assert logprobs, "a scoring request ended without its logprobs"
-        run.tops[i] = logprobs[0]
+        self._tops[p][i] = logprobs[0]
         if self.step == 0 and i == 0:
-            run.first, run.prompt_logprobs = output.metrics, output.prompt_logprobs
+            run.note_first(output)
         self._num_pending -= 1
         return self._num_pending == 0
 
     def advance(self) -> bool:
         """Every live search takes the step just scored; True when all are done."""
-        for run in self.prompts:
+        for run, tops in zip(self.prompts, self._tops, strict=True):
             if not run.search.is_done:
-                run.search.advance([run.tops[i] for i in range(len(run.search.beams))])
-                run.tops.clear()
+                run.search.advance([tops[i] for i in range(len(run.search.beams))])
+                tops.clear()
         self.step += 1
         return all(run.search.is_done for run in self.prompts)
 

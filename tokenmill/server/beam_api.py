@@ -29,9 +29,9 @@ from tokenmill.engine.service_class import ServiceClass
 from tokenmill.errors import RequestValidationError
 from tokenmill.models.loading.tokenizer import Tokenizer
 from tokenmill.server.errors import ApiError
-from tokenmill.server.fanout import ChoiceUpdate
+from tokenmill.server.fanout import ChoiceUpdate, GenerationRun
 from tokenmill.server.openai_inputs import EngineInputs
-from tokenmill.server.pipeline import new_response_id, received_s_of, request_id_of, until_done
+from tokenmill.server.pipeline import new_response_id, received_s_of, request_id_of, start_run, until_done
 from tokenmill.server.protocol import ChatRequest, CompletionRequest, GenerationRequest
 from tokenmill.server.state import ServerState
 
@@ -70,6 +70,21 @@ def check_beam_request(body: GenerationRequest) -> None:
                                      "leave temperature out (or 0 or 1)", "temperature")
 
 
+async def search_or_start(state: ServerState, request: Request, engine: AsyncEngine, body: GenerationRequest,
+                          inputs: EngineInputs, service_class: ServiceClass,
+                          prefix: str) -> tuple[GenerationRun | None, str, dict[int, ChoiceUpdate]]:
+    """A completions or chat request's start: a beam search runs to its end here (its own admission, no
+    stream): (None, response id, each choice's final update); else its run is admitted and prepared:
+    (run, response id, {})."""
+    if body.use_beam_search:
+        response_id, last = await beam_updates(state, request, engine, body, inputs, service_class, prefix,
+                                               beam_logprobs(body))
+        return None, response_id, last
+    # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
+    run, response_id = start_run(state, request, inputs.children, prefix, body.priority, service_class)
+    return run, response_id, {}
+
+
 def check_beam_children(children: list[ChildRequest]) -> None:
     """A 400 when a grammar (response_format, guided decoding, tools) reached the engine requests."""
     if any(child.params.structured is not None for child in children):
@@ -83,14 +98,12 @@ async def beam_updates(state: ServerState, request: Request, engine: AsyncEngine
     """Run one search per prompt; the response id and each choice's final update (choice i of prompt p is
     that prompt's i-th best beam)."""
     check_beam_children(inputs.children)
-    first: dict[int, ChildRequest] = {}
-    for child in inputs.children:
-        first.setdefault(child.prompt_index, child)
-    searches = [_PromptSearch(child, new_search(body, child, engine.limits.max_model_len, engine.engine.eos_token_ids,
-                                                num_logprobs)) for child in first.values()]
+    searches = prompt_searches(body, inputs.children, engine.limits.max_model_len, engine.engine.eos_token_ids,
+                               num_logprobs)
     num_tokens = sum(len(p.token_ids) for p in inputs.prompts)
     try:  # every beam is an engine request a step: the queue counts the width, not n
-        ticket = state.admission.admit(len(first) * searches[0].search.params.beam_width, num_tokens, service_class)
+        ticket = state.admission.admit(len(searches) * searches[0].search.params.beam_width, num_tokens,
+                                       service_class)
     except ApiError as error:
         if error.status == 429:
             state.on_rejected(service_class)
@@ -118,11 +131,25 @@ async def beam_updates(state: ServerState, request: Request, engine: AsyncEngine
 
 
 @dataclass(slots=True)
-class _PromptSearch:
+class PromptSearch:
+    """One prompt's search (shared with `tokenmill batch`)."""
+
     child: ChildRequest  # the prompt's first choice: its prompt and parameters
     search: BeamSearch
     prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs: from the first step
     first: RequestMetrics | None = None  # the first step's timeline
+
+    def step_params(self, step: int) -> SamplingParams:
+        """What each beam's scoring request of step `step` asks; the first also asks for the prompt's logprobs
+        when the choice echoes them."""
+        params = self.search.step_params()
+        if step == 0 and self.child.params.prompt_logprobs is not None:
+            params = replace(params, prompt_logprobs=self.child.params.prompt_logprobs)
+        return params
+
+    def note_first(self, output: RequestOutput) -> None:
+        """The first step's first scoring request: its timeline and the prompt's logprobs."""
+        self.first, self.prompt_logprobs = output.metrics, output.prompt_logprobs
 
     def metrics(self) -> RequestMetrics | None:
         if self.first is None:
@@ -140,9 +167,19 @@ def beam_logprobs(body: GenerationRequest) -> int | None:
     return body.logprobs
 
 
+def prompt_searches(body: GenerationRequest, children: list[ChildRequest], max_model_len: int,
+                    eos_token_ids: Iterable[int], num_logprobs: int | None) -> list[PromptSearch]:
+    """One search per prompt, in prompt order, from each prompt's first choice."""
+    first: dict[int, ChildRequest] = {}
+    for child in children:
+        first.setdefault(child.prompt_index, child)
+    return [PromptSearch(child, new_search(body, child, max_model_len, eos_token_ids, num_logprobs))
+            for child in first.values()]
+
+
 def new_search(body: GenerationRequest, child: ChildRequest, max_model_len: int, eos_token_ids: Iterable[int],
                num_logprobs: int | None) -> BeamSearch:
-    """The search a prompt's first choice asks for (shared with `tokenmill batch`)."""
+    """The search a prompt's first choice asks for."""
     max_tokens = child.params.max_tokens
     if max_tokens is None:  # up to the context limit
         max_tokens = max_model_len - len(child.prompt.token_ids)
@@ -163,15 +200,13 @@ def beam_choice(child: ChildRequest, search: BeamSearch, n: int, tokenizer: Toke
     return beam_output(child.index, beams[rank], tokenizer, num_logprobs, child.params.skip_special_tokens)
 
 
-async def _run(engine: AsyncEngine, searches: list[_PromptSearch], response_id: str, priority: int,
+async def _run(engine: AsyncEngine, searches: list[PromptSearch], response_id: str, priority: int,
                service_class: ServiceClass, on_first: Callable[[], None]) -> None:
     step = 0
     while live := [run for run in searches if not run.search.is_done]:
         tasks = []
         for run in live:
-            params = run.search.step_params()
-            if step == 0 and run.child.params.prompt_logprobs is not None:  # echo with logprobs
-                params = replace(params, prompt_logprobs=run.child.params.prompt_logprobs)
+            params = run.step_params(step)
             tasks += [asyncio.ensure_future(_score(engine, run.child.prompt, beam.token_ids, params,
                                                    f"{response_id}-{run.child.prompt_index}-{step}-{i}", priority,
                                                    service_class))
@@ -186,7 +221,7 @@ async def _run(engine: AsyncEngine, searches: list[_PromptSearch], response_id: 
         for run in live:
             mine, outputs = outputs[:len(run.search.beams)], outputs[len(run.search.beams):]
             if step == 0:
-                run.first, run.prompt_logprobs = mine[0].metrics, mine[0].prompt_logprobs
+                run.note_first(mine[0])
             run.search.advance([out.outputs[0].logprobs[0] for out in mine])  # type: ignore[index]
         step += 1
 

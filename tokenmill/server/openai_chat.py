@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.request import TokenLogprob
 from tokenmill.engine.service_class import ServiceClass
-from tokenmill.server.beam_api import beam_logprobs, beam_updates, check_beam_request
+from tokenmill.server.beam_api import check_beam_request, search_or_start
 from tokenmill.server.choices import chat_choice, chat_choice_logprobs, chat_prompt_logprobs, tool_finish
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_counts
 from tokenmill.server.openai_inputs import chat_inputs
@@ -28,7 +28,6 @@ from tokenmill.server.pipeline import (
     salted,
     service_class_for,
     serving,
-    start_run,
 )
 from tokenmill.server.protocol import ChatRequest
 from tokenmill.server.response_bodies import (
@@ -61,13 +60,7 @@ async def create_chat_completion(body: ChatRequest, request: Request) -> Respons
     (prompt,) = inputs.prompts
     texts = state.require_texts()
     service_class = service_class_for(request, body, ServiceClass.INTERACTIVE)
-    run = None
-    if body.use_beam_search:  # a search runs to its end here: its own admission, no stream
-        response_id, last = await beam_updates(state, request, engine, body, inputs, service_class, "chatcmpl",
-                                               beam_logprobs(body))
-    else:
-        # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
-        run, response_id = start_run(state, request, inputs.children, "chatcmpl", body.priority, service_class)
+    run, response_id, last = await search_or_start(state, request, engine, body, inputs, service_class, "chatcmpl")
     ctx = _Context(body, prompt, texts, response_id, state.config.served_model_name, now_s(), service_class.value,
                    state.written_calls, owner, inputs.tools)
     if run is not None:

@@ -15,11 +15,11 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.inputs import EncodedPrompt
 from tokenmill.engine.service_class import ServiceClass
-from tokenmill.server.beam_api import beam_logprobs, beam_updates, check_beam_request
+from tokenmill.server.beam_api import check_beam_request, search_or_start
 from tokenmill.server.choices import completion_choice
 from tokenmill.server.fanout import ChoiceUpdate, cached_prompt_tokens, prediction_counts
 from tokenmill.server.openai_inputs import completion_inputs
-from tokenmill.server.pipeline import collect, now_s, salted, service_class_for, serving, start_run
+from tokenmill.server.pipeline import collect, now_s, salted, service_class_for, serving
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.response_bodies import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from tokenmill.server.sse import sse_response
@@ -38,13 +38,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                                engine.structured)
     texts = state.require_texts()
     service_class = service_class_for(request, body, ServiceClass.STANDARD)
-    run = None
-    if body.use_beam_search:  # a search runs to its end here: its own admission, no stream
-        response_id, last = await beam_updates(state, request, engine, body, inputs, service_class, "cmpl",
-                                               beam_logprobs(body))
-    else:
-        # Nothing may fail after admission: start_run takes a ticket that only the run gives back.
-        run, response_id = start_run(state, request, inputs.children, "cmpl", body.priority, service_class)
+    run, response_id, last = await search_or_start(state, request, engine, body, inputs, service_class, "cmpl")
     ctx = _Context(body, inputs.prompts, texts, response_id, state.config.served_model_name, now_s(),
                    service_class.value)
     if run is not None:
