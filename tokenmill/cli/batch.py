@@ -11,6 +11,7 @@ from tokenmill.cli.serve import (
     add_kv_cache_argument,
     add_quantization_argument,
     add_speculative_arguments,
+    given,
     speculative_kwargs,
 )
 from tokenmill.config import compile_mode
@@ -57,10 +58,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Only what the user set: LLM's own defaults stay the single source for the rest."""
-    optional = {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-                "max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": args.num_kv_blocks,
-                "num_threads": args.threads, "shared_prefix_wait_tokens": args.shared_prefix_wait_tokens}
-    kwargs = {k: v for k, v in optional.items() if v is not None}
+    kwargs = given(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+                   num_threads=args.threads, shared_prefix_wait_tokens=args.shared_prefix_wait_tokens)
     return {"dtype": args.dtype, "device": args.device, "seed": args.seed, "kv_cache_dtype": args.kv_cache_dtype,
             "quantization": args.quantization, "amx_bf16": args.amx_bf16,
             "enforce_eager": args.enforce_eager, "compile": compile_mode(args.compile),

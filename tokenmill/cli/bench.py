@@ -101,11 +101,11 @@ def _add_mixed_arguments(parser: argparse.ArgumentParser) -> None:
 def mixed_config_from_args(args: argparse.Namespace) -> Any:
     from tokenmill.bench.mixed import MixedConfig
     from tokenmill.bench.workloads import Mixed
+    from tokenmill.cli.serve import given
 
     config = config_from_args(args)  # the chat part: sizes, arrival, SLO, seed as for any workload
-    overrides = {"num_sessions": args.batch_requests, "input_len": args.batch_input_len,
-                 "output_len": args.batch_output_len}
-    batch = replace(Mixed().batch_params(), **{k: v for k, v in overrides.items() if v is not None})
+    batch = replace(Mixed().batch_params(), **given(num_sessions=args.batch_requests, input_len=args.batch_input_len,
+                                                    output_len=args.batch_output_len))
     return MixedConfig(config.params, batch, config.arrival, config.arrival_options,
                        args.chat_start, args.chat_tier or None, args.batch_tier or None, args.batch_max_concurrency,
                        config.slo, tuple(p for p in args.phases.split(",") if p), config.seed, config.ignore_eos,

@@ -193,7 +193,7 @@ def run_serve(args: argparse.Namespace) -> int:
         CacheConfig(num_blocks=args.num_kv_blocks, kv_cache_dtype=args.kv_cache_dtype),
         SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, args.scheduling_policy,
                         service_classes=service_class_config(args), async_scheduling=args.async_scheduling,
-                        **_given(shared_prefix_wait_tokens=args.shared_prefix_wait_tokens)),
+                        **given(shared_prefix_wait_tokens=args.shared_prefix_wait_tokens)),
         num_threads=args.threads,
         speculative=speculative_config(args),
         profile=ProfileConfig(num_steps=args.profile_steps, output_dir=args.profile_dir),
@@ -224,6 +224,6 @@ def _installed_model_name(model: str) -> str:
         return resolve_model(model).name
 
 
-def _given(**values: Any) -> dict[str, Any]:
-    """The options the user set: the config dataclasses' defaults stay the single source for the rest."""
+def given(**values: Any) -> dict[str, Any]:
+    """The options the user set (not None): the configs' and LLM's defaults stay the single source for the rest."""
     return {k: v for k, v in values.items() if v is not None}
