@@ -251,11 +251,10 @@ class ModelRunner:
 
     def _copy_block_rows(self, copies: list[BlockCopy]) -> None:
         """Every copy of the step, in every layer: the flat row indices built once."""
-        block_size = self.kv_caches[0].k.shape[1]
-        src = [c.src * block_size + r for c in copies for r in range(c.num_rows)]
-        dst = [c.dst * block_size + r for c in copies for r in range(c.num_rows)]
-        device = self.kv_caches[0].k.device
-        src_rows, dst_rows = (torch.tensor(rows, dtype=torch.long, device=device) for rows in (src, dst))
+        bs = self.block_size
+        src = [c.src * bs + r for c in copies for r in range(c.num_rows)]
+        dst = [c.dst * bs + r for c in copies for r in range(c.num_rows)]
+        src_rows, dst_rows = (torch.tensor(rows, dtype=torch.long, device=self.device) for rows in (src, dst))
         for layer in self.kv_caches:
             layer.copy_rows(src_rows, dst_rows)
 
